@@ -1,0 +1,175 @@
+"""The agent loop: generate → parse → execute → append the tool responses → generate again.
+
+One loop serves the CLI agent and RL rollouts alike. Per turn:
+
+1. **Generate** from the running token context (prompt + every earlier completion and observation).
+2. **Parse** the completion into calls (`ToolCallParser`); malformed calls become error responses.
+3. **Execute** the valid calls. Calls that name the same file (`Tool.path_arg`) form a chain run in call order,
+   so a read after an edit of the same file sees the edit; different chains run concurrently on a thread
+   pool. Results go back in call order, whatever order they finished in.
+4. **Append** the responses as token ids rendered by `ChatFormat` (never re-rendering history).
+
+The episode stops for exactly one explicit reason: `finished` (a turn with no call), `max_turns`,
+`max_tokens` (the context budget is spent), `wall_time`, or `repeated_failures` (that many consecutive turns
+in which every call failed, a model that is stuck).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from shipyard.harness.parse import ParsedTurn, ToolCall, ToolCallParser
+from shipyard.harness.tools import Tool, ToolContext, ToolError, default_tools
+from shipyard.harness.trajectory import CallRecord, Trajectory, Turn
+from shipyard.harness.wire import SYSTEM_PROMPT, ChatFormat
+from shipyard.harness.workspace import PathError, Workspace
+from shipyard.models.engine import Engine, GenerationRequest, SamplingParams
+
+STOP_REASONS = ("finished", "max_turns", "max_tokens", "wall_time", "repeated_failures")
+
+
+@dataclass
+class LoopConfig:
+    max_turns: int = 30
+    max_tokens: int = 32_768
+    max_new_tokens: int = 2048
+    wall_time: float = 1800.0
+    max_failed_turns: int = 3
+    temperature: float = 0.7
+    top_p: float = 1.0
+    seed: int | None = None
+    max_output_bytes: int = 16_000
+    max_parallel: int = 16
+
+
+class ToolExecutor:
+    """Runs one turn's calls: chains per file in call order, chains concurrently, results in call order."""
+
+    def __init__(self, tools: list[Tool], ctx: ToolContext, max_parallel: int = 16):
+        self.tools = {t.name: t for t in tools}
+        self.ctx = ctx
+        self.pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="shipyard-tool")
+
+    def execute(self, calls: list[ToolCall]) -> list[CallRecord]:
+        records: dict[int, CallRecord] = {}
+        chains: dict[str, list[ToolCall]] = {}
+        for call in calls:
+            if call.error is not None:
+                records[call.index] = CallRecord(call.index, call.name, call.arguments, f"error: {call.error}",
+                                                 call.error, 0.0)
+                continue
+            chains.setdefault(self._chain_key(call), []).append(call)
+        self.ctx.concurrent_terminals = sum(c.name == "run_terminal" for chain in chains.values() for c in chain)
+        if len(chains) == 1:
+            for record in self._run_chain(next(iter(chains.values()))):
+                records[record.index] = record
+        else:
+            for future in [self.pool.submit(self._run_chain, chain) for chain in chains.values()]:
+                for record in future.result():
+                    records[record.index] = record
+        return [records[c.index] for c in calls]
+
+    def _chain_key(self, call: ToolCall) -> str:
+        path_arg = self.tools[call.name].path_arg
+        if path_arg and isinstance(call.arguments.get(path_arg), str):
+            try:
+                return str(self.ctx.workspace.resolve(call.arguments[path_arg]))
+            except PathError:
+                pass
+        return f"#call{call.index}"
+
+    def _run_chain(self, chain: list[ToolCall]) -> list[CallRecord]:
+        return [self._run_one(call) for call in chain]
+
+    def _run_one(self, call: ToolCall) -> CallRecord:
+        start = time.perf_counter()
+        try:
+            output, error = self.tools[call.name].run(self.ctx, **call.arguments), None
+        except (ToolError, PathError, OSError, UnicodeError) as e:
+            message = str(e) if isinstance(e, ToolError | PathError) else f"{type(e).__name__}: {e}"
+            error = f"tool call #{call.index + 1} ({call.name}) failed: {message}"
+            output = f"error: {error}"
+        return CallRecord(call.index, call.name, call.arguments, output, error, time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+TurnCallback = Callable[[Turn, ParsedTurn], None]
+
+
+class Agent:
+    """Runs episodes of one engine in one workspace. `on_turn` is called after each turn (for display)."""
+
+    def __init__(self, engine: Engine, workspace: Workspace, config: LoopConfig | None = None,
+                 tools: list[Tool] | None = None, system_prompt: str = SYSTEM_PROMPT,
+                 on_turn: TurnCallback | None = None):
+        self.engine = engine
+        self.workspace = workspace
+        self.config = config or LoopConfig()
+        self.tools = tools if tools is not None else default_tools()
+        self.format = ChatFormat(engine.tokenizer, self.tools, system_prompt)
+        self.parser = ToolCallParser(self.tools)
+        self.on_turn = on_turn
+
+    def run(self, task: str, out: str | None = None) -> Trajectory:
+        cfg = self.config
+        start = time.monotonic()
+        traj = Trajectory(task=task, model=self.engine.name, prompt_ids=self.format.prompt_ids(task),
+                          meta={"tools": [t.name for t in self.tools], "config": vars(cfg).copy()})
+        ctx = ToolContext(self.workspace, max_output_bytes=cfg.max_output_bytes)
+        executor = ToolExecutor(self.tools, ctx, cfg.max_parallel)
+        context = list(traj.prompt_ids)
+        failed_streak = 0
+        try:
+            while traj.stop_reason is None:
+                budget = cfg.max_tokens - len(context)
+                if budget <= 0:
+                    traj.stop_reason = "max_tokens"
+                    break
+                if time.monotonic() - start > cfg.wall_time:
+                    traj.stop_reason = "wall_time"
+                    break
+                sampling = SamplingParams(
+                    max_tokens=min(cfg.max_new_tokens, budget), temperature=cfg.temperature, top_p=cfg.top_p,
+                    stop_token_ids=self.format.stop_token_ids,
+                    seed=None if cfg.seed is None else cfg.seed + len(traj.turns))
+                t0 = time.perf_counter()
+                completion = self.engine.generate([GenerationRequest(context, sampling)])[0]
+                gen_seconds = time.perf_counter() - t0
+                parsed = self.parser.parse(completion.text)
+                t1 = time.perf_counter()
+                records = executor.execute(parsed.calls) if parsed.calls else []
+                tool_seconds = time.perf_counter() - t1
+                observation = (self.format.continuation_ids(completion.token_ids, [r.output for r in records])
+                               if records else [])
+                turn = Turn(index=len(traj.turns), text=completion.text, completion_ids=completion.token_ids,
+                            logprobs=completion.logprobs, finish_reason=completion.finish_reason,
+                            observation_ids=observation, calls=records,
+                            parallel_width=len(parsed.valid_calls), generate_seconds=gen_seconds,
+                            tools_seconds=tool_seconds, policy_version=completion.policy_version)
+                traj.turns.append(turn)
+                context += completion.token_ids + observation
+                failed_streak = failed_streak + 1 if records and turn.failed_calls == len(records) else 0
+                if parsed.is_final:
+                    traj.stop_reason = "finished"
+                elif failed_streak >= cfg.max_failed_turns:
+                    traj.stop_reason = "repeated_failures"
+                elif len(traj.turns) >= cfg.max_turns:
+                    traj.stop_reason = "max_turns"
+                traj.seconds = time.monotonic() - start
+                if self.on_turn is not None:
+                    self.on_turn(turn, parsed)
+                if out is not None:
+                    traj.save(out)
+        finally:
+            executor.close()
+            ctx.close()
+        traj.patch = self.workspace.diff()
+        traj.seconds = time.monotonic() - start
+        if out is not None:
+            traj.save(out)
+        return traj

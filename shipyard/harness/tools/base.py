@@ -1,0 +1,78 @@
+"""What a tool is: a name, a description and a JSON-Schema for its arguments (all shown to the model), and a
+Python function that runs it against a `ToolContext`.
+
+Tools report failure by raising `ToolError` (or `PathError` from the workspace) with a message written for
+the model: what went wrong and what to do instead. The agent loop turns those into `<tool_response>` text;
+any other exception is a bug in the harness and propagates.
+
+Output sent back to the model is bounded by `truncate_middle`: it keeps the head and the tail (where errors
+and summaries usually are) and states how many bytes were dropped, so the model knows it saw a partial view.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shipyard.harness.workspace import Workspace
+
+
+class ToolError(Exception):
+    """A tool call that cannot be carried out; the message goes back to the model verbatim."""
+
+
+@dataclass
+class ToolContext:
+    """Per-episode state shared by the tools: the workspace plus the terminal session and the todo list."""
+
+    workspace: Workspace
+    max_output_bytes: int = 16_000
+    todos: list[dict[str, str]] = field(default_factory=list)
+    session: Any = None  # shipyard.harness.tools.terminal.ShellSession, created lazily by run_terminal
+    concurrent_terminals: int = 1  # run_terminal calls in the turn being executed (set by the executor)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A tool as the model sees it (name, description, parameters) plus how the harness runs it.
+
+    `path_arg` names the argument holding the single file a call reads or writes: calls in one turn that name
+    the same file run in call order, everything else runs concurrently. `mutates` marks tools that change the
+    workspace (for display and for rollouts that track edits).
+    """
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    run: Callable[..., str]
+    path_arg: str | None = None
+    mutates: bool = False
+
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI/Hermes function-tool form, as chat templates expect it."""
+        return {"type": "function",
+                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+
+
+def params(required: list[str], **properties: dict[str, Any]) -> dict[str, Any]:
+    """A closed JSON-Schema object: unknown arguments are errors, so typos are caught rather than ignored."""
+    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+
+
+def truncate_middle(data: bytes | str, limit: int) -> str:
+    """Keep the first and last `limit/2` bytes of `data`, stating how many bytes in between were dropped."""
+    raw = data.encode() if isinstance(data, str) else data
+    if len(raw) <= limit:
+        return raw.decode(errors="replace")
+    head, tail = raw[: limit // 2], raw[len(raw) - limit // 2:]
+    dropped = len(raw) - len(head) - len(tail)
+    return (head.decode(errors="ignore") + f"\n[... {dropped} bytes dropped from the middle of this output ...]\n"
+            + tail.decode(errors="ignore"))

@@ -1,0 +1,114 @@
+"""The `Trajectory` record: everything an episode produced, in the form both users and the trainer need.
+
+The token sequence of an episode is `prompt_ids`, then for every turn its sampled `completion_ids` followed
+by its `observation_ids` (tool responses and the next assistant header, rendered by the harness). The loss
+mask is 1 exactly on sampled tokens, so the trainer learns only from what the model chose; `logprobs` are the
+sampler's, stored per sampled token, for importance-sampling corrections. The record is written as JSON after
+every turn (atomically), so a crash loses at most the turn in flight, and `Trajectory.load` reads it back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class CallRecord:
+    index: int
+    name: str | None
+    arguments: dict[str, Any] | None
+    output: str
+    error: str | None
+    seconds: float
+
+
+@dataclass
+class Turn:
+    index: int
+    text: str
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    observation_ids: list[int]
+    calls: list[CallRecord]
+    parallel_width: int
+    generate_seconds: float
+    tools_seconds: float
+    policy_version: int = 0
+
+    @property
+    def failed_calls(self) -> int:
+        return sum(c.error is not None for c in self.calls)
+
+
+@dataclass
+class Trajectory:
+    task: str
+    model: str
+    prompt_ids: list[int]
+    turns: list[Turn] = field(default_factory=list)
+    stop_reason: str | None = None
+    seconds: float = 0.0
+    patch: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # Flattened views for training -------------------------------------------------------------------------
+    def token_ids(self) -> list[int]:
+        ids = list(self.prompt_ids)
+        for t in self.turns:
+            ids += t.completion_ids + t.observation_ids
+        return ids
+
+    def loss_mask(self) -> list[int]:
+        mask = [0] * len(self.prompt_ids)
+        for t in self.turns:
+            mask += [1] * len(t.completion_ids) + [0] * len(t.observation_ids)
+        return mask
+
+    def sampler_logprobs(self) -> list[float]:
+        """Per-position sampler logprob (0.0 where the loss mask is 0)."""
+        lps = [0.0] * len(self.prompt_ids)
+        for t in self.turns:
+            lps += list(t.logprobs) + [0.0] * len(t.observation_ids)
+        return lps
+
+    # Summary ----------------------------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        calls = [c for t in self.turns for c in t.calls]
+        widths = [t.parallel_width for t in self.turns if t.parallel_width]
+        return {
+            "turns": len(self.turns),
+            "tool_calls": len(calls),
+            "failed_calls": sum(c.error is not None for c in calls),
+            "mean_parallel_width": sum(widths) / len(widths) if widths else 0.0,
+            "sampled_tokens": sum(len(t.completion_ids) for t in self.turns),
+            "total_tokens": len(self.token_ids()),
+            "seconds": round(self.seconds, 2),
+            "stop_reason": self.stop_reason,
+        }
+
+    # Persistence ------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name, dir=path.parent)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(self.to_dict(), fh)
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trajectory:
+        turns = [Turn(**{**t, "calls": [CallRecord(**c) for c in t["calls"]]}) for t in data["turns"]]
+        return cls(**{**data, "turns": turns})
+
+    @classmethod
+    def load(cls, path: str | Path) -> Trajectory:
+        return cls.from_dict(json.loads(Path(path).read_text()))

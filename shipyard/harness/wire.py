@@ -1,0 +1,157 @@
+"""The wire format: how a conversation becomes the token ids the model sees, one turn at a time.
+
+The first prompt (system turn with the tool specs, then the task) is rendered through the model's own chat
+template, so the model sees the format it was trained on; tokenizers without a template get ChatML with a
+Hermes `<tools>` block (`render_chatml`). If a template silently drops the tools (many templates have no
+tools branch), the tool block is put into the system turn by the harness instead — the model must always
+see its tools.
+
+After that, history is **never re-rendered**. The sampled completion ids are kept as they were generated,
+and only the *continuation* — the end of the assistant turn, the `<tool_response>` turn and the next
+assistant header — is rendered and tokenized. It is found by rendering a fixed dummy conversation with and
+without the tool messages through the same template and taking the difference, so it follows whatever the
+template does (Qwen groups consecutive tool results into one user turn, each in `<tool_response>` tags).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from shipyard.harness.tools.base import Tool
+
+SENTINEL = "\x00SHIPYARD-ASSISTANT-END\x00"
+
+SYSTEM_PROMPT = """\
+You are a coding agent working in a software repository (the workspace). Solve the user's task by calling \
+tools: explore the code, make focused edits, and run the tests to check your work.
+
+How to call tools: write each call as a JSON object inside <tool_call></tool_call> tags, for example
+<tool_call>
+{"name": "read_file", "arguments": {"path": "src/app.py"}}
+</tool_call>
+Do not put tool calls in code fences. You may make several calls in one turn; they run in parallel and \
+their results come back in the same order. Paths are relative to the workspace root.
+When the task is done, reply with a short summary and no tool call; that ends the session."""
+
+HERMES_TOOLS = """
+
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> \
+XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def hermes_block(tools: list[dict[str, Any]]) -> str:
+    return HERMES_TOOLS.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+
+
+def render_chatml(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                  add_generation_prompt: bool) -> str:
+    """ChatML with Hermes tools, for tokenizers without a chat template (mirrors Qwen2.5's template)."""
+    out = []
+    for i, m in enumerate(messages):
+        if m["role"] == "tool":
+            if i == 0 or messages[i - 1]["role"] != "tool":
+                out.append("<|im_start|>user")
+            out.append(f"\n<tool_response>\n{m['content']}\n</tool_response>")
+            if i == len(messages) - 1 or messages[i + 1]["role"] != "tool":
+                out.append("<|im_end|>\n")
+            continue
+        content = m["content"]
+        if i == 0 and m["role"] == "system" and tools:
+            content += hermes_block(tools)
+        out.append(f"<|im_start|>{m['role']}\n{content}<|im_end|>\n")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+@dataclass
+class Continuation:
+    """Pieces of text that follow a sampled assistant turn (see `ChatFormat.continuation_ids`)."""
+
+    closing: str  # what the template writes after the assistant's content, e.g. "<|im_end|>\n"
+    between: str  # from there up to and including the next assistant header
+
+
+class ChatFormat:
+    """Renders the first prompt and every later continuation for one tokenizer and tool set."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, tools: list[Tool], system_prompt: str = SYSTEM_PROMPT):
+        self.tokenizer = tokenizer
+        self.tools = [t.schema() for t in tools]
+        self.tool_names = [t.name for t in tools]
+        self.system_prompt = system_prompt
+        self.uses_template = bool(getattr(tokenizer, "chat_template", None))
+        self.template_renders_tools = self.uses_template and self._template_shows_tools()
+        self.stop_token_ids = self._stop_token_ids()
+
+    def _template_shows_tools(self) -> bool:
+        text = self.tokenizer.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+                                                  tools=self.tools, tokenize=False, add_generation_prompt=True)
+        return all(f'"{name}"' in text for name in self.tool_names)
+
+    def _stop_token_ids(self) -> tuple[int, ...]:
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
+            ids.add(im_end)
+        return tuple(sorted(ids))
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """Render whole messages to text (first prompt, dummy conversations, debugging)."""
+        if not self.uses_template:
+            return render_chatml(messages, self.tools, add_generation_prompt)
+        if self.template_renders_tools:
+            return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        if messages and messages[0]["role"] == "system":
+            messages = [{**messages[0], "content": messages[0]["content"] + hermes_block(self.tools)}, *messages[1:]]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def prompt_ids(self, task: str) -> list[int]:
+        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task}]
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    def continuation(self, tool_results: list[str]) -> Continuation:
+        base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                {"role": "assistant", "content": SENTINEL}]
+        prefix = self.render(base, add_generation_prompt=False)
+        full = self.render(base + [{"role": "tool", "content": r} for r in tool_results], add_generation_prompt=True)
+        if not full.startswith(prefix) or SENTINEL not in prefix:
+            raise RuntimeError("the chat template renders earlier turns differently once tool results follow; "
+                               "shipyard cannot append turns incrementally with it (use a ChatML-style template)")
+        return Continuation(closing=prefix[prefix.rindex(SENTINEL) + len(SENTINEL):], between=full[len(prefix):])
+
+    def continuation_ids(self, completion_ids: list[int], tool_results: list[str]) -> list[int]:
+        """Ids to append after a sampled completion so that the next turn can be generated.
+
+        If the completion ended with a stop token whose text starts the template's closing (`<|im_end|>`), only
+        the rest of the closing is added; if it was cut off (max tokens), the whole closing is added.
+        """
+        cont = self.continuation(tool_results)
+        closing = cont.closing
+        if completion_ids and completion_ids[-1] in self.stop_token_ids:
+            stop_text = self.tokenizer.decode([completion_ids[-1]])
+            if closing.startswith(stop_text):
+                closing = closing[len(stop_text):]
+        return self.encode(closing + cont.between)
