@@ -16,16 +16,19 @@ in which every call failed, a model that is stuck).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
 from shipyard.harness.parse import ParsedTurn, ToolCall, ToolCallParser
 from shipyard.harness.tools import Tool, ToolContext, ToolError, default_tools
 from shipyard.harness.trajectory import CallRecord, Trajectory, Turn
 from shipyard.harness.wire import SYSTEM_PROMPT, ChatFormat
-from shipyard.harness.workspace import PathError, Workspace
+from shipyard.harness.workspace import IGNORED_DIRS, PathError, Workspace
 from shipyard.models.engine import Engine, GenerationRequest, SamplingParams
 
 STOP_REASONS = ("finished", "max_turns", "max_tokens", "wall_time", "repeated_failures")
@@ -43,6 +46,8 @@ class LoopConfig:
     seed: int | None = None
     max_output_bytes: int = 16_000
     max_parallel: int = 16
+    untagged_calls: Literal["reject", "accept"] = "reject"  # see shipyard.harness.parse
+    overview_entries: int = 60  # files listed in the first user turn (0: none)
 
 
 class ToolExecutor:
@@ -59,7 +64,7 @@ class ToolExecutor:
         for call in calls:
             if call.error is not None:
                 records[call.index] = CallRecord(call.index, call.name, call.arguments, f"error: {call.error}",
-                                                 call.error, 0.0)
+                                                 call.error, 0.0, call.untagged)
                 continue
             chains.setdefault(self._chain_key(call), []).append(call)
         self.ctx.concurrent_terminals = sum(c.name == "run_terminal" for chain in chains.values() for c in chain)
@@ -92,13 +97,29 @@ class ToolExecutor:
             message = str(e) if isinstance(e, ToolError | PathError) else f"{type(e).__name__}: {e}"
             error = f"tool call #{call.index + 1} ({call.name}) failed: {message}"
             output = f"error: {error}"
-        return CallRecord(call.index, call.name, call.arguments, output, error, time.perf_counter() - start)
+        return CallRecord(call.index, call.name, call.arguments, output, error, time.perf_counter() - start,
+                          call.untagged)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
 
 TurnCallback = Callable[[Turn, ParsedTurn], None]
+
+
+def workspace_overview(workspace: Workspace, max_entries: int) -> str:
+    """A short file listing appended to the task, so the model starts from real paths (as Cursor's context)."""
+    if max_entries <= 0:
+        return ""
+    paths: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(workspace.root):
+        dirnames[:] = sorted(d for d in dirnames if d not in IGNORED_DIRS and not d.startswith("."))
+        rel = Path(dirpath).relative_to(workspace.root)
+        paths += [(rel / f).as_posix() for f in sorted(filenames) if not f.startswith(".")]
+        if len(paths) > max_entries:
+            break
+    more = "\n… and more (use list_dir or glob)" if len(paths) > max_entries else ""
+    return "\n\nFiles in the workspace:\n" + "\n".join(paths[:max_entries]) + more
 
 
 class Agent:
@@ -112,13 +133,14 @@ class Agent:
         self.config = config or LoopConfig()
         self.tools = tools if tools is not None else default_tools()
         self.format = ChatFormat(engine.tokenizer, self.tools, system_prompt)
-        self.parser = ToolCallParser(self.tools)
+        self.parser = ToolCallParser(self.tools, self.config.untagged_calls)
         self.on_turn = on_turn
 
     def run(self, task: str, out: str | None = None) -> Trajectory:
         cfg = self.config
         start = time.monotonic()
-        traj = Trajectory(task=task, model=self.engine.name, prompt_ids=self.format.prompt_ids(task),
+        first = task + workspace_overview(self.workspace, cfg.overview_entries)
+        traj = Trajectory(task=task, model=self.engine.name, prompt_ids=self.format.prompt_ids(first),
                           meta={"tools": [t.name for t in self.tools], "config": vars(cfg).copy()})
         ctx = ToolContext(self.workspace, max_output_bytes=cfg.max_output_bytes)
         executor = ToolExecutor(self.tools, ctx, cfg.max_parallel)

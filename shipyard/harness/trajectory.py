@@ -25,6 +25,7 @@ class CallRecord:
     output: str
     error: str | None
     seconds: float
+    untagged: bool = False  # written outside <tool_call> tags and accepted (parser setting untagged="accept")
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Trajectory:
             "turns": len(self.turns),
             "tool_calls": len(calls),
             "failed_calls": sum(c.error is not None for c in calls),
+            "untagged_calls": sum(c.untagged for c in calls),
             "mean_parallel_width": sum(widths) / len(widths) if widths else 0.0,
             "sampled_tokens": sum(len(t.completion_ids) for t in self.turns),
             "total_tokens": len(self.token_ids()),

@@ -29,11 +29,12 @@ SYSTEM_PROMPT = """\
 You are a coding agent working in a software repository (the workspace). Solve the user's task by calling \
 tools: explore the code, make focused edits, and run the tests to check your work.
 
-How to call tools: write each call as a JSON object inside <tool_call></tool_call> tags, for example
+Call a tool by writing a JSON object inside <tool_call></tool_call> tags. For example, to list the files \
+at the root of the workspace, write exactly:
 <tool_call>
-{"name": "read_file", "arguments": {"path": "src/app.py"}}
+{"name": "list_dir", "arguments": {"path": "."}}
 </tool_call>
-Do not put tool calls in code fences. You may make several calls in one turn; they run in parallel and \
+Never put tool calls in code fences. You may make several calls in one turn; they run in parallel and \
 their results come back in the same order. Paths are relative to the workspace root.
 When the task is done, reply with a short summary and no tool call; that ends the session."""
 
@@ -101,8 +102,8 @@ class ChatFormat:
         self.stop_token_ids = self._stop_token_ids()
 
     def _template_shows_tools(self) -> bool:
-        text = self.tokenizer.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
-                                                  tools=self.tools, tokenize=False, add_generation_prompt=True)
+        probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+        text = self.tokenizer.apply_chat_template(probe, tools=self.tools, tokenize=False, add_generation_prompt=True)
         return all(f'"{name}"' in text for name in self.tool_names)
 
     def _stop_token_ids(self) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ tool code runs against a local checkout (the plain CLI agent) and against a sand
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -76,10 +77,8 @@ class Workspace(Protocol):
 
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL a process's whole group (it was started with `start_new_session=True`)."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def run_process(argv: list[str], *, timeout: float, cwd: Path, env: dict[str, str] | None,

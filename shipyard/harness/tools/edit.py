@@ -66,12 +66,14 @@ def _line_of(text: str, index: int) -> int:
 
 
 def _not_found(path: str, text: str, old: str) -> ToolError:
-    first = next((line for line in old.splitlines() if line.strip()), old)
+    first = next((line for line in old.splitlines() if line.strip()), old).strip()
     lines = text.splitlines()
-    close = difflib.get_close_matches(first, lines, n=1, cutoff=0.6)
+    stripped = [line.strip() for line in lines]
+    close = difflib.get_close_matches(first, stripped, n=1, cutoff=0.6)
     hint = ""
     if close:
-        hint = f" The closest line is {lines.index(close[0]) + 1}: {close[0]!r}."
+        number = stripped.index(close[0])
+        hint = f" The closest line is {number + 1}: {lines[number]!r}."
     return ToolError(f"old_string was not found in '{path}'. It must match the file exactly, including "
                      f"indentation and whitespace; read the file again before retrying.{hint}")
 

@@ -1,0 +1,187 @@
+"""The `shipyard` command line (typer). See DESIGN.md's CLI contract; every long job shows progress.
+
+Errors a user can fix (a bad path, an unknown model, an unreachable server, a malformed replay file) are
+printed as one clear line and exit with status 2, not as a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import shutil
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from shipyard.models.bundled import BUNDLED, DEFAULT_MODEL
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Train fast coding agents with RL in the harness they ship in.")
+console = Console(stderr=True)
+out = Console()
+
+MODEL_HELP = (f"Model: a bundled name ({', '.join(BUNDLED)}), a local directory, a .gguf file, a hub id, "
+              "random:tiny, replay:FILE.jsonl or openai:BASE_URL.")
+EXAMPLE_REPO = Path(__file__).resolve().parent.parent / "examples" / "pocketlib"
+
+
+class UserError(Exception):
+    """An error whose message tells the user what to do; printed without a traceback."""
+
+
+@contextmanager
+def user_errors():
+    from shipyard.models.openai import ServerUnreachable
+    from shipyard.models.replay import ReplayExhausted
+    from shipyard.models.resolve import ModelNotFound
+
+    try:
+        yield
+    except (UserError, ModelNotFound, ServerUnreachable, ReplayExhausted, FileNotFoundError, ValueError) as e:
+        console.print(f"[bold red]error:[/] {e}")
+        raise typer.Exit(2) from None
+
+
+def _status(message: str) -> None:
+    console.print(f"[dim]· {message}[/]")
+
+
+UNTAGGED_HELP = ("Tool calls written without <tool_call> tags (bare or fenced JSON): 'reject' reports them as format "
+                 "errors, 'accept' runs them (flagged in the trajectory). See docs/harness.md.")
+
+
+def run_agent(task: str, repo: Path, model: str, max_turns: int, out_path: Path | None, temperature: float,
+              seed: int | None, max_new_tokens: int, device: str, tokenizer: str | None, untagged: str):
+    from shipyard.harness.display import render_end, render_turn
+    from shipyard.harness.loop import Agent, LoopConfig
+    from shipyard.harness.workspace import LocalWorkspace
+    from shipyard.models.resolve import make_engine
+
+    if not repo.is_dir():
+        raise UserError(f"--repo {repo} is not a directory")
+    with console.status(f"loading model {model}"):
+        engine = make_engine(model, device=device, tokenizer=tokenizer, status=_status)
+    workspace = LocalWorkspace(repo)
+    if untagged not in ("reject", "accept"):
+        raise UserError(f"--untagged must be 'reject' or 'accept', not {untagged!r}")
+    config = LoopConfig(max_turns=max_turns, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
+                        untagged_calls=untagged)
+    status = console.status("generating")
+
+    def on_turn(turn, parsed):
+        status.stop()
+        console.print(render_turn(turn, parsed))
+        status.start()
+
+    try:
+        with status:
+            traj = Agent(engine, workspace, config, on_turn=on_turn).run(
+                task, out=str(out_path) if out_path else None)
+    finally:
+        workspace.close()
+        engine.close()
+    render_end(console, traj)
+    if out_path:
+        console.print(f"[dim]trajectory saved to {out_path}[/]")
+    return traj
+
+
+@app.command()
+def agent(
+    task: str = typer.Argument(..., help="What the agent should do, in plain language."),
+    repo: Path = typer.Option(Path("."), "--repo", help="The repository to work in (edited in place)."),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP),
+    max_turns: int = typer.Option(30, "--max-turns", min=1),
+    out_path: Path | None = typer.Option(None, "--out", help="Save the trajectory here as JSON (after every turn)."),
+    temperature: float = typer.Option(0.7, min=0.0),
+    seed: int | None = typer.Option(None, help="Seed for sampling (reproducible episodes)."),
+    max_new_tokens: int = typer.Option(1024, "--max-new-tokens", min=1, help="Token budget of one turn."),
+    device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, …"),
+    tokenizer: str | None = typer.Option(None, help="Tokenizer for openai:/replay: models (default: inferred)."),
+    untagged: str = typer.Option("reject", help=UNTAGGED_HELP),
+) -> None:
+    """Run the coding agent on a repository and print each turn, the diff and a summary."""
+    with user_errors():
+        run_agent(task, repo, model, max_turns, out_path, temperature, seed, max_new_tokens, device, tokenizer,
+                  untagged)
+
+
+DEMO_TASK = ("The test suite of this repository fails. Run the tests with `python -m pytest -q`, find the bug in "
+             "the library code (not in the tests) and fix it with search_replace. Then run the tests again.")
+DEMO_BUG = ("pocketlib/roman.py", "        while number >= value:", "        while number > value:")
+
+
+@app.command()
+def demo(
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP),
+    max_turns: int = typer.Option(8, "--max-turns", min=1),
+    seed: int = typer.Option(0, help="Sampling seed."),
+    untagged: str = typer.Option("accept", help=UNTAGGED_HELP + " The demo accepts them: the bundled 0.5B "
+                                 "model writes bare JSON calls."),
+) -> None:
+    """Plant a bug in a copy of the bundled example library and let the agent find and fix it."""
+    with user_errors():
+        if not EXAMPLE_REPO.is_dir():
+            raise UserError(f"the example repository is missing at {EXAMPLE_REPO}; run from a source checkout")
+        work = Path(tempfile.mkdtemp(prefix="shipyard-demo-")) / "pocketlib"
+        shutil.copytree(EXAMPLE_REPO, work, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+        path, good, bad = DEMO_BUG
+        source = (work / path).read_text()
+        (work / path).write_text(source.replace(good, bad, 1))
+        console.print(f"[bold]demo[/]: planted a bug in {work / path}; the agent ({model}, untagged calls: "
+                      f"{untagged}) must find it.")
+        run_agent(DEMO_TASK, work, model, max_turns, work.parent / "trajectory.json", 0.3, seed, 768, "cpu", None,
+                  untagged)
+        import subprocess
+
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=work,
+                                capture_output=True, text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+        verdict = "[green]tests pass — fixed[/]" if result.returncode == 0 else "[red]tests still fail[/]"
+        console.print(f"after the episode: {verdict} ({result.stdout.strip().splitlines()[-1]})")
+        console.print(f"[dim]workspace and trajectory kept in {work.parent}[/]")
+
+
+@app.command()
+def serve(
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+    port: int = typer.Option(8000, min=1, max=65535),
+    max_batch: int = typer.Option(8, "--max-batch", min=1, help="Most requests generated together."),
+    device: str = typer.Option("cpu"),
+) -> None:
+    """Serve a model on an OpenAI-compatible /v1/completions endpoint (token ids + logprobs)."""
+    import uvicorn
+
+    from shipyard.models.resolve import make_engine
+    from shipyard.models.server import create_app
+
+    with user_errors():
+        if model.startswith("openai:"):
+            raise UserError("serve needs a local model, not openai:")
+        engine = make_engine(model, device=device, status=_status)
+    console.print(f"serving [bold]{model}[/] on http://{host}:{port}/v1")
+    uvicorn.run(create_app(engine, model, max_batch=max_batch), host=host, port=port, log_level="warning")
+
+
+@app.command()
+def bench(name: str = typer.Argument(..., help="Benchmark name: a file bench/NAME.py."),
+          args: list[str] | None = typer.Argument(None, help="Arguments passed to the benchmark.")) -> None:
+    """Run a benchmark from bench/: readable tables, then its figures as JSON on the last line."""
+    with user_errors():
+        bench_dir = Path(__file__).resolve().parent.parent / "bench"
+        script = bench_dir / f"{name}.py"
+        if not script.is_file():
+            found = sorted(p.stem for p in bench_dir.glob("*.py") if not p.stem.startswith("_"))
+            raise UserError(f"no benchmark '{name}'" + (f"; available: {', '.join(found)}" if found else
+                                                         f" (no bench/ folder at {bench_dir}; use a source checkout)"))
+        sys.argv = [str(script), *(args or [])]
+        sys.path.insert(0, str(bench_dir))  # benchmarks share bench/_common.py
+        runpy.run_path(str(script), run_name="__main__")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,92 @@
+"""`OpenAIEngine`: the `Engine` seam over any OpenAI-compatible `/v1/completions` server.
+
+Works with vLLM, SGLang and `shipyard serve`. Prompts go out as token ids (never as text, which the server
+would re-tokenize); completions come back as token ids with the sampler's logprobs. Ids are read from the
+choice's `token_ids` when the server returns them (shipyard, vLLM with `return_token_ids`), else from
+`logprobs.tokens` written as `token_id:N` (vLLM's `return_tokens_as_token_ids`).
+
+Each request of a batch is its own HTTP call, sent concurrently, so the server's continuous batching sees all
+of them at once. For vLLM, start the server with `--logprobs-mode processed_logprobs` so its logprobs follow
+shipyard's convention (after temperature, before top-p).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from shipyard.models.bundled import Status
+from shipyard.models.engine import Completion, GenerationRequest
+
+
+class ServerUnreachable(ConnectionError):
+    pass
+
+
+class OpenAIEngine:
+    def __init__(self, base_url: str, model: str, tokenizer: PreTrainedTokenizerBase, timeout: float = 600.0,
+                 max_concurrency: int = 64):
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.name = f"openai:{self.base_url}#{model}"
+        self.tokenizer = tokenizer
+        self.policy_version = 0
+        self.client = httpx.Client(base_url=self.base_url, timeout=timeout)
+        self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="shipyard-http")
+
+    @classmethod
+    def connect(cls, base_url: str, tokenizer: str | None = None, status: Status = lambda _: None) -> OpenAIEngine:
+        """Ask the server which model it serves (GET /models) and load the matching tokenizer."""
+        from shipyard.models.resolve import load_tokenizer
+
+        base_url = base_url.rstrip("/")
+        try:
+            resp = httpx.get(f"{base_url}/models", timeout=10)
+            resp.raise_for_status()
+            model = resp.json()["data"][0]["id"]
+        except httpx.HTTPError as e:
+            raise ServerUnreachable(
+                f"cannot reach an OpenAI-compatible server at {base_url} ({type(e).__name__}: {e}). Start one with "
+                f"`shipyard serve --model M --port P` (then use openai:http://127.0.0.1:P/v1) or check the URL."
+            ) from e
+        except (KeyError, IndexError, ValueError) as e:
+            raise ServerUnreachable(f"{base_url}/models did not list a model; is this an OpenAI-compatible API?") from e
+        status(f"connected to {base_url} serving {model}")
+        return cls(base_url, model, load_tokenizer(tokenizer or model, status))
+
+    def _one(self, req: GenerationRequest) -> Completion:
+        sp = req.sampling
+        payload = {"model": self.model, "prompt": req.prompt_ids, "max_tokens": sp.max_tokens,
+                   "temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed, "stop": list(sp.stop),
+                   "stop_token_ids": list(sp.stop_token_ids), "logprobs": 0, "return_tokens_as_token_ids": True,
+                   "return_token_ids": True, "skip_special_tokens": True}
+        try:
+            resp = self.client.post("/completions", json=payload)
+        except httpx.TransportError as e:
+            raise ServerUnreachable(f"lost the server at {self.base_url}: {type(e).__name__}: {e}") from e
+        if resp.status_code != 200:
+            raise RuntimeError(f"{self.base_url}/completions answered {resp.status_code}: {resp.text[:500]}")
+        body = resp.json()
+        choice = body["choices"][0]
+        logprobs = choice.get("logprobs") or {}
+        ids = choice.get("token_ids")
+        if ids is None:
+            ids = [int(t.removeprefix("token_id:")) for t in logprobs.get("tokens", [])]
+        lps = [float(x) if x is not None else 0.0 for x in logprobs.get("token_logprobs") or [0.0] * len(ids)]
+        version = int(body.get("policy_version", self.policy_version))
+        return Completion(list(ids), lps, choice["text"], "stop" if choice["finish_reason"] == "stop" else "length",
+                          len(req.prompt_ids), version)
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        return list(self.pool.map(self._one, requests))
+
+    def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        raise NotImplementedError("weight updates to a remote server go through the rollout server's weight sync")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+        self.client.close()

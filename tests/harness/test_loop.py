@@ -1,0 +1,153 @@
+"""Agent-loop acceptance: scripted (replayed) sessions on the example repository."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from shipyard.harness.loop import Agent, LoopConfig
+from shipyard.harness.trajectory import Trajectory
+from shipyard.harness.wire import ChatFormat
+from shipyard.models.local import LocalEngine
+from shipyard.models.replay import ReplayEngine, ReplayExhausted
+from shipyard.models.resolve import TINY, load_hf
+
+
+def call(name, **args):
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>\n'
+
+
+BUG = ("        while number >= value:", "        while number > value:")
+
+
+@pytest.fixture
+def buggy(repo):
+    path = repo / "pocketlib/roman.py"
+    path.write_text(path.read_text().replace(*BUG, 1))
+    return repo
+
+
+def test_scripted_fix_session(buggy, workspace, tmp_path):
+    script = [
+        "Let me read the code and its tests.\n" + call("read_file", path="pocketlib/roman.py")
+        + call("read_file", path="tests/test_roman.py"),
+        "The loop condition skips the last symbol.\n"
+        + call("search_replace", path="pocketlib/roman.py", old_string=BUG[1], new_string=BUG[0]),
+        call("run_terminal", command=f"{sys.executable} -m pytest -q -p no:cacheprovider tests/test_roman.py"),
+        "Fixed: `to_roman` now emits a symbol while the number is at least its value.",
+    ]
+    out = tmp_path / "traj.json"
+    traj = Agent(ReplayEngine(script), workspace).run("fix the failing tests", out=str(out))
+    assert traj.stop_reason == "finished" and len(traj.turns) == 4
+    assert traj.turns[0].parallel_width == 2
+    assert [c.name for c in traj.turns[0].calls] == ["read_file", "read_file"]
+    assert "def to_roman" in traj.turns[0].calls[0].output and "test_to_roman" in traj.turns[0].calls[1].output
+    assert "passed" in traj.turns[2].calls[0].output and "[exit code 0]" in traj.turns[2].calls[0].output
+    assert all(c.error is None for t in traj.turns for c in t.calls)
+    expected = "\n".join(["--- a/pocketlib/roman.py", "+++ b/pocketlib/roman.py"])
+    assert expected in traj.patch and f"-{BUG[1]}" in traj.patch and f"+{BUG[0]}" in traj.patch
+    assert traj.patch.count("diff --git") == 1
+    assert subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=buggy,
+                          capture_output=True).returncode == 0
+    loaded = Trajectory.load(out)
+    assert loaded.summary() == traj.summary() and loaded.token_ids() == traj.token_ids()
+
+
+def test_hostile_session_reports_every_error_and_touches_nothing_outside(repo, workspace, tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    script = [
+        "<tool_call>this is not json</tool_call>",
+        call("launch_missiles", target="moon") + call("read_file", path="../../etc/passwd"),
+        call("read_file", offset="ten") + call("write_file", path="../outside.txt", content="pwned"),
+        call("delete_file", path=str(outside)) + call("search_replace", path="/etc/hosts", old_string="a",
+                                                       new_string="b"),
+        '<tool_call>{"name": "grep", "arguments": {"pattern": "x"}, "extra": 1}</tool_call><tool_call>{"name": "gl',
+        call("list_dir", path="."),
+        "I give up.",
+    ]
+    traj = Agent(ReplayEngine(script), workspace, LoopConfig(max_failed_turns=10)).run("do harm")
+    assert traj.stop_reason == "finished"
+    errors = [c.error for t in traj.turns for c in t.calls if c.error]
+    assert len(errors) == 9
+    joined = "\n".join(errors)
+    for needle in ("must be a JSON object", "unknown tool 'launch_missiles'", "outside the workspace",
+                   "'path' is a required property", "'ten' is not of type 'integer'", "unexpected keys",
+                   "not closed with </tool_call>"):
+        assert needle in joined
+    # Every error reached the model as a tool response.
+    for t in traj.turns:
+        for c in t.calls:
+            assert c.output.startswith("error: ") == (c.error is not None)
+    assert outside.read_text() == "keep me"
+    assert traj.patch == ""
+
+
+def test_stuck_model_stops_on_repeated_failures(workspace):
+    script = [call("nope")] * 5
+    traj = Agent(ReplayEngine(script), workspace, LoopConfig(max_failed_turns=3)).run("x")
+    assert traj.stop_reason == "repeated_failures" and len(traj.turns) == 3
+
+
+def test_max_turns(workspace):
+    traj = Agent(ReplayEngine([call("list_dir")] * 5), workspace, LoopConfig(max_turns=2)).run("x")
+    assert traj.stop_reason == "max_turns" and len(traj.turns) == 2
+
+
+def test_max_tokens_budget(workspace):
+    engine = ReplayEngine([call("list_dir")] * 20)
+    prompt_len = len(ChatFormat(engine.tokenizer, Agent(engine, workspace).tools).prompt_ids("x"))
+    traj = Agent(engine, workspace, LoopConfig(max_tokens=prompt_len + 1000, overview_entries=0)).run("x")
+    assert traj.stop_reason == "max_tokens" and 1 < len(traj.turns) < 20
+    assert len(traj.token_ids()) >= prompt_len + 1000
+
+
+def test_wall_time(workspace):
+    traj = Agent(ReplayEngine([call("list_dir")]), workspace, LoopConfig(wall_time=0)).run("x")
+    assert traj.stop_reason == "wall_time" and traj.turns == []
+
+
+def test_replay_exhausted_is_an_error(workspace):
+    with pytest.raises(ReplayExhausted, match="no tool call"):
+        Agent(ReplayEngine([call("list_dir")]), workspace).run("x")
+
+
+def test_parallel_terminal_calls_run_concurrently(workspace):
+    turn = "".join(call("run_terminal", command=f"sleep 0.3; echo job{i}") for i in range(8))
+    traj = Agent(ReplayEngine([turn, "done"]), workspace).run("x")
+    first = traj.turns[0]
+    assert first.parallel_width == 8
+    assert [c.output.split("\n")[0] for c in first.calls] == [f"job{i}" for i in range(8)]  # call order
+    assert first.tools_seconds < 0.3 * 8 / 2
+
+
+def test_same_file_calls_run_in_call_order(repo, workspace):
+    turn = (call("search_replace", path="pocketlib/stats.py", old_string="def mean(", new_string="def average(")
+            + call("read_file", path="pocketlib/stats.py") + call("grep", pattern="def average"))
+    traj = Agent(ReplayEngine([turn, "done"]), workspace).run("x")
+    edit, read, _ = traj.turns[0].calls
+    assert edit.error is None and "def average(" in read.output
+
+
+def test_token_views_are_consistent(workspace):
+    traj = Agent(ReplayEngine([call("list_dir"), call("glob", pattern="*.md"), "done"]), workspace).run("x")
+    ids, mask, lps = traj.token_ids(), traj.loss_mask(), traj.sampler_logprobs()
+    assert len(ids) == len(mask) == len(lps)
+    assert sum(mask) == sum(len(t.completion_ids) for t in traj.turns)
+    sampled = [i for i, m in zip(ids, mask, strict=True) if m]
+    assert sampled == [i for t in traj.turns for i in t.completion_ids]
+    text = ReplayEngine(["x"]).tokenizer.decode(ids)
+    assert text.count("<tool_response>") == 2 and text.endswith("done<|im_end|>")
+
+
+def test_random_model_episode_ends_normally(workspace):
+    model, tok = load_hf(TINY, dtype=torch.float32)
+    engine = LocalEngine(model, tok)
+    start = time.monotonic()
+    traj = Agent(engine, workspace, LoopConfig(max_turns=2, max_new_tokens=64, seed=0)).run("fix it")
+    assert traj.stop_reason in ("finished", "max_turns", "repeated_failures")
+    assert time.monotonic() - start < 60
+    assert all(len(t.logprobs) == len(t.completion_ids) for t in traj.turns)

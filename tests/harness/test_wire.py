@@ -1,0 +1,95 @@
+"""The incremental wire format must produce exactly the ids a full render of the conversation would."""
+
+import pytest
+
+from shipyard.harness.tools import default_tools
+from shipyard.harness.wire import ChatFormat, render_chatml
+from shipyard.models.tokenizer import byte_tokenizer
+
+TOOLS = default_tools()
+
+# A ChatML template with a tools branch, written for these tests (Hermes-style, like Qwen2.5's behaviour).
+TEMPLATE_WITH_TOOLS = """{%- for m in messages -%}
+{%- if m.role == 'system' -%}
+<|im_start|>system
+{{ m.content }}{% if tools %}
+
+<tools>
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}</tools>{% endif %}<|im_end|>
+{% elif m.role == 'tool' -%}
+{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' -%}<|im_start|>user{%- endif %}
+<tool_response>
+{{ m.content }}
+</tool_response>
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}<|im_end|>
+{% endif -%}
+{%- else -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|im_start|>assistant
+{% endif -%}"""
+
+# A template that ignores tools entirely, as many do.
+TEMPLATE_NO_TOOLS = """{% for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def tokenizer(template):
+    tok = byte_tokenizer()
+    tok.chat_template = template
+    return tok
+
+
+@pytest.mark.parametrize("template", [None, TEMPLATE_WITH_TOOLS, TEMPLATE_NO_TOOLS])
+def test_incremental_ids_equal_full_render(template):
+    fmt = ChatFormat(tokenizer(template), TOOLS, system_prompt="You are an agent.")
+    turns = [("Reading.\n<tool_call>{}</tool_call>", ["result one", "result two"]),
+             ("Editing.", ["edited 'a.py'"])]
+    ids = fmt.prompt_ids("fix it")
+    messages = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "fix it"}]
+    im_end = fmt.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for text, results in turns:
+        completion = fmt.encode(text) + [im_end]  # as sampled: content then the stop token
+        ids += completion + fmt.continuation_ids(completion, results)
+        messages += [{"role": "assistant", "content": text}] + [{"role": "tool", "content": r} for r in results]
+    assert fmt.tokenizer.decode(ids) == fmt.render(messages, add_generation_prompt=True)
+    assert ids == fmt.encode(fmt.render(messages, add_generation_prompt=True))
+
+
+@pytest.mark.parametrize("template", [None, TEMPLATE_WITH_TOOLS, TEMPLATE_NO_TOOLS])
+def test_tools_always_reach_the_model(template):
+    fmt = ChatFormat(tokenizer(template), TOOLS)
+    text = fmt.tokenizer.decode(fmt.prompt_ids("task"))
+    for t in TOOLS:
+        assert f'"name": "{t.name}"' in text
+    assert fmt.template_renders_tools == (template == TEMPLATE_WITH_TOOLS)
+
+
+def test_tool_results_grouped_in_one_turn_in_order():
+    fmt = ChatFormat(byte_tokenizer(), TOOLS)
+    cont = fmt.tokenizer.decode(fmt.continuation_ids([fmt.stop_token_ids[-1]], ["A", "B"]))
+    assert cont == ("\n<|im_start|>user\n<tool_response>\nA\n</tool_response>\n<tool_response>\nB\n"
+                    "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_truncated_completion_gets_full_closing():
+    fmt = ChatFormat(byte_tokenizer(), TOOLS)
+    cont = fmt.tokenizer.decode(fmt.continuation_ids(fmt.encode("cut off mid-sent"), ["R"]))
+    assert cont.startswith("<|im_end|>\n<|im_start|>user\n<tool_response>\nR")
+
+
+def test_chatml_matches_template_with_tools():
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    fmt = ChatFormat(tokenizer(TEMPLATE_WITH_TOOLS), TOOLS)
+    assert render_chatml(messages, None, True) == fmt.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_stop_ids_include_im_end():
+    fmt = ChatFormat(byte_tokenizer(), TOOLS)
+    assert fmt.tokenizer.convert_tokens_to_ids("<|im_end|>") in fmt.stop_token_ids
