@@ -42,7 +42,7 @@ def user_errors():
     try:
         yield
     except (UserError, ModelNotFound, ServerUnreachable, ReplayExhausted, FileNotFoundError, ValueError) as e:
-        console.print(f"[bold red]error:[/] {e}")
+        console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
         raise typer.Exit(2) from None
 
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+# Tests never reach a model hub; huggingface_hub reads this once, at import, so it is set before anything imports it.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 import shutil
 from pathlib import Path
 

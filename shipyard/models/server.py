@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -90,10 +91,14 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def create_app(engine: Engine, served_name: str, max_batch: int = 8) -> FastAPI:
-    app = FastAPI(title="shipyard model server")
     batcher = Batcher(engine, max_batch=max_batch)
-    app.state.batcher = batcher
-    app.add_event_handler("shutdown", batcher.close)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        batcher.close()
+
+    app = FastAPI(title="shipyard model server", lifespan=lifespan)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:

@@ -8,7 +8,8 @@ repositories and the example library live.
 from __future__ import annotations
 
 import json
-import sys
+
+from ruff.__main__ import find_ruff_bin
 
 from shipyard.harness.tools.base import Tool, ToolContext, ToolError, params, truncate_middle
 
@@ -17,8 +18,7 @@ MAX_FINDINGS = 100
 
 def read_lints(ctx: ToolContext, paths: list[str] | None = None) -> str:
     targets = [ctx.workspace.relative(ctx.workspace.resolve(p)) for p in (paths or ["."])]
-    argv = [sys.executable, "-m", "ruff", "check", "--output-format", "json", "--no-cache", "--exit-zero", "--",
-            *targets]
+    argv = [str(find_ruff_bin()), "check", "--output-format", "json", "--no-cache", "--exit-zero", "--", *targets]
     result = ctx.workspace.run(argv, timeout=60)
     if result.timed_out:
         raise ToolError("ruff took longer than 60 s; lint fewer paths.")

@@ -1,0 +1,64 @@
+"""The `shipyard` command as a user runs it (a real subprocess)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from shipyard.cli import app
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "120"}
+
+
+def shipyard(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "shipyard.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env=ENV, timeout=120)
+
+
+def write_replay(path: Path, messages: list[str]) -> Path:
+    path.write_text("".join(json.dumps(m) + "\n" for m in messages))
+    return path
+
+
+def test_agent_with_replay_prints_turns_diff_and_summary(repo, tmp_path):
+    call = json.dumps({"name": "search_replace", "arguments": {
+        "path": "pocketlib/stats.py", "old_string": "def mean(", "new_string": "def average("}})
+    replay = write_replay(tmp_path / "s.jsonl", [f"<tool_call>{call}</tool_call>", "Renamed."])
+    out = tmp_path / "traj.json"
+    r = shipyard("agent", "rename mean", "--repo", str(repo), "--model", f"replay:{replay}", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "turn 1" in r.stderr and "search_replace" in r.stderr
+    assert "+def average(" in r.stderr and "finished: 2 turns, 1 tool calls (0 failed)" in r.stderr
+    assert json.loads(out.read_text())["stop_reason"] == "finished"
+    assert "def average(" in (repo / "pocketlib/stats.py").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["agent", "x", "--repo", "/no/such/dir", "--model", "random:tiny"], "is not a directory"),
+    (["agent", "x", "--model", "replay:/no/such.jsonl"], "does not exist"),
+    (["agent", "x", "--model", "/no/such/model.gguf"], "does not exist"),
+    (["agent", "x", "--model", "openai:http://127.0.0.1:9/v1"], "cannot reach"),
+    (["agent", "x", "--model", "random:tiny", "--untagged", "maybe"], "--untagged must be"),
+    (["bench", "nope"], "no benchmark 'nope'; available: engine, harness"),
+])
+def test_bad_input_gives_one_clear_line(args, message, repo, monkeypatch):
+    monkeypatch.chdir(repo)
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2, r.output
+    assert message in r.output and "Traceback" not in r.output
+
+
+def test_replay_exhausted_is_reported(repo, tmp_path):
+    replay = write_replay(tmp_path / "s.jsonl", ['<tool_call>{"name": "list_dir", "arguments": {}}</tool_call>'])
+    r = CliRunner().invoke(app, ["agent", "x", "--repo", str(repo), "--model", f"replay:{replay}"])
+    assert r.exit_code == 2 and "all 1 recorded messages were replayed" in r.output
+
+
+def test_help_lists_commands():
+    r = shipyard("--help")
+    for command in ("agent", "demo", "serve", "bench"):
+        assert command in r.stdout

@@ -1,0 +1,17 @@
+"""The example library is a real project: its own suite passes and is big enough for task synthesis."""
+
+import re
+import subprocess
+import sys
+
+from conftest import EXAMPLE
+
+
+def test_example_suite_passes_with_at_least_40_tests(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLE / "tests")],
+                       cwd=EXAMPLE, capture_output=True, text=True, env={"PYTHONDONTWRITEBYTECODE": "1",
+                                                                          "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    passed = int(re.search(r"(\d+) passed", r.stdout).group(1))
+    assert passed >= 40
+    assert len(list((EXAMPLE / "pocketlib").glob("*.py"))) >= 5
