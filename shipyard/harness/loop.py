@@ -4,9 +4,9 @@ One loop serves the CLI agent and RL rollouts alike. Per turn:
 
 1. **Generate** from the running token context (prompt + every earlier completion and observation).
 2. **Parse** the completion into calls (`ToolCallParser`); malformed calls become error responses.
-3. **Execute** the valid calls. Calls that name the same file (`Tool.path_arg`) form a chain run in call order,
-   so a read after an edit of the same file sees the edit; different chains run concurrently on a thread
-   pool. Results go back in call order, whatever order they finished in.
+3. **Execute** the valid calls with the results of running them in call order (a read or a test run after an
+   edit sees the edit), running concurrently whatever does not conflict (`ToolExecutor`). Results go back in
+   call order, whatever order they finished in.
 4. **Append** the responses as token ids rendered by `ChatFormat` (never re-rendering history).
 
 The episode stops for exactly one explicit reason: `finished` (a turn with no call), `max_turns`,
@@ -32,6 +32,16 @@ from shipyard.harness.workspace import IGNORED_DIRS, PathError, Workspace
 from shipyard.models.engine import Engine, GenerationRequest, SamplingParams
 
 STOP_REASONS = ("finished", "max_turns", "max_tokens", "wall_time", "repeated_failures")
+ANYWHERE = "*"
+
+
+def _overlap(a: set[str], b: set[str]) -> bool:
+    return bool(a and b) and (ANYWHERE in a or ANYWHERE in b or not a.isdisjoint(b))
+
+
+def _conflict(first: tuple[set[str], set[str]], second: tuple[set[str], set[str]]) -> bool:
+    (r1, w1), (r2, w2) = first, second
+    return _overlap(w1, r2 | w2) or _overlap(r1, w2)
 
 
 @dataclass
@@ -51,7 +61,14 @@ class LoopConfig:
 
 
 class ToolExecutor:
-    """Runs one turn's calls: chains per file in call order, chains concurrently, results in call order."""
+    """Runs one turn's calls with the results of running them in call order, as concurrently as that allows.
+
+    Each call reads and writes a set of paths: a tool with `path_arg` touches that one file (a write if the tool
+    `mutates`), `run_terminal` may read and write anything, the other tools read anything. A call waits for every
+    earlier call it conflicts with (one writes what the other reads or writes); calls are run in waves, each
+    wave concurrently. The one deliberate exception: `run_terminal` calls never wait for each other, so several
+    commands in one turn run side by side (docs/harness.md says what they then do not persist).
+    """
 
     def __init__(self, tools: list[Tool], ctx: ToolContext, max_parallel: int = 16):
         self.tools = {t.name: t for t in tools}
@@ -60,34 +77,41 @@ class ToolExecutor:
 
     def execute(self, calls: list[ToolCall]) -> list[CallRecord]:
         records: dict[int, CallRecord] = {}
-        chains: dict[str, list[ToolCall]] = {}
+        valid = []
         for call in calls:
-            if call.error is not None:
+            if call.error is None:
+                valid.append(call)
+            else:
                 records[call.index] = CallRecord(call.index, call.name, call.arguments, f"error: {call.error}",
                                                  call.error, 0.0, call.untagged)
+        self.ctx.concurrent_terminals = sum(c.name == "run_terminal" for c in valid)
+        for wave in self._waves(valid):
+            if len(wave) == 1:
+                records[wave[0].index] = self._run_one(wave[0])
                 continue
-            chains.setdefault(self._chain_key(call), []).append(call)
-        self.ctx.concurrent_terminals = sum(c.name == "run_terminal" for chain in chains.values() for c in chain)
-        if len(chains) == 1:
-            for record in self._run_chain(next(iter(chains.values()))):
-                records[record.index] = record
-        else:
-            for future in [self.pool.submit(self._run_chain, chain) for chain in chains.values()]:
-                for record in future.result():
-                    records[record.index] = record
+            for call, record in zip(wave, self.pool.map(self._run_one, wave), strict=True):
+                records[call.index] = record
         return [records[c.index] for c in calls]
 
-    def _chain_key(self, call: ToolCall) -> str:
-        path_arg = self.tools[call.name].path_arg
-        if path_arg and isinstance(call.arguments.get(path_arg), str):
-            try:
-                return str(self.ctx.workspace.resolve(call.arguments[path_arg]))
-            except PathError:
-                pass
-        return f"#call{call.index}"
+    def _access(self, call: ToolCall) -> tuple[set[str], set[str]]:
+        """(paths read, paths written); ANYWHERE stands for every path."""
+        tool = self.tools[call.name]
+        if tool.path_arg is None:
+            return ({ANYWHERE}, {ANYWHERE}) if tool.mutates else ({ANYWHERE}, set())
+        try:
+            path = str(self.ctx.workspace.resolve(call.arguments.get(tool.path_arg, "")))
+        except PathError:
+            return set(), set()  # refused before touching anything
+        return (set(), {path}) if tool.mutates else ({path}, set())
 
-    def _run_chain(self, chain: list[ToolCall]) -> list[CallRecord]:
-        return [self._run_one(call) for call in chain]
+    def _waves(self, calls: list[ToolCall]) -> list[list[ToolCall]]:
+        access = [self._access(c) for c in calls]
+        level: list[int] = []
+        for j, call in enumerate(calls):
+            deps = [level[i] for i in range(j) if not (call.name == calls[i].name == "run_terminal")
+                    and _conflict(access[i], access[j])]
+            level.append(1 + max(deps, default=-1))
+        return [[c for c, lv in zip(calls, level, strict=True) if lv == w] for w in range(max(level, default=-1) + 1)]
 
     def _run_one(self, call: ToolCall) -> CallRecord:
         start = time.perf_counter()

@@ -132,6 +132,30 @@ def test_same_file_calls_run_in_call_order(repo, workspace):
     assert edit.error is None and "def average(" in read.output
 
 
+def test_edit_then_test_in_one_turn_sees_the_edit(buggy, workspace):
+    turn = (call("search_replace", path="pocketlib/roman.py", old_string=BUG[1], new_string=BUG[0])
+            + call("run_terminal", command=f"{sys.executable} -m pytest -q -p no:cacheprovider tests/test_roman.py")
+            + call("grep", pattern=BUG[0].strip()) + call("run_terminal", command="git --version || true"))
+    traj = Agent(ReplayEngine([turn, "done"]), workspace).run("x")
+    edit, tests, grep, _ = traj.turns[0].calls
+    assert edit.error is None and "[exit code 0]" in tests.output and "roman.py" in grep.output
+
+
+def test_schedule_waves(workspace):
+    from shipyard.harness.loop import ToolExecutor
+    from shipyard.harness.parse import ToolCallParser
+    from shipyard.harness.tools import ToolContext, default_tools
+
+    tools = default_tools()
+    executor = ToolExecutor(tools, ToolContext(workspace))
+    text = (call("read_file", path="a.py") + call("read_file", path="b.py") + call("run_terminal", command="1")
+            + call("run_terminal", command="2") + call("write_file", path="a.py", content="")
+            + call("grep", pattern="x") + call("read_file", path="b.py"))
+    waves = executor._waves(ToolCallParser(tools).parse(text).calls)
+    assert [[c.index for c in w] for w in waves] == [[0, 1], [2, 3], [4, 6], [5]]
+    executor.close()
+
+
 def test_token_views_are_consistent(workspace):
     traj = Agent(ReplayEngine([call("list_dir"), call("glob", pattern="*.md"), "done"]), workspace).run("x")
     ids, mask, lps = traj.token_ids(), traj.loss_mask(), traj.sampler_logprobs()

@@ -44,9 +44,9 @@ class ToolContext:
 class Tool:
     """A tool as the model sees it (name, description, parameters) plus how the harness runs it.
 
-    `path_arg` names the argument holding the single file a call reads or writes: calls in one turn that name
-    the same file run in call order, everything else runs concurrently. `mutates` marks tools that change the
-    workspace (for display and for rollouts that track edits).
+    `path_arg` names the argument holding the single file a call reads or writes (a write if `mutates`); a tool
+    without one may read anything, or read and write anything if it `mutates` (`run_terminal`). The executor
+    orders conflicting calls of one turn by these and runs the rest concurrently.
     """
 
     name: str
