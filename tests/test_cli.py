@@ -62,3 +62,12 @@ def test_help_lists_commands():
     r = shipyard("--help")
     for command in ("agent", "demo", "serve", "bench"):
         assert command in r.stdout
+
+
+def test_demo_with_scripted_model_fixes_the_bug():
+    replay = Path(__file__).resolve().parent.parent / "examples" / "replays" / "demo_fix.jsonl"
+    r = shipyard("demo", "--model", f"replay:{replay}")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stderr.split())
+    assert "2 in parallel" in text and "tests pass — fixed" in text
+    assert "-        while number > value:" in r.stderr and "+        while number >= value:" in r.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 
 from rich.console import Console, Group
 from rich.panel import Panel
@@ -18,6 +19,7 @@ from shipyard.harness.parse import ParsedTurn
 from shipyard.harness.trajectory import CallRecord, Trajectory, Turn
 
 MAX_TERMINAL_LINES = 20
+NUMBERED = re.compile(r"\s*\d+\t")
 
 
 def _edit_diff(rec: CallRecord) -> Syntax | None:
@@ -45,7 +47,8 @@ def render_call(rec: CallRecord) -> Group:
     if rec.error is not None:
         parts.append(Text(rec.error[:800], style="red"))
     elif rec.name == "read_file":
-        parts.append(Text(f"  read {rec.output.count(chr(10)) + 1} lines", style="dim"))
+        shown = sum(1 for line in rec.output.splitlines() if NUMBERED.match(line))
+        parts.append(Text(f"  read {shown} lines", style="dim"))
     elif rec.name in ("search_replace", "write_file"):
         parts.append(Text(f"  {rec.output}", style="green"))
         diff = _edit_diff(rec)
