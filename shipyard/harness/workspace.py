@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -37,12 +39,57 @@ class PathError(ValueError):
 
 @dataclass
 class ExecResult:
-    """A finished (or killed) process: combined output, exit code and whether it ran past its timeout."""
+    """A finished (or killed) process: combined output, exit code and whether it ran past its timeout.
+
+    `output` holds at most the first and the last `max_output` bytes; `dropped_bytes` counts what was between.
+    """
 
     output: bytes
     exit_code: int
     timed_out: bool
     seconds: float
+    dropped_bytes: int = 0
+
+
+class BoundedCapture:
+    """Reads a pipe to its end on a thread, keeping only the first and last `keep` bytes (memory-bounded).
+
+    A command that prints without end (`yes`) costs a counter, not memory or disk.
+    """
+
+    def __init__(self, fd: int, keep: int):
+        self.fd, self.keep = fd, keep
+        self.head, self.tail = bytearray(), bytearray()
+        self.total = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        while True:
+            ready, _, _ = select.select([self.fd], [], [], 0.05)
+            if not ready:
+                if self.stop.is_set():
+                    return  # something outside the killed group still holds the pipe open; stop listening
+                continue
+            chunk = os.read(self.fd, 1 << 16)
+            if not chunk:
+                return
+            self.total += len(chunk)
+            room = self.keep - len(self.head)
+            if room > 0:
+                self.head += chunk[:room]
+                chunk = chunk[room:]
+            if chunk:
+                self.tail += chunk
+                del self.tail[: max(0, len(self.tail) - self.keep)]
+
+    def finish(self, grace: float = 1.0) -> tuple[bytes, int]:
+        self.thread.join(timeout=grace)
+        self.stop.set()
+        self.thread.join()
+        os.close(self.fd)
+        return bytes(self.head + self.tail), self.total - len(self.head) - len(self.tail)
 
 
 class Workspace(Protocol):
@@ -82,24 +129,31 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 def run_process(argv: list[str], *, timeout: float, cwd: Path, env: dict[str, str] | None,
-                stdin: bytes | None = None) -> ExecResult:
+                stdin: bytes | None = None, max_output: int = 1 << 20) -> ExecResult:
     """Run `argv` with stdout+stderr merged; on timeout kill the process group and keep the partial output."""
     start = time.monotonic()
-    with tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+    read_fd, write_fd = os.pipe()
+    try:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=write_fd, stderr=write_fd,
                                 stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                                 start_new_session=True)
-        timed_out = False
-        try:
-            proc.communicate(stdin, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            kill_group(proc)
-            proc.wait()
-        # Children left running in the group (e.g. `sleep 100 &` without a background request) die with it.
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
+    capture = BoundedCapture(read_fd, max_output)
+    timed_out = False
+    try:
+        proc.communicate(stdin, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
         kill_group(proc)
-        out.seek(0)
-        return ExecResult(out.read(), proc.returncode, timed_out, time.monotonic() - start)
+        proc.wait()
+    # Children left running in the group (e.g. `sleep 100 &` without a background request) die with it.
+    kill_group(proc)
+    output, dropped = capture.finish()
+    return ExecResult(output, proc.returncode, timed_out, time.monotonic() - start, dropped)
 
 
 class LocalWorkspace:

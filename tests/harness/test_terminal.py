@@ -72,3 +72,17 @@ def test_argument_errors(ctx):
         run_terminal(ctx, "  ")
     with pytest.raises(ToolError):
         run_terminal(ctx, "true", timeout=0)
+
+
+def test_endless_output_is_bounded(ctx):
+    out = run_terminal(ctx, "yes shipyard", timeout=2)
+    assert "timed out" in out and "bytes dropped" in out
+    assert len(out) < 3000
+    dropped = int(out.split("[... ")[1].split(" bytes dropped")[0])
+    assert dropped > 10_000_000  # ran for real, kept only head and tail
+
+
+def test_escaped_background_process_does_not_hang_the_call(ctx):
+    start = time.monotonic()
+    out = run_terminal(ctx, "setsid sleep 30 & echo detached", timeout=10)
+    assert "detached" in out and time.monotonic() - start < 5

@@ -67,12 +67,16 @@ def params(required: list[str], **properties: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
 
 
-def truncate_middle(data: bytes | str, limit: int) -> str:
-    """Keep the first and last `limit/2` bytes of `data`, stating how many bytes in between were dropped."""
+def truncate_middle(data: bytes | str, limit: int, dropped_before: int = 0) -> str:
+    """Keep the first and last `limit/2` bytes of `data`, stating how many bytes in between were dropped.
+
+    `dropped_before` counts bytes already dropped from the middle of `data` upstream (a bounded capture).
+    """
     raw = data.encode() if isinstance(data, str) else data
-    if len(raw) <= limit:
+    if len(raw) <= limit and not dropped_before:
         return raw.decode(errors="replace")
-    head, tail = raw[: limit // 2], raw[len(raw) - limit // 2:]
-    dropped = len(raw) - len(head) - len(tail)
+    half = min(limit // 2, len(raw) // 2)
+    head, tail = raw[:half], raw[len(raw) - half:]
+    dropped = len(raw) - len(head) - len(tail) + dropped_before
     return (head.decode(errors="ignore") + f"\n[... {dropped} bytes dropped from the middle of this output ...]\n"
             + tail.decode(errors="ignore"))

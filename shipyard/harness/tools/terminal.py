@@ -73,7 +73,8 @@ class ShellSession:
         state = self._dir / f"state{self._next_id()}" if persist else None
         argv = ["bash", "-c", WRAPPER, "bash", command, str(state) if state else ""]
         result = self.workspace.run(argv, timeout=timeout, cwd=cwd, env=self.env)
-        text = truncate_middle(result.output, self.max_output_bytes) if result.output else "(no output)\n"
+        text = (truncate_middle(result.output, self.max_output_bytes, result.dropped_bytes) if result.output
+                else "(no output)\n")
         if not text.endswith("\n"):
             text += "\n"
         if result.timed_out:
