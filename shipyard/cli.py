@@ -149,6 +149,11 @@ def demo(
                                 capture_output=True, text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
         verdict = "[green]tests pass — fixed[/]" if result.returncode == 0 else "[red]tests still fail[/]"
         console.print(f"after the episode: {verdict} ({result.stdout.strip().splitlines()[-1]})")
+        if result.returncode != 0:
+            replay = EXAMPLE_REPO.parent / "replays" / "demo_fix.jsonl"
+            console.print("[dim]Small models are not yet trained for this harness (that is what shipyard's RL is for; "
+                          "see docs/benchmarks.md). Try --model qwen2.5-coder-1.5b, or watch a scripted episode with "
+                          f"--model replay:{replay}[/]")
         console.print(f"[dim]workspace and trajectory kept in {work.parent}[/]")
 
 

@@ -16,19 +16,17 @@ in which every call failed, a model that is stuck).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from shipyard.harness.parse import ParsedTurn, ToolCall, ToolCallParser
 from shipyard.harness.tools import Tool, ToolContext, ToolError, default_tools
 from shipyard.harness.trajectory import CallRecord, Trajectory, Turn
 from shipyard.harness.wire import SYSTEM_PROMPT, ChatFormat
-from shipyard.harness.workspace import IGNORED_DIRS, PathError, Workspace
+from shipyard.harness.workspace import PathError, Workspace
 from shipyard.models.engine import Engine, GenerationRequest, SamplingParams
 
 STOP_REASONS = ("finished", "max_turns", "max_tokens", "wall_time", "repeated_failures")
@@ -99,7 +97,7 @@ class ToolExecutor:
         if tool.path_arg is None:
             return ({ANYWHERE}, {ANYWHERE}) if tool.mutates else ({ANYWHERE}, set())
         try:
-            path = str(self.ctx.workspace.resolve(call.arguments.get(tool.path_arg, "")))
+            path = self.ctx.workspace.resolve(call.arguments.get(tool.path_arg, ""))
         except PathError:
             return set(), set()  # refused before touching anything
         return (set(), {path}) if tool.mutates else ({path}, set())
@@ -135,13 +133,7 @@ def workspace_overview(workspace: Workspace, max_entries: int) -> str:
     """A short file listing appended to the task, so the model starts from real paths (as Cursor's context)."""
     if max_entries <= 0:
         return ""
-    paths: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(workspace.root):
-        dirnames[:] = sorted(d for d in dirnames if d not in IGNORED_DIRS and not d.startswith("."))
-        rel = Path(dirpath).relative_to(workspace.root)
-        paths += [(rel / f).as_posix() for f in sorted(filenames) if not f.startswith(".")]
-        if len(paths) > max_entries:
-            break
+    paths = workspace.files(max_entries)
     more = "\n… and more (use list_dir or glob)" if len(paths) > max_entries else ""
     return "\n\nFiles in the workspace:\n" + "\n".join(paths[:max_entries]) + more
 

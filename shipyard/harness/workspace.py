@@ -1,8 +1,10 @@
 """Where tools act: the `Workspace` seam, and `LocalWorkspace`, a plain directory on this machine.
 
-Tools never touch the filesystem or start processes themselves; they go through a workspace, so the same
-tool code runs against a local checkout (the plain CLI agent) and against a sandbox session (RL rollouts,
-`shipyard agent --sandbox`). A workspace owns two guarantees the tools rely on:
+Tools never touch the filesystem or start processes themselves; they go through a workspace, with paths
+relative to its root, so the same tool code runs against a local checkout (the plain CLI agent) and against a
+sandbox, whose merged copy-on-write view exists only inside the sandbox (RL rollouts, `shipyard agent
+--sandbox`): there the very same operations are served by a `LocalWorkspace` running inside the sandbox. A
+workspace owns two guarantees the tools rely on:
 
 * **Confinement.** Every path a model names is resolved with `resolve()`: relative paths are taken from the
   workspace root, absolute paths are accepted only when they already lie inside it, and the final location
@@ -15,22 +17,22 @@ tool code runs against a local checkout (the plain CLI agent) and against a sand
 
 from __future__ import annotations
 
-import contextlib
 import os
-import select
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Protocol
+from typing import Literal, Protocol
 
-# Directories that are never part of a baseline or a diff: VCS metadata, caches and virtual environments.
+from shipyard.harness.process import ExecResult, Job, run_process, spawn_process
+
+# Directories that are never part of a baseline, a diff or a glob: VCS metadata, caches, virtual environments.
 IGNORED_DIRS = frozenset({".git", "__pycache__", ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache",
                           ".ruff_cache", ".hypothesis", ".tox"})
+
+Kind = Literal["file", "dir", "missing", "other"]
 
 
 class PathError(ValueError):
@@ -38,181 +40,186 @@ class PathError(ValueError):
 
 
 @dataclass
-class ExecResult:
-    """A finished (or killed) process: combined output, exit code and whether it ran past its timeout.
-
-    `output` holds at most the first and the last `max_output` bytes; `dropped_bytes` counts what was between.
-    """
-
-    output: bytes
-    exit_code: int
-    timed_out: bool
-    seconds: float
-    dropped_bytes: int = 0
-
-
-class BoundedCapture:
-    """Reads a pipe to its end on a thread, keeping only the first and last `keep` bytes (memory-bounded).
-
-    A command that prints without end (`yes`) costs a counter, not memory or disk.
-    """
-
-    def __init__(self, fd: int, keep: int):
-        self.fd, self.keep = fd, keep
-        self.head, self.tail = bytearray(), bytearray()
-        self.total = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        while True:
-            ready, _, _ = select.select([self.fd], [], [], 0.05)
-            if not ready:
-                if self.stop.is_set():
-                    return  # something outside the killed group still holds the pipe open; stop listening
-                continue
-            chunk = os.read(self.fd, 1 << 16)
-            if not chunk:
-                return
-            self.total += len(chunk)
-            room = self.keep - len(self.head)
-            if room > 0:
-                self.head += chunk[:room]
-                chunk = chunk[room:]
-            if chunk:
-                self.tail += chunk
-                del self.tail[: max(0, len(self.tail) - self.keep)]
-
-    def finish(self, grace: float = 1.0) -> tuple[bytes, int]:
-        self.thread.join(timeout=grace)
-        self.stop.set()
-        self.thread.join()
-        os.close(self.fd)
-        return bytes(self.head + self.tail), self.total - len(self.head) - len(self.tail)
+class Entry:
+    name: str
+    kind: Literal["file", "dir", "link", "other"]
+    size: int
+    target: str | None = None  # where a symlink points
 
 
 class Workspace(Protocol):
-    """The filesystem and process view that tools act on. Paths are workspace-relative POSIX strings."""
+    """The filesystem and process view that tools act on.
 
-    @property
-    def root(self) -> Path: ...
+    File methods take the canonical workspace-relative paths that `resolve` returns ("." is the root).
+    Processes run in the workspace's execution environment, where the root is `exec_root`.
+    """
 
-    def resolve(self, path: str) -> Path:
-        """Map a model-supplied path to a real location inside the workspace, or raise `PathError`."""
+    exec_root: str
+
+    def resolve(self, path: str) -> str:
+        """Check a model-supplied path and return its canonical workspace-relative form, or raise `PathError`."""
         ...
 
-    def relative(self, real: Path) -> str:
-        """The workspace-relative POSIX form of a resolved path, for messages to the model."""
+    def kind(self, path: str) -> Kind: ...
+
+    def read_bytes(self, path: str) -> bytes: ...
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Write a file, creating its parent directories."""
         ...
 
-    def run(self, argv: list[str], *, timeout: float, cwd: Path | None = None, env: dict[str, str] | None = None,
+    def delete(self, path: str) -> None: ...
+
+    def listdir(self, path: str) -> list[Entry]: ...
+
+    def glob(self, pattern: str, path: str) -> list[str]:
+        """Workspace-relative paths under `path` matching `pattern`, without ignored directories."""
+        ...
+
+    def files(self, limit: int) -> list[str]:
+        """Up to `limit` file paths, breadth of the tree first (for an overview of the workspace)."""
+        ...
+
+    def run(self, argv: list[str], *, timeout: float, cwd: str | None = None, env: dict[str, str] | None = None,
             stdin: bytes | None = None) -> ExecResult:
-        """Run a process to completion (or kill its whole process group at `timeout`)."""
+        """Run a process to completion (or kill its whole process group at `timeout`); `cwd` defaults to the root."""
         ...
 
-    def spawn(self, argv: list[str], *, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
-        """Start a background process in its own process group, its output appended to `log`."""
+    def spawn(self, command: list[str], *, cwd: str, env: dict[str, str]) -> Job:
+        """Start a background process (its own process group) logging to a file the shell can read."""
         ...
 
     def diff(self) -> str:
         """Everything changed since the workspace was opened, as a `git diff` patch relative to the root."""
         ...
 
-    def close(self) -> None: ...
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL a process's whole group (it was started with `start_new_session=True`)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-def run_process(argv: list[str], *, timeout: float, cwd: Path, env: dict[str, str] | None,
-                stdin: bytes | None = None, max_output: int = 1 << 20) -> ExecResult:
-    """Run `argv` with stdout+stderr merged; on timeout kill the process group and keep the partial output."""
-    start = time.monotonic()
-    read_fd, write_fd = os.pipe()
-    try:
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=write_fd, stderr=write_fd,
-                                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                start_new_session=True)
-    except BaseException:
-        os.close(read_fd)
-        raise
-    finally:
-        os.close(write_fd)
-    capture = BoundedCapture(read_fd, max_output)
-    timed_out = False
-    try:
-        proc.communicate(stdin, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        kill_group(proc)
-        proc.wait()
-    # Children left running in the group (e.g. `sleep 100 &` without a background request) die with it.
-    kill_group(proc)
-    output, dropped = capture.finish()
-    return ExecResult(output, proc.returncode, timed_out, time.monotonic() - start, dropped)
+    def close(self) -> None:
+        """Stop background processes and release what the workspace holds."""
+        ...
 
 
 class LocalWorkspace:
-    """A directory on this machine. The baseline for `diff()` is a copy taken when the workspace is opened."""
+    """A directory on this machine.
 
-    def __init__(self, root: str | Path):
+    The baseline for `diff()` is `baseline` when given (a sandbox passes its read-only snapshot), else a copy
+    taken when the workspace is opened.
+    """
+
+    def __init__(self, root: str | Path, baseline: str | Path | None = None):
         root = Path(root).expanduser()
         if not root.is_dir():
             raise FileNotFoundError(f"workspace root {root} is not a directory")
-        self._root = root.resolve()
-        self._baseline_dir: Path | None = Path(tempfile.mkdtemp(prefix="shipyard-base-")) / "a"
-        shutil.copytree(self._root, self._baseline_dir, symlinks=True, ignore=shutil.ignore_patterns(*IGNORED_DIRS))
+        self.root = root.resolve()
+        self.exec_root = str(self.root)
+        self._scratch = Path(tempfile.mkdtemp(prefix="shipyard-ws-"))
+        if baseline is None:
+            self._baseline = self._scratch / "baseline"
+            shutil.copytree(self.root, self._baseline, symlinks=True, ignore=shutil.ignore_patterns(*IGNORED_DIRS))
+        else:
+            self._baseline = Path(baseline)
+        self._jobs: list[Job] = []
+        self._lock = threading.Lock()
 
-    @property
-    def root(self) -> Path:
-        return self._root
-
-    def resolve(self, path: str) -> Path:
+    # Paths ------------------------------------------------------------------------------------------------
+    def resolve(self, path: str) -> str:
         if not isinstance(path, str) or not path.strip():
             raise PathError("path must be a non-empty string (relative to the workspace root, e.g. 'src/app.py')")
         if "\x00" in path:
             raise PathError("path contains a NUL byte")
         p = PurePosixPath(path.strip())
-        candidate = Path(p) if p.is_absolute() else self._root / p
+        candidate = Path(p) if p.is_absolute() else self.root / p
         # Resolve symlinks on the longest existing prefix; a missing tail cannot be a link, so it is kept as is.
         real = candidate.resolve(strict=False)
-        if real != self._root and self._root not in real.parents:
+        if real != self.root and self.root not in real.parents:
             hint = "absolute paths must lie inside the workspace" if p.is_absolute() else "'..' may not leave it"
-            via = " (through a symbolic link)" if self._lexically_inside(candidate) else ""
+            normal = Path(os.path.normpath(candidate))
+            via = " (through a symbolic link)" if normal == self.root or self.root in normal.parents else ""
             raise PathError(f"path '{path}' is outside the workspace{via}; {hint}. Use paths relative to the "
                             f"workspace root, e.g. 'src/app.py'.")
-        return real
+        return real.relative_to(self.root).as_posix() or "."
 
-    def _lexically_inside(self, candidate: Path) -> bool:
-        normal = Path(os.path.normpath(candidate))
-        return normal == self._root or self._root in normal.parents
+    def _real(self, path: str) -> Path:
+        return self.root / path
 
-    def relative(self, real: Path) -> str:
-        rel = real.relative_to(self._root).as_posix()
-        return rel if rel else "."
+    # Files ------------------------------------------------------------------------------------------------
+    def kind(self, path: str) -> Kind:
+        real = self._real(path)
+        if real.is_dir():
+            return "dir"
+        if real.is_file():
+            return "file"
+        return "other" if real.exists() or real.is_symlink() else "missing"
 
-    def run(self, argv: list[str], *, timeout: float, cwd: Path | None = None, env: dict[str, str] | None = None,
+    def read_bytes(self, path: str) -> bytes:
+        return self._real(path).read_bytes()
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        real = self._real(path)
+        real.parent.mkdir(parents=True, exist_ok=True)
+        real.write_bytes(data)
+
+    def delete(self, path: str) -> None:
+        self._real(path).unlink()
+
+    def listdir(self, path: str) -> list[Entry]:
+        out = []
+        for e in sorted(self._real(path).iterdir(), key=lambda p: (not p.is_dir(), p.name)):
+            if e.is_symlink():
+                out.append(Entry(e.name, "link", 0, os.readlink(e)))
+            elif e.is_dir():
+                out.append(Entry(e.name, "dir", 0))
+            elif e.is_file():
+                out.append(Entry(e.name, "file", e.stat().st_size))
+            else:
+                out.append(Entry(e.name, "other", 0))
+        return out
+
+    def glob(self, pattern: str, path: str) -> list[str]:
+        base = self._real(path)
+        matches = []
+        for match in base.glob(pattern):
+            if any(part in IGNORED_DIRS for part in match.relative_to(base).parts):
+                continue
+            real = match.resolve()
+            if real != self.root and self.root not in real.parents:
+                continue  # reached through a symlink that leaves the workspace
+            matches.append(match.absolute().relative_to(self.root).as_posix())
+        return sorted(matches)
+
+    def files(self, limit: int) -> list[str]:
+        paths: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = sorted(d for d in dirnames if d not in IGNORED_DIRS and not d.startswith("."))
+            rel = Path(dirpath).relative_to(self.root)
+            paths += [(rel / f).as_posix() for f in sorted(filenames) if not f.startswith(".")]
+            if len(paths) > limit:
+                break
+        return paths[: limit + 1]
+
+    # Processes --------------------------------------------------------------------------------------------
+    def run(self, argv: list[str], *, timeout: float, cwd: str | None = None, env: dict[str, str] | None = None,
             stdin: bytes | None = None) -> ExecResult:
-        return run_process(argv, timeout=timeout, cwd=cwd or self._root, env=env, stdin=stdin)
+        return run_process(argv, timeout=timeout, cwd=cwd or self.exec_root, env=env, stdin=stdin)
 
-    def spawn(self, argv: list[str], *, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
-        with open(log, "ab") as fh:
-            return subprocess.Popen(argv, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+    def spawn(self, command: list[str], *, cwd: str, env: dict[str, str]) -> Job:
+        with self._lock:
+            job_id = len(self._jobs) + 1
+            log = self._scratch / f"job{job_id}.log"
+            proc = spawn_process(command, cwd=cwd, env=env, log=log)
+            job = Job(job_id, " ".join(command), proc.pid, str(log), proc)
+            self._jobs.append(job)
+        return job
 
+    # Whole workspace --------------------------------------------------------------------------------------
     def diff(self) -> str:
-        if self._baseline_dir is None:
-            raise RuntimeError("the workspace is closed")
-        return tree_diff(self._baseline_dir, self._root)
+        return tree_diff(self._baseline, self.root)
 
     def close(self) -> None:
-        if self._baseline_dir is not None:
-            shutil.rmtree(self._baseline_dir.parent, ignore_errors=True)
-            self._baseline_dir = None
+        with self._lock:
+            for job in self._jobs:
+                job.stop()
+            self._jobs.clear()
+        shutil.rmtree(self._scratch, ignore_errors=True)
 
 
 def tree_diff(before: Path, after: Path) -> str:

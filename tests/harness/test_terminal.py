@@ -54,7 +54,7 @@ def test_background_job(ctx):
             break
         time.sleep(0.1)
     assert "serving" in run_terminal(ctx, f"cat {log}")
-    job = next(iter(ctx.session.jobs.values()))
+    job = ctx.session.jobs[0]
     ctx.close()
     assert job.process.poll() is not None  # killed with the session
 
@@ -86,3 +86,16 @@ def test_escaped_background_process_does_not_hang_the_call(ctx):
     start = time.monotonic()
     out = run_terminal(ctx, "setsid sleep 30 & echo detached", timeout=10)
     assert "detached" in out and time.monotonic() - start < 5
+
+
+def test_state_survives_redirected_output_and_fake_markers(ctx):
+    run_terminal(ctx, "cd tests; export A=1; exec > /dev/null 2>&1; echo hidden")
+    out = run_terminal(ctx, 'echo "@@shipyard-state-0000@@"; pwd; echo "A=$A"')
+    assert "@@shipyard-state-0000@@" in out and out.splitlines()[1].endswith("/tests") and "A=1" in out
+
+
+def test_deleted_working_directory_falls_back_to_root(ctx, repo):
+    run_terminal(ctx, "mkdir gone && cd gone")
+    run_terminal(ctx, "rmdir ../gone")
+    out = run_terminal(ctx, "pwd")
+    assert "[exit code 0]" in out

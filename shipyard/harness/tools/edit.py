@@ -50,13 +50,14 @@ def _gate(path: str, before: str | None, after: str) -> str:
     return f"\nwarning: '{path}' still does not parse — {new_error}"
 
 
-def _read_text(real: Path, path: str) -> str:
-    if real.is_dir():
+def _read_text(ctx: ToolContext, rel: str, path: str) -> str:
+    kind = ctx.workspace.kind(rel)
+    if kind == "dir":
         raise ToolError(f"'{path}' is a directory.")
-    if not real.exists():
+    if kind == "missing":
         raise ToolError(f"'{path}' does not exist. Use write_file to create a new file.")
     try:
-        return real.read_bytes().decode()
+        return ctx.workspace.read_bytes(rel).decode()
     except UnicodeDecodeError as e:
         raise ToolError(f"'{path}' is not UTF-8 text and cannot be edited with search_replace.") from e
 
@@ -79,12 +80,12 @@ def _not_found(path: str, text: str, old: str) -> ToolError:
 
 
 def search_replace(ctx: ToolContext, path: str, old_string: str, new_string: str, replace_all: bool = False) -> str:
-    real = ctx.workspace.resolve(path)
+    rel = ctx.workspace.resolve(path)
     if old_string == "":
         raise ToolError("old_string is empty; to create or overwrite a whole file use write_file.")
     if old_string == new_string:
         raise ToolError("old_string and new_string are identical; nothing would change.")
-    text = _read_text(real, path)
+    text = _read_text(ctx, rel, path)
     if old_string not in text and "\r\n" in text:  # a CRLF file edited with LF strings
         old_string, new_string = old_string.replace("\n", "\r\n"), new_string.replace("\n", "\r\n")
     count = text.count(old_string)
@@ -100,33 +101,36 @@ def search_replace(ctx: ToolContext, path: str, old_string: str, new_string: str
     first_line = _line_of(text, text.find(old_string))
     updated = text.replace(old_string, new_string) if replace_all else text.replace(old_string, new_string, 1)
     warning = _gate(path, text, updated)
-    real.write_bytes(updated.encode())
+    ctx.workspace.write_bytes(rel, updated.encode())
     span = new_string.count("\n") + 1
     what = f"{count} occurrences" if count > 1 else f"lines {first_line}-{first_line + span - 1}"
     return f"edited '{path}': replaced {what}.{warning}"
 
 
 def write_file(ctx: ToolContext, path: str, content: str) -> str:
-    real = ctx.workspace.resolve(path)
-    if real.is_dir():
+    ws = ctx.workspace
+    rel = ws.resolve(path)
+    kind = ws.kind(rel)
+    if kind == "dir":
         raise ToolError(f"'{path}' is a directory.")
-    before = real.read_bytes().decode(errors="replace") if real.exists() else None
+    before = ws.read_bytes(rel).decode(errors="replace") if kind == "file" else None
     warning = _gate(path, before, content)
-    real.parent.mkdir(parents=True, exist_ok=True)
-    real.write_bytes(content.encode())
+    ws.write_bytes(rel, content.encode())
     verb = "overwrote" if before is not None else "created"
     return f"{verb} '{path}' ({content.count(chr(10)) + (0 if content.endswith(chr(10)) else 1)} lines).{warning}"
 
 
 def delete_file(ctx: ToolContext, path: str) -> str:
-    real = ctx.workspace.resolve(path)
-    if real == ctx.workspace.root:
+    ws = ctx.workspace
+    rel = ws.resolve(path)
+    if rel == ".":
         raise ToolError("refusing to delete the workspace root.")
-    if real.is_dir():
+    kind = ws.kind(rel)
+    if kind == "dir":
         raise ToolError(f"'{path}' is a directory; delete_file removes single files only.")
-    if not real.exists() and not real.is_symlink():
+    if kind == "missing":
         raise ToolError(f"'{path}' does not exist.")
-    real.unlink()
+    ws.delete(rel)
     return f"deleted '{path}'."
 
 

@@ -8,11 +8,9 @@ so that it behaves the same in a local directory and inside a sandbox.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from shipyard.harness.tools.base import Tool, ToolContext, ToolError, params, truncate_middle
-from shipyard.harness.workspace import IGNORED_DIRS
 
 MAX_LINE_CHARS = 2000
 DEFAULT_READ_LINES = 2000
@@ -30,16 +28,18 @@ def is_binary(data: bytes) -> bool:
 
 
 def read_file(ctx: ToolContext, path: str, offset: int = 1, limit: int = DEFAULT_READ_LINES) -> str:
-    real = ctx.workspace.resolve(path)
-    if real.is_dir():
+    ws = ctx.workspace
+    rel = ws.resolve(path)
+    kind = ws.kind(rel)
+    if kind == "dir":
         raise ToolError(f"'{path}' is a directory; use list_dir to see its contents.")
-    if not real.exists():
+    if kind == "missing":
         raise _missing(ctx, path)
     if offset < 1:
         raise ToolError("offset is a 1-based line number and must be >= 1.")
     if limit < 1:
         raise ToolError("limit must be >= 1.")
-    data = real.read_bytes()
+    data = ws.read_bytes(rel)
     if is_binary(data):
         return f"'{path}' is a binary file ({len(data)} bytes); its contents are not shown."
     lines = data.decode(errors="replace").splitlines()
@@ -62,44 +62,34 @@ def read_file(ctx: ToolContext, path: str, offset: int = 1, limit: int = DEFAULT
 
 
 def list_dir(ctx: ToolContext, path: str = ".") -> str:
-    real = ctx.workspace.resolve(path)
-    if not real.exists():
+    ws = ctx.workspace
+    rel = ws.resolve(path)
+    kind = ws.kind(rel)
+    if kind == "missing":
         raise _missing(ctx, path)
-    if not real.is_dir():
+    if kind != "dir":
         raise ToolError(f"'{path}' is a file, not a directory; use read_file to read it.")
-    entries = sorted(real.iterdir(), key=lambda p: (not p.is_dir(), p.name))
-    entries = [e for e in entries if e.name != ".git"]
+    entries = [e for e in ws.listdir(rel) if e.name != ".git"]
     lines = []
     for entry in entries[:MAX_LIST_ENTRIES]:
-        if entry.is_symlink():
-            lines.append(f"{entry.name} -> {os.readlink(entry)}")
-        elif entry.is_dir():
+        if entry.kind == "link":
+            lines.append(f"{entry.name} -> {entry.target}")
+        elif entry.kind == "dir":
             lines.append(f"{entry.name}/")
         else:
-            lines.append(f"{entry.name}  ({entry.stat().st_size} bytes)")
+            lines.append(f"{entry.name}  ({entry.size} bytes)")
     if len(entries) > MAX_LIST_ENTRIES:
         lines.append(f"[... {len(entries) - MAX_LIST_ENTRIES} more entries not shown]")
-    where = ctx.workspace.relative(real)
-    return f"{where}/ ({len(entries)} entries)\n" + ("\n".join(lines) if lines else "(empty directory)")
+    return f"{rel}/ ({len(entries)} entries)\n" + ("\n".join(lines) if lines else "(empty directory)")
 
 
 def glob(ctx: ToolContext, pattern: str, path: str = ".") -> str:
     if pattern.startswith("/") or ".." in Path(pattern).parts:
         raise ToolError("pattern must be relative to `path` and may not contain '..', e.g. '**/*.py'.")
     base = ctx.workspace.resolve(path)
-    if not base.is_dir():
+    if ctx.workspace.kind(base) != "dir":
         raise ToolError(f"'{path}' is not a directory.")
-    root = ctx.workspace.root
-    matches = []
-    for match in base.glob(pattern):
-        rel_parts = match.relative_to(base).parts
-        if any(part in IGNORED_DIRS for part in rel_parts):
-            continue
-        real = match.resolve()
-        if real != root and root not in real.parents:
-            continue  # reached through a symlink that leaves the workspace
-        matches.append(ctx.workspace.relative(match.absolute()))
-    matches.sort()
+    matches = ctx.workspace.glob(pattern, base)
     if not matches:
         return f"no paths match '{pattern}' under '{path}'."
     shown = "\n".join(matches[:MAX_GLOB_RESULTS])
@@ -110,8 +100,8 @@ def glob(ctx: ToolContext, pattern: str, path: str = ".") -> str:
 
 def grep(ctx: ToolContext, pattern: str, path: str = ".", glob: str | None = None, ignore_case: bool = False,
          context: int = 0) -> str:
-    real = ctx.workspace.resolve(path)
-    if not real.exists():
+    rel = ctx.workspace.resolve(path)
+    if ctx.workspace.kind(rel) == "missing":
         raise _missing(ctx, path)
     if not 0 <= context <= 20:
         raise ToolError("context must be between 0 and 20 lines.")
@@ -123,7 +113,7 @@ def grep(ctx: ToolContext, pattern: str, path: str = ".", glob: str | None = Non
         argv += ["--context", str(context)]
     if glob:
         argv += ["--glob", glob]
-    argv += ["--regexp", pattern, "--", ctx.workspace.relative(real)]
+    argv += ["--regexp", pattern, "--", rel]
     result = ctx.workspace.run(argv, timeout=30)
     out = result.output.decode(errors="replace")
     if result.timed_out:

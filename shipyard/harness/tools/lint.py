@@ -17,7 +17,7 @@ MAX_FINDINGS = 100
 
 
 def read_lints(ctx: ToolContext, paths: list[str] | None = None) -> str:
-    targets = [ctx.workspace.relative(ctx.workspace.resolve(p)) for p in (paths or ["."])]
+    targets = [ctx.workspace.resolve(p) for p in (paths or ["."])]
     argv = [str(find_ruff_bin()), "check", "--output-format", "json", "--no-cache", "--exit-zero", "--", *targets]
     result = ctx.workspace.run(argv, timeout=60)
     if result.timed_out:
@@ -28,7 +28,7 @@ def read_lints(ctx: ToolContext, paths: list[str] | None = None) -> str:
         raise ToolError(f"ruff failed: {truncate_middle(result.output, 2000)}") from e
     if not findings:
         return f"no lint errors in {', '.join(targets)}."
-    root = str(ctx.workspace.root) + "/"
+    root = ctx.workspace.exec_root.rstrip("/") + "/"
     lines = []
     for f in findings[:MAX_FINDINGS]:
         path = f["filename"].removeprefix(root)

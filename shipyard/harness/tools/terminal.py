@@ -1,9 +1,11 @@
 """`run_terminal`: shell commands in a session whose working directory and environment persist.
 
 Each command runs as its own `bash` process in its own process group, started from the session's current
-directory and exported environment; when it exits, an EXIT trap writes the new `pwd` and `env` back to the
-session. This keeps what matters between calls (`cd`, `export`, activated virtualenvs) while making every
-command killable as a unit: on timeout the whole process group gets SIGKILL and the session is unharmed.
+directory and exported environment; when it exits, an EXIT trap prints a random per-call marker followed by
+the new `pwd` and `env`, which the session strips from the output and keeps. This keeps what matters between
+calls (`cd`, `export`, activated virtualenvs) while making every command killable as a unit: on timeout the
+whole process group gets SIGKILL and the session is unharmed. The state travels on the output stream rather
+than through files, so the session works unchanged over any workspace, a sandbox included.
 
 What does **not** persist between calls: shell-local variables that were not exported, functions, aliases
 and `set` options. Several `run_terminal` calls in **one** turn run concurrently, each in its own process
@@ -17,15 +19,12 @@ to a log file the model can `tail`, and every background job is killed when the 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import tempfile
+import secrets
 import threading
-from dataclasses import dataclass
-from pathlib import Path
 
+from shipyard.harness.process import Job
 from shipyard.harness.tools.base import Tool, ToolContext, ToolError, params, truncate_middle
-from shipyard.harness.workspace import Workspace, kill_group
+from shipyard.harness.workspace import Workspace
 
 DEFAULT_TIMEOUT = 120
 MAX_TIMEOUT = 1800
@@ -34,19 +33,15 @@ SHELL_OWNED = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})
 # Non-interactive defaults: no pagers waiting for a keypress, no colour codes wasting tokens.
 QUIET_ENV = {"PAGER": "cat", "GIT_PAGER": "cat", "TERM": "dumb", "NO_COLOR": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 
-# $1: the command; $2: where to write the state (empty: do not persist).
+# $1: the command; $2: the marker that precedes the saved state (empty: do not report state).
+# fd 9 keeps the original stdout, so the state is reported even if the command redirects its own output.
 WRAPPER = r"""
-if [ -n "$2" ]; then trap 'status=$?; pwd -P > "$2.cwd"; env -0 > "$2.env"; exit $status' EXIT; fi
+exec 9>&1
+if [ -n "$2" ]; then
+  trap 'status=$?; { printf "\n%s\n" "$2"; pwd -P; printf "\0"; env -0; } >&9; exit $status' EXIT
+fi
 eval "$1"
 """
-
-
-@dataclass
-class Job:
-    id: int
-    command: str
-    process: subprocess.Popen
-    log: Path
 
 
 class ShellSession:
@@ -55,63 +50,54 @@ class ShellSession:
     def __init__(self, workspace: Workspace, env: dict[str, str] | None = None, max_output_bytes: int = 16_000):
         self.workspace = workspace
         self.max_output_bytes = max_output_bytes
-        self.cwd: Path = workspace.root
+        self.cwd: str = workspace.exec_root
         base = dict(os.environ) if env is None else dict(env)
         self.env = {k: v for k, v in base.items() if k not in SHELL_OWNED} | QUIET_ENV
-        self.jobs: dict[int, Job] = {}
-        self._dir = Path(tempfile.mkdtemp(prefix="shipyard-shell-"))
+        self.jobs: list[Job] = []
         self._lock = threading.Lock()
-        self._counter = 0
-
-    def _next_id(self) -> int:
-        with self._lock:
-            self._counter += 1
-            return self._counter
 
     def run(self, command: str, *, timeout: float, persist: bool = True) -> str:
-        cwd = self.cwd if self.cwd.is_dir() else self.workspace.root
-        state = self._dir / f"state{self._next_id()}" if persist else None
-        argv = ["bash", "-c", WRAPPER, "bash", command, str(state) if state else ""]
-        result = self.workspace.run(argv, timeout=timeout, cwd=cwd, env=self.env)
-        text = (truncate_middle(result.output, self.max_output_bytes, result.dropped_bytes) if result.output
-                else "(no output)\n")
+        marker = f"@@shipyard-state-{secrets.token_hex(16)}@@"
+        argv = ["bash", "-c", WRAPPER, "bash", command, marker if persist else ""]
+        try:
+            result = self.workspace.run(argv, timeout=timeout, cwd=self.cwd, env=self.env)
+        except FileNotFoundError:  # the working directory was deleted by an earlier command
+            self.cwd = self.workspace.exec_root
+            result = self.workspace.run(argv, timeout=timeout, cwd=self.cwd, env=self.env)
+        output = result.output
+        if persist and not result.timed_out:
+            cut = output.rfind(f"\n{marker}\n".encode())
+            if cut != -1:
+                self._load_state(output[cut + len(marker) + 2:])
+                output = output[:cut]
+        text = (truncate_middle(output, self.max_output_bytes, result.dropped_bytes) if output
+                else "(no output)")
         if not text.endswith("\n"):
             text += "\n"
         if result.timed_out:
             return text + (f"[timed out after {timeout:g} s; the command's process group was killed. Use a longer "
                            "`timeout`, or `background: true` for servers and watchers]")
-        if state is not None and state.with_suffix(".cwd").exists():
-            self._load_state(state)
         return text + f"[exit code {result.exit_code}]"
 
-    def _load_state(self, state: Path) -> None:
-        new_cwd = Path(state.with_suffix(".cwd").read_text().strip())
-        raw = state.with_suffix(".env").read_bytes()
+    def _load_state(self, state: bytes) -> None:
+        cwd, _, raw_env = state.partition(b"\0")
         env = {}
-        for item in raw.split(b"\0"):
+        for item in raw_env.split(b"\0"):
             key, sep, value = item.decode(errors="surrogateescape").partition("=")
             if sep and key not in SHELL_OWNED:
                 env[key] = value
         with self._lock:
-            self.cwd, self.env = new_cwd, env
-        for suffix in (".cwd", ".env"):
-            state.with_suffix(suffix).unlink(missing_ok=True)
+            self.cwd, self.env = cwd.decode(errors="surrogateescape").strip(), env
 
     def start_job(self, command: str) -> Job:
-        job_id = self._next_id()
-        log = self._dir / f"job{job_id}.log"
-        cwd = self.cwd if self.cwd.is_dir() else self.workspace.root
-        proc = self.workspace.spawn(["bash", "-c", WRAPPER, "bash", command, ""], cwd=cwd, env=self.env, log=log)
-        job = Job(job_id, command, proc, log)
-        self.jobs[job_id] = job
+        job = self.workspace.spawn(["bash", "-c", 'eval "$1"', "bash", command], cwd=self.cwd, env=self.env)
+        self.jobs.append(job)
         return job
 
     def close(self) -> None:
-        for job in self.jobs.values():
-            kill_group(job.process)
-            job.process.wait()
+        for job in self.jobs:
+            job.stop()
         self.jobs.clear()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _session(ctx: ToolContext) -> ShellSession:
@@ -129,7 +115,7 @@ def run_terminal(ctx: ToolContext, command: str, timeout: int = DEFAULT_TIMEOUT,
     session = _session(ctx)
     if background:
         job = session.start_job(command)
-        return (f"started background job {job.id} (pid {job.process.pid}). Its output goes to {job.log}; "
+        return (f"started background job {job.id} (pid {job.pid}). Its output goes to {job.log}; "
                 f"check it with run_terminal, e.g. `tail -n 50 {job.log}`. It is stopped when the session ends.")
     parallel = ctx.concurrent_terminals > 1
     out = session.run(command, timeout=timeout, persist=not parallel)
