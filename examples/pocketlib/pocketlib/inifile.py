@@ -48,7 +48,7 @@ def parse_ini(text: str) -> IniFile:
             if not line.endswith("]") or len(line) < 3:
                 raise IniError(number, f"malformed section header {line!r}")
             current = line[1:-1].strip()
-            if current in sections and sections[current]:
+            if sections.get(current):
                 raise IniError(number, f"duplicate section [{current}]")
             sections.setdefault(current, {})
             continue
