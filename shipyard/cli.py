@@ -179,6 +179,44 @@ def serve(
     uvicorn.run(create_app(engine, model, max_batch=max_batch), host=host, port=port, log_level="warning")
 
 
+sandbox_app = typer.Typer(no_args_is_help=True, help="Run commands in bubblewrap sandboxes.")
+app.add_typer(sandbox_app, name="sandbox")
+
+
+@sandbox_app.command("exec")
+def sandbox_exec(
+    command: list[str] = typer.Argument(..., help="The command and its arguments (put them after --)."),
+    repo: Path = typer.Option(..., "--repo", help="Directory the sandbox's workspace starts from (never modified)."),
+    timeout: float = typer.Option(600, min=0.1, help="Seconds before the sandbox is killed."),
+    memory: int = typer.Option(4096, "--memory", min=16, help="Memory limit in MB."),
+    pids: int = typer.Option(512, min=8, help="Most processes and threads."),
+) -> None:
+    """Run one command in a fresh sandbox over DIR; print its output and exit with its exit code."""
+    from shipyard.sandbox.bwrap import Limits
+    from shipyard.sandbox.host import host
+    from shipyard.sandbox.run import run_in_sandbox
+    from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
+
+    with user_errors():
+        if not repo.is_dir():
+            raise UserError(f"--repo {repo} is not a directory")
+        h = host()
+        for note in h.notes:
+            console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+        snapshot = make_snapshot(repo, h)
+        try:
+            result = run_in_sandbox(snapshot, command, timeout=timeout, limits=Limits(memory_mb=memory, pids=pids))
+        finally:
+            remove_snapshot(snapshot)
+    sys.stdout.buffer.write(result.output)
+    if result.dropped_bytes:
+        console.print(f"[yellow][... {result.dropped_bytes} bytes of output dropped from the middle][/]")
+    if result.timed_out:
+        console.print(f"[red]timed out after {timeout:g} s; the sandbox was killed[/]")
+        raise typer.Exit(124)
+    raise typer.Exit(result.exit_code)
+
+
 @app.command()
 def bench(name: str = typer.Argument(..., help="Benchmark name: a file bench/NAME.py."),
           args: list[str] | None = typer.Argument(None, help="Arguments passed to the benchmark.")) -> None:

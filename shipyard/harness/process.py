@@ -15,6 +15,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,14 +79,18 @@ def kill_group(pid: int) -> None:
 
 
 def run_process(argv: list[str], *, timeout: float, cwd: str | Path, env: dict[str, str] | None,
-                stdin: bytes | None = None, max_output: int = 1 << 20) -> ExecResult:
-    """Run `argv` with stdout+stderr merged; on timeout kill the process group and keep the partial output."""
+                stdin: bytes | None = None, max_output: int = 1 << 20,
+                preexec_fn: Callable[[], None] | None = None) -> ExecResult:
+    """Run `argv` with stdout+stderr merged; on timeout kill the process group and keep the partial output.
+
+    `preexec_fn` runs in the child before exec (the sandbox launcher sets limits and drops privileges there).
+    """
     start = time.monotonic()
     read_fd, write_fd = os.pipe()
     try:
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=write_fd, stderr=write_fd,
                                 stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=preexec_fn)
     except BaseException:
         os.close(read_fd)
         raise

@@ -1,0 +1,192 @@
+"""Launching processes inside a bubblewrap sandbox over a copy-on-write workspace.
+
+The sandbox (bubblewrap >= 0.9, for `--overlay`):
+
+* `--unshare-all --unshare-user --disable-userns --die-with-parent --new-session --cap-drop ALL`: own user, pid,
+  net, ipc, uts and cgroup namespaces, and no nested user namespaces (the usual first step of a kernel exploit);
+  no capabilities; it dies with its launcher; no controlling terminal to inject into.
+* uid/gid 1000 inside ("agent"), mapped to an unprivileged host uid (see `shipyard.sandbox.host`).
+* Network: only the sandbox's own loopback; the host's 127.0.0.1 is another namespace, unreachable.
+* Filesystem: `/usr` (and the merged-usr links) read-only; a minimal private `/etc` (no host secrets); the
+  interpreter prefix read-only at its own path; private `/tmp`, `/dev` and `/proc`; the workspace at
+  `/workspace` is an overlay of a per-sandbox upper dir over the read-only snapshot, which is also visible,
+  read-only, at `/snapshot` (the baseline for diffs).
+* Limits: rlimits set in the launcher's child before it execs bwrap (inherited by everything inside), plus a
+  per-sandbox cgroup (memory, pids) where the host has one, joined before the privilege drop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import shutil
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from shipyard.sandbox.host import CGROUP_ROOT, Host
+
+WORKSPACE, SNAPSHOT = "/workspace", "/snapshot"
+SANDBOX_UID = SANDBOX_GID = 1000
+ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl", "ca-certificates", "localtime",
+             "nsswitch.conf", "gitconfig", "mime.types")
+
+
+@dataclass(frozen=True)
+class Limits:
+    memory_mb: int = 4096
+    pids: int = 512
+    cpu_seconds: int = 3600
+    file_size_mb: int = 2048
+    open_files: int = 4096
+
+
+@dataclass
+class Layout:
+    """Host directories of one sandbox: its upper and work dirs, and its private /etc and /home."""
+
+    root: Path
+
+    @property
+    def upper(self) -> Path:
+        return self.root / "upper"
+
+    @property
+    def work(self) -> Path:
+        return self.root / "work"
+
+    @property
+    def etc(self) -> Path:
+        return self.root / "etc"
+
+    @classmethod
+    def create(cls, h: Host, sandbox_id: str) -> Layout:
+        layout = cls(h.state_dir / "sandboxes" / sandbox_id)
+        for d in (layout.upper, layout.work, layout.etc):
+            d.mkdir(parents=True, exist_ok=True)
+        (layout.etc / "passwd").write_text(f"root:x:0:0:root:/root:/bin/bash\nagent:x:{SANDBOX_UID}:{SANDBOX_GID}:"
+                                           "agent:/home/agent:/bin/bash\nnobody:x:65534:65534::/:/bin/false\n")
+        (layout.etc / "group").write_text(f"root:x:0:\nagent:x:{SANDBOX_GID}:\nnogroup:x:65534:\n")
+        (layout.etc / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
+        (layout.etc / "hostname").write_text("sandbox\n")
+        os.chmod(layout.root.parent, 0o755)
+        for p in (layout.root, layout.etc, *layout.etc.iterdir()):
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        if h.drop_privileges:
+            for d in (layout.upper, layout.work):
+                os.chown(d, h.uid, h.gid)
+        return layout
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _usr_links() -> list[str]:
+    """Recreate the host's top-level system dirs: merged-usr symlinks, or read-only binds."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "sbin", "lib", "lib64", "lib32"):
+        path = Path("/") / name
+        if path.is_symlink():
+            args += ["--symlink", os.readlink(path), f"/{name}"]
+        elif path.is_dir():
+            args += ["--ro-bind", str(path), f"/{name}"]
+    return args
+
+
+def bwrap_argv(h: Host, layout: Layout, snapshot: Path, command: list[str], *, cwd: str = WORKSPACE,
+               env: dict[str, str] | None = None, extra_ro_binds: tuple[tuple[str, str], ...] = ()) -> list[str]:
+    argv = [h.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+            "--cap-drop", "ALL",
+            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID), "--hostname", "sandbox", *_usr_links(),
+            "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run", "--tmpfs", "/home/agent"]
+    for name in ETC_FILES:
+        if Path("/etc", name).exists():
+            argv += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
+    for name in ("passwd", "group", "hosts", "hostname"):
+        argv += ["--ro-bind", str(layout.etc / name), f"/etc/{name}"]
+    argv += ["--ro-bind", h.python_source, h.python_prefix]
+    for src, dest in extra_ro_binds:
+        argv += ["--ro-bind", src, dest]
+    argv += ["--ro-bind", str(snapshot), SNAPSHOT,
+             "--overlay-src", str(snapshot), "--overlay", str(layout.upper), str(layout.work), WORKSPACE,
+             "--remount-ro", "/", "--chdir", cwd, "--clearenv"]
+    base_env = {"PATH": f"{h.python_prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/home/agent",
+                "USER": "agent", "LANG": "C.UTF-8", "TMPDIR": "/tmp"}
+    for key, value in (base_env | (env or {})).items():
+        argv += ["--setenv", key, value]
+    return [*argv, "--", *command]
+
+
+class Cgroups:
+    """Per-sandbox cgroup (v2, or v1 memory + pids) that the launcher's child joins before exec."""
+
+    def __init__(self, h: Host, limits: Limits):
+        self.version = h.cgroup
+        self.name = f"shipyard-{uuid.uuid4().hex[:12]}"
+        self.dirs: list[Path] = []
+        memory, pids = limits.memory_mb * 1024 * 1024, limits.pids
+        if self.version == "v2":
+            d = CGROUP_ROOT / self.name
+            d.mkdir()
+            (d / "memory.max").write_text(str(memory))
+            (d / "memory.swap.max").write_text("0")
+            (d / "pids.max").write_text(str(pids))
+            self.dirs = [d]
+        elif self.version == "v1":
+            mem, pid = CGROUP_ROOT / "memory" / self.name, CGROUP_ROOT / "pids" / self.name
+            mem.mkdir()
+            pid.mkdir()
+            (mem / "memory.limit_in_bytes").write_text(str(memory))
+            with contextlib.suppress(OSError):  # absent without swap accounting
+                (mem / "memory.memsw.limit_in_bytes").write_text(str(memory))
+            (pid / "pids.max").write_text(str(pids))
+            self.dirs = [mem, pid]
+
+    def join(self) -> None:
+        """Called in the child between fork and exec."""
+        for d in self.dirs:
+            (d / "cgroup.procs").write_text(str(os.getpid()))
+
+    def kill_all(self, wait: float = 5.0) -> None:
+        """SIGKILL every process left in the cgroup (whatever session or group it escaped to); wait for none."""
+        deadline = time.monotonic() + wait
+        while self.dirs and time.monotonic() < deadline:
+            pids = {int(p) for d in self.dirs for p in (d / "cgroup.procs").read_text().split()}
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.01)
+        if self.dirs:
+            raise RuntimeError(f"processes in cgroup {self.name} survived SIGKILL for {wait} s")
+
+    def remove(self) -> None:
+        self.kill_all()
+        for d in self.dirs:
+            d.rmdir()
+
+
+def preexec(h: Host, limits: Limits, cgroups: Cgroups | None):
+    """The function run in the child before exec: join cgroups, set rlimits, drop to the sandbox uid."""
+
+    def run() -> None:
+        if cgroups is not None:
+            cgroups.join()
+        mb = 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_size_mb * mb, limits.file_size_mb * mb))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if cgroups is None or not cgroups.dirs:
+            resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
+            resource.setrlimit(resource.RLIMIT_NPROC, (limits.pids, limits.pids))
+        if h.drop_privileges:
+            os.setgroups([])
+            os.setgid(h.gid)
+            os.setuid(h.uid)
+
+    return run

