@@ -3,8 +3,9 @@
 import re
 import subprocess
 import sys
+from pathlib import Path
 
-from conftest import EXAMPLE
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pocketlib"
 
 
 def test_example_suite_passes_with_at_least_40_tests(tmp_path):

@@ -112,20 +112,25 @@ def run_process(argv: list[str], *, timeout: float, cwd: str | Path, env: dict[s
 
 @dataclass
 class Job:
-    """A background process; its output goes to `log`, a path in the workspace's execution environment."""
+    """A background process; its output goes to `log`, a path in the workspace's execution environment.
+
+    `running` and `stop` are supplied by the workspace that started it (a local process or one in a sandbox).
+    """
 
     id: int
     command: str
     pid: int
     log: str
-    process: subprocess.Popen
+    running: Callable[[], bool]
+    stop: Callable[[], None]
 
-    def running(self) -> bool:
-        return self.process.poll() is None
 
-    def stop(self) -> None:
-        kill_group(self.pid)
-        self.process.wait()
+def local_job(job_id: int, command: str, proc: subprocess.Popen, log: str) -> Job:
+    def stop() -> None:
+        kill_group(proc.pid)
+        proc.wait()
+
+    return Job(job_id, command, proc.pid, log, lambda: proc.poll() is None, stop)
 
 
 def spawn_process(argv: list[str], *, cwd: str | Path, env: dict[str, str], log: Path) -> subprocess.Popen:

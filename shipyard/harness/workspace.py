@@ -18,6 +18,7 @@ workspace owns two guarantees the tools rely on:
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal, Protocol
 
-from shipyard.harness.process import ExecResult, Job, run_process, spawn_process
+from shipyard.harness.process import ExecResult, Job, local_job, run_process, spawn_process
 
 # Directories that are never part of a baseline, a diff or a glob: VCS metadata, caches, virtual environments.
 IGNORED_DIRS = frozenset({".git", "__pycache__", ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache",
@@ -78,6 +79,10 @@ class Workspace(Protocol):
 
     def files(self, limit: int) -> list[str]:
         """Up to `limit` file paths, breadth of the tree first (for an overview of the workspace)."""
+        ...
+
+    def environment(self) -> dict[str, str]:
+        """The environment processes start from in the execution environment (the shell session's base)."""
         ...
 
     def run(self, argv: list[str], *, timeout: float, cwd: str | None = None, env: dict[str, str] | None = None,
@@ -197,6 +202,9 @@ class LocalWorkspace:
         return paths[: limit + 1]
 
     # Processes --------------------------------------------------------------------------------------------
+    def environment(self) -> dict[str, str]:
+        return dict(os.environ)
+
     def run(self, argv: list[str], *, timeout: float, cwd: str | None = None, env: dict[str, str] | None = None,
             stdin: bytes | None = None) -> ExecResult:
         return run_process(argv, timeout=timeout, cwd=cwd or self.exec_root, env=env, stdin=stdin)
@@ -206,7 +214,7 @@ class LocalWorkspace:
             job_id = len(self._jobs) + 1
             log = self._scratch / f"job{job_id}.log"
             proc = spawn_process(command, cwd=cwd, env=env, log=log)
-            job = Job(job_id, " ".join(command), proc.pid, str(log), proc)
+            job = local_job(job_id, " ".join(command), proc, str(log))
             self._jobs.append(job)
         return job
 
@@ -220,6 +228,9 @@ class LocalWorkspace:
                 job.stop()
             self._jobs.clear()
         shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+DIFF_HEADER = re.compile(r"^diff --git ([ab])/(.+) \1/\2$", re.MULTILINE)
 
 
 def tree_diff(before: Path, after: Path) -> str:
@@ -237,7 +248,8 @@ def tree_diff(before: Path, after: Path) -> str:
                                "--no-ext-diff", "--no-prefix", "a", "b"], cwd=tmp, capture_output=True)
     if proc.returncode not in (0, 1):
         raise RuntimeError(f"git diff failed: {proc.stderr.decode(errors='replace')}")
-    return proc.stdout.decode(errors="replace")
+    # Added and deleted files name one side twice (`b/x b/x`); write the conventional `a/x b/x`.
+    return DIFF_HEADER.sub(r"diff --git a/\2 b/\2", proc.stdout.decode(errors="replace"))
 
 
 def _link_or_copy(src: str, dst: str) -> None:

@@ -7,8 +7,8 @@ from shipyard.harness.tools.terminal import run_terminal
 
 
 @pytest.fixture
-def ctx(workspace):
-    c = ToolContext(workspace, max_output_bytes=2000)
+def ctx(ws):
+    c = ToolContext(ws, max_output_bytes=2000)
     yield c
     c.close()
 
@@ -56,7 +56,7 @@ def test_background_job(ctx):
     assert "serving" in run_terminal(ctx, f"cat {log}")
     job = ctx.session.jobs[0]
     ctx.close()
-    assert job.process.poll() is not None  # killed with the session
+    assert not job.running()  # killed with the session
 
 
 def test_parallel_calls_do_not_persist(ctx):
@@ -94,7 +94,7 @@ def test_state_survives_redirected_output_and_fake_markers(ctx):
     assert "@@shipyard-state-0000@@" in out and out.splitlines()[1].endswith("/tests") and "A=1" in out
 
 
-def test_deleted_working_directory_falls_back_to_root(ctx, repo):
+def test_deleted_working_directory_falls_back_to_root(ctx):
     run_terminal(ctx, "mkdir gone && cd gone")
     run_terminal(ctx, "rmdir ../gone")
     out = run_terminal(ctx, "pwd")

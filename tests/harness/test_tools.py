@@ -1,7 +1,7 @@
-import os
 from pathlib import Path
 
 import pytest
+from wsutil import get, put, sh
 
 from shipyard.harness.tools import ToolContext, ToolError
 from shipyard.harness.tools.base import truncate_middle
@@ -13,8 +13,8 @@ from shipyard.harness.workspace import PathError
 
 
 @pytest.fixture
-def ctx(workspace):
-    c = ToolContext(workspace)
+def ctx(ws):
+    c = ToolContext(ws)
     yield c
     c.close()
 
@@ -28,21 +28,18 @@ def test_paths_outside_are_refused(ctx, path):
         write_file(ctx, path, "x")
 
 
-def test_symlink_escape_refused(ctx, repo, tmp_path):
-    secret = tmp_path / "secret.txt"
-    secret.write_text("top secret")
-    (repo / "link.txt").symlink_to(secret)
-    (repo / "linkdir").symlink_to(tmp_path)
+def test_symlink_escape_refused(ctx, ws):
+    sh(ws, "ln -s /etc/passwd link.txt && ln -s /etc linkdir")
     with pytest.raises(PathError, match="symbolic link"):
         read_file(ctx, "link.txt")
     with pytest.raises(PathError):
         write_file(ctx, "linkdir/new.txt", "x")
-    assert not (tmp_path / "new.txt").exists()
+    assert not Path("/etc/new.txt").exists()
     assert "link.txt" not in glob(ctx, "**/*.txt")
 
 
-def test_absolute_path_inside_is_accepted(ctx, repo):
-    assert "def to_roman" in read_file(ctx, str(repo / "pocketlib" / "roman.py"))
+def test_absolute_path_inside_is_accepted(ctx, ws):
+    assert "def to_roman" in read_file(ctx, f"{ws.exec_root}/pocketlib/roman.py")
 
 
 def test_empty_path(ctx):
@@ -58,16 +55,16 @@ def test_read_file_numbers_and_pages(ctx):
     assert "call read_file with offset=5 to continue" in lines[-1]
 
 
-def test_read_file_errors(ctx, repo):
+def test_read_file_errors(ctx, ws):
     with pytest.raises(ToolError, match="does not exist"):
         read_file(ctx, "nope.py")
     with pytest.raises(ToolError, match="directory"):
         read_file(ctx, "pocketlib")
     with pytest.raises(ToolError, match="past the end"):
         read_file(ctx, "pocketlib/__init__.py", offset=999)
-    (repo / "blob.bin").write_bytes(b"\x00\x01\x02")
+    put(ws, "blob.bin", b"\x00\x01\x02")
     assert "binary file" in read_file(ctx, "blob.bin")
-    (repo / "empty.txt").write_text("")
+    put(ws, "empty.txt", "")
     assert "is empty" in read_file(ctx, "empty.txt")
 
 
@@ -96,19 +93,19 @@ def test_grep(ctx):
 
 
 # Editing ----------------------------------------------------------------------------------------------------
-def test_search_replace_unique(ctx, repo):
+def test_search_replace_unique(ctx, ws):
     out = search_replace(ctx, "pocketlib/stats.py", "return math.fsum(values) / len(values)",
                          "return math.fsum(values) / float(len(values))")
     assert out.startswith("edited 'pocketlib/stats.py'")
-    assert "float(len(values))" in (repo / "pocketlib/stats.py").read_text()
+    assert "float(len(values))" in get(ws, "pocketlib/stats.py")
 
 
-def test_search_replace_ambiguous_and_replace_all(ctx, repo):
+def test_search_replace_ambiguous_and_replace_all(ctx, ws):
     with pytest.raises(ToolError, match=r"occurs \d+ times .*lines"):
         search_replace(ctx, "pocketlib/stats.py", "_require(values)\n", "_require(values)  # checked\n")
     search_replace(ctx, "pocketlib/stats.py", "_require(values)\n", "_require(values)  # checked\n",
                    replace_all=True)
-    assert (repo / "pocketlib/stats.py").read_text().count("# checked") == 5
+    assert get(ws, "pocketlib/stats.py").count("# checked") == 5
 
 
 def test_search_replace_not_found_suggests_closest_line(ctx):
@@ -116,17 +113,17 @@ def test_search_replace_not_found_suggests_closest_line(ctx):
         search_replace(ctx, "pocketlib/stats.py", "return math.fsum(values)/len(values)", "return 0")
 
 
-def test_syntax_gate_rejects_and_keeps_file(ctx, repo):
-    before = (repo / "pocketlib/stats.py").read_text()
+def test_syntax_gate_rejects_and_keeps_file(ctx, ws):
+    before = get(ws, "pocketlib/stats.py")
     with pytest.raises(ToolError, match=r"syntax error — SyntaxError: .*line \d+"):
         search_replace(ctx, "pocketlib/stats.py", "def mean(values", "def mean(values,,")
-    assert (repo / "pocketlib/stats.py").read_text() == before
+    assert get(ws, "pocketlib/stats.py") == before
     with pytest.raises(ToolError, match="JSONDecodeError"):
         write_file(ctx, "data.json", '{"a": }')
 
 
-def test_syntax_gate_allows_fixing_a_broken_file(ctx, repo):
-    (repo / "broken.py").write_text("def f(:\n    pass\n")
+def test_syntax_gate_allows_fixing_a_broken_file(ctx, ws):
+    put(ws, "broken.py", "def f(:\n    pass\n")
     out = search_replace(ctx, "broken.py", "pass", "return 1")
     assert "still does not parse" in out
     assert "still" not in search_replace(ctx, "broken.py", "def f(:", "def f():")
@@ -139,10 +136,10 @@ def test_syntax_error_helper():
     assert syntax_error("a.toml", "x = ") is not None
 
 
-def test_search_replace_crlf(ctx, repo):
-    (repo / "win.py").write_bytes(b"a = 1\r\nb = 2\r\n")
+def test_search_replace_crlf(ctx, ws):
+    put(ws, "win.py", b"a = 1\r\nb = 2\r\n")
     search_replace(ctx, "win.py", "a = 1\nb = 2", "a = 1\nb = 3")
-    assert (repo / "win.py").read_bytes() == b"a = 1\r\nb = 3\r\n"
+    assert ws.read_bytes("win.py") == b"a = 1\r\nb = 3\r\n"
 
 
 def test_search_replace_argument_errors(ctx):
@@ -154,10 +151,10 @@ def test_search_replace_argument_errors(ctx):
         search_replace(ctx, "new.py", "a", "b")
 
 
-def test_write_and_delete(ctx, repo):
+def test_write_and_delete(ctx, ws):
     assert write_file(ctx, "pkg/sub/new.py", "x = 1\n").startswith("created")
     assert write_file(ctx, "pkg/sub/new.py", "x = 2\n").startswith("overwrote")
-    assert (repo / "pkg/sub/new.py").read_text() == "x = 2\n"
+    assert get(ws, "pkg/sub/new.py") == "x = 2\n"
     assert delete_file(ctx, "pkg/sub/new.py") == "deleted 'pkg/sub/new.py'."
     with pytest.raises(ToolError, match="does not exist"):
         delete_file(ctx, "pkg/sub/new.py")
@@ -167,9 +164,9 @@ def test_write_and_delete(ctx, repo):
         delete_file(ctx, ".")
 
 
-def test_read_lints(ctx, repo):
+def test_read_lints(ctx, ws):
     assert "no lint errors" in read_lints(ctx, ["pocketlib/roman.py"])
-    (repo / "bad.py").write_text("import os\n")
+    put(ws, "bad.py", "import os\n")
     out = read_lints(ctx)
     assert "bad.py:1:8: F401" in out
 
@@ -190,13 +187,15 @@ def test_truncate_middle_states_dropped_bytes():
     assert truncate_middle("short", 50) == "short"
 
 
-def test_workspace_diff(workspace, repo):
-    (repo / "pocketlib/roman.py").write_text("changed\n")
-    (repo / "new.txt").write_text("hello\n")
-    os.remove(repo / "README.md")
-    diff = workspace.diff()
+def test_workspace_diff(ws):
+    put(ws, "pocketlib/roman.py", "changed\n")
+    put(ws, "new.txt", "hello\n")
+    ws.delete("README.md")
+    sh(ws, "python -c 'import pocketlib.stats'")  # writes __pycache__, which no diff shows
+    diff = ws.diff()
     assert "diff --git a/pocketlib/roman.py b/pocketlib/roman.py" in diff
-    assert "+++ b/new.txt" in diff and "--- a/README.md" in diff
+    assert "diff --git a/new.txt b/new.txt" in diff and "+++ b/new.txt" in diff
+    assert "diff --git a/README.md b/README.md" in diff and "--- a/README.md" in diff
     assert "__pycache__" not in diff
 
 

@@ -113,7 +113,7 @@ def grep(ctx: ToolContext, pattern: str, path: str = ".", glob: str | None = Non
         argv += ["--context", str(context)]
     if glob:
         argv += ["--glob", glob]
-    argv += ["--regexp", pattern, "--", rel]
+    argv += ["--regexp", pattern, "--", rel] if rel != "." else ["--regexp", pattern]
     result = ctx.workspace.run(argv, timeout=30)
     out = result.output.decode(errors="replace")
     if result.timed_out:

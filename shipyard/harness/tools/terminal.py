@@ -18,7 +18,6 @@ to a log file the model can `tail`, and every background job is killed when the 
 
 from __future__ import annotations
 
-import os
 import secrets
 import threading
 
@@ -51,7 +50,7 @@ class ShellSession:
         self.workspace = workspace
         self.max_output_bytes = max_output_bytes
         self.cwd: str = workspace.exec_root
-        base = dict(os.environ) if env is None else dict(env)
+        base = workspace.environment() if env is None else dict(env)
         self.env = {k: v for k, v in base.items() if k not in SHELL_OWNED} | QUIET_ENV
         self.jobs: list[Job] = []
         self._lock = threading.Lock()
