@@ -6,11 +6,13 @@ printed as one clear line and exit with status 2, not as a traceback.
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import shutil
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -64,7 +66,10 @@ def untagged_setting(model: str, given: str | None) -> str:
 
 
 def run_agent(task: str, repo: Path, model: str, max_turns: int, out_path: Path | None, temperature: float,
-              seed: int | None, max_new_tokens: int, device: str, tokenizer: str | None, untagged: str | None):
+              seed: int | None, max_new_tokens: int, device: str, tokenizer: str | None, untagged: str | None,
+              sandbox_dir: Path | None = None):
+    """Run one episode. With `sandbox_dir`, the agent works in a sandbox over a snapshot of `repo` (which is never
+    modified) and the patch, trajectory and a summary are written to `sandbox_dir`."""
     from shipyard.harness.display import render_end, render_turn
     from shipyard.harness.loop import Agent, LoopConfig
     from shipyard.harness.workspace import LocalWorkspace
@@ -75,7 +80,22 @@ def run_agent(task: str, repo: Path, model: str, max_turns: int, out_path: Path 
     untagged = untagged_setting(model, untagged)
     with console.status(f"loading model {model}"):
         engine = make_engine(model, device=device, tokenizer=tokenizer, status=_status)
-    workspace = LocalWorkspace(repo)
+    snapshot = None
+    if sandbox_dir is None:
+        workspace = LocalWorkspace(repo)
+    else:
+        from shipyard.sandbox.host import host
+        from shipyard.sandbox.sandbox import Sandbox
+        from shipyard.sandbox.snapshot import make_snapshot
+
+        h = host()
+        for note in h.notes:
+            console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+        sandbox_dir.mkdir(parents=True, exist_ok=True)
+        out_path = out_path or sandbox_dir / "trajectory.json"
+        snapshot = make_snapshot(repo, h)
+        workspace = Sandbox(snapshot)
+        console.print(f"[dim]· sandbox {workspace.id} over a snapshot of {repo}; {repo} will not be modified[/]")
     console.print(f"[dim]· tool calls without <tool_call> tags: {untagged}[/]")
     config = LoopConfig(max_turns=max_turns, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
                         untagged_calls=untagged)
@@ -93,8 +113,17 @@ def run_agent(task: str, repo: Path, model: str, max_turns: int, out_path: Path 
     finally:
         workspace.close()
         engine.close()
+        if snapshot is not None:
+            from shipyard.sandbox.snapshot import remove_snapshot
+
+            remove_snapshot(snapshot)
     render_end(console, traj)
-    if out_path:
+    if sandbox_dir is not None:
+        (sandbox_dir / "patch.diff").write_text(traj.patch or "")
+        (sandbox_dir / "summary.json").write_text(json.dumps(traj.summary(), indent=2) + "\n")
+        console.print(f"[dim]patch, trajectory and summary written to {sandbox_dir}; apply the patch with "
+                      f"`git apply {sandbox_dir / 'patch.diff'}` in {repo}[/]", soft_wrap=True)
+    elif out_path:
         console.print(f"[dim]trajectory saved to {out_path}[/]")
     return traj
 
@@ -104,6 +133,10 @@ def agent(
     task: str = typer.Argument(..., help="What the agent should do, in plain language."),
     repo: Path = typer.Option(Path("."), "--repo", help="The repository to work in (edited in place)."),
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP),
+    sandbox: bool = typer.Option(False, "--sandbox", help="Work in a sandbox over a snapshot of --repo; --repo is "
+                                 "never modified and the patch is written to --artifacts."),
+    artifacts: Path | None = typer.Option(None, "--artifacts", help="With --sandbox: where the patch, trajectory "
+                                          "and summary go (default ./shipyard-runs/<time>)."),
     max_turns: int = typer.Option(30, "--max-turns", min=1),
     out_path: Path | None = typer.Option(None, "--out", help="Save the trajectory here as JSON (after every turn)."),
     temperature: float = typer.Option(0.7, min=0.0),
@@ -115,8 +148,12 @@ def agent(
 ) -> None:
     """Run the coding agent on a repository and print each turn, the diff and a summary."""
     with user_errors():
+        if artifacts is not None and not sandbox:
+            raise UserError("--artifacts only applies with --sandbox")
+        if sandbox and artifacts is None:
+            artifacts = Path("shipyard-runs") / time.strftime("%Y%m%d-%H%M%S")
         run_agent(task, repo, model, max_turns, out_path, temperature, seed, max_new_tokens, device, tokenizer,
-                  untagged)
+                  untagged, artifacts if sandbox else None)
 
 
 DEMO_TASK = ("The test suite of this repository fails. Run the tests with `python -m pytest -q`, find the bug in "

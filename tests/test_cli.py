@@ -101,3 +101,24 @@ def test_serve_and_agent_over_http(repo, tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_agent_in_sandbox_leaves_repo_untouched_and_writes_patch(repo, tmp_path):
+    before = {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()}
+    edit = json.dumps({"name": "search_replace", "arguments": {
+        "path": "pocketlib/stats.py", "old_string": "def mean(", "new_string": "def average("}})
+    shell = json.dumps({"name": "run_terminal", "arguments": {"command": "touch created.txt; whoami; rm README.md"}})
+    replay = write_replay(tmp_path / "s.jsonl", [f"<tool_call>{edit}</tool_call><tool_call>{shell}</tool_call>",
+                                                 "Done."])
+    out = tmp_path / "artifacts"
+    r = shipyard("agent", "rename", "--repo", str(repo), "--model", f"replay:{replay}", "--sandbox",
+                 "--artifacts", str(out))
+    assert r.returncode == 0, r.stderr
+    assert {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()} == before
+    patch = (out / "patch.diff").read_text()
+    assert "+def average(" in patch and "created.txt" in patch and "--- a/README.md" in patch
+    assert json.loads((out / "summary.json").read_text())["stop_reason"] == "finished"
+    traj = json.loads((out / "trajectory.json").read_text())
+    assert "agent" in traj["turns"][0]["calls"][1]["output"]
+    check = subprocess.run(["git", "apply", "--check", str(out / "patch.diff")], cwd=repo, capture_output=True)
+    assert check.returncode == 0, check.stderr
