@@ -3,7 +3,7 @@
 1. Create → first command: a fresh `Sandbox` (bwrap + overlay + exec session) until its first command returns,
    and a one-shot `run_in_sandbox` (what `shipyard sandbox exec` does), p50/p99 over `--n` sandboxes.
    Target p50 <= 15 ms for a sandbox start.
-2. A new workspace over a 100 MB tree: overlay (empty upper dir) vs a full copy of the tree.
+2. A new workspace over a 100 MB tree of 20,000 small files: overlay (empty upper dir) vs a full copy of the tree.
 
     shipyard bench sandbox [-- --n 50]
 (The 500-sandbox burst through the environment server arrives with the server.)
@@ -39,10 +39,11 @@ def main() -> None:
     args = ap.parse_args()
     h = host()
     src = Path(tempfile.mkdtemp(prefix="shipyard-bench-"))
-    for i in range(args.tree_mb):  # 100 files of 1 MB in 10 directories
-        d = src / f"d{i % 10}"
+    files = args.tree_mb * 200  # source-tree-like: many 5 KB files (100 MB = 20,000 files in 200 directories)
+    for i in range(files):
+        d = src / f"d{i % 200}"
         d.mkdir(exist_ok=True)
-        (d / f"f{i}.bin").write_bytes(os.urandom(1 << 20))
+        (d / f"f{i}.py").write_bytes(os.urandom(5 * 1024 // 2).hex().encode())
     snap = make_snapshot(src, h)
 
     one_shot, session = [], []
