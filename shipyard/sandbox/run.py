@@ -24,3 +24,20 @@ def run_in_sandbox(snapshot: Path, command: list[str], *, timeout: float, limits
     finally:
         cgroups.remove()
         layout.remove()
+
+
+def sandbox_problem() -> str | None:
+    """Why sandboxes cannot start on this host (bwrap missing, user namespaces disabled, …), or None."""
+    import tempfile
+
+    from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
+
+    try:
+        snapshot = make_snapshot(tempfile.mkdtemp(prefix="shipyard-probe-"), host())
+        try:
+            probe = run_in_sandbox(snapshot, ["true"], timeout=30)
+        finally:
+            remove_snapshot(snapshot)
+    except (OSError, RuntimeError) as e:
+        return str(e)
+    return None if probe.exit_code == 0 else probe.output.decode(errors="replace").strip()

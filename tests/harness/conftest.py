@@ -2,30 +2,16 @@
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 
 from shipyard.harness.workspace import LocalWorkspace
 
 
-def _sandbox_problem() -> str | None:
-    from shipyard.sandbox.host import host
-    from shipyard.sandbox.run import run_in_sandbox
-    from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
-
-    try:
-        snap = make_snapshot(tempfile.mkdtemp(), host())
-        probe = run_in_sandbox(snap, ["true"], timeout=30)
-        remove_snapshot(snap)
-    except (OSError, RuntimeError) as e:
-        return str(e)
-    return None if probe.exit_code == 0 else probe.output.decode(errors="replace")
-
-
 @pytest.fixture(scope="session")
 def sandbox_problem():
-    return _sandbox_problem()
+    from shipyard.sandbox.run import sandbox_problem
+
+    return sandbox_problem()
 
 
 @pytest.fixture(params=["local", "sandbox"])

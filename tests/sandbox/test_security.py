@@ -12,25 +12,13 @@ import pytest
 
 from shipyard.sandbox.bwrap import Limits
 from shipyard.sandbox.host import CGROUP_ROOT, host
-from shipyard.sandbox.run import run_in_sandbox
+from shipyard.sandbox.run import run_in_sandbox, sandbox_problem
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 
 SECRET = "shipyard-secret-" + uuid.uuid4().hex
 
 
-def _sandboxes_work() -> str | None:
-    import tempfile
-
-    try:
-        snap = make_snapshot(tempfile.mkdtemp(), host())
-        probe = run_in_sandbox(snap, ["true"], timeout=30)
-        remove_snapshot(snap)
-    except (OSError, RuntimeError) as e:
-        return str(e)
-    return None if probe.exit_code == 0 else probe.output.decode(errors="replace")
-
-
-_problem = _sandboxes_work()
+_problem = sandbox_problem()
 pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
 
 
