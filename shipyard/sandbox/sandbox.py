@@ -66,6 +66,7 @@ class Sandbox:
         self._ids = itertools.count(1)
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
+        self._restart_lock = threading.RLock()
         self._proc: subprocess.Popen | None = None
         self._closed = False
         self.restarts = 0
@@ -99,6 +100,8 @@ class Sandbox:
     def _call(self, method: str, wait: float = 120, **params: Any) -> Any:
         if self._closed:
             raise RuntimeError(f"sandbox {self.id} is closed")
+        if self._proc.poll() is not None:  # died between calls: restart before sending anything
+            self._restart()
         req_id = next(self._ids)
         fut: Future = Future()
         with self._lock:
@@ -107,7 +110,11 @@ class Sandbox:
             self._proc.stdin.write(json.dumps({"id": req_id, "method": method, "params": params}).encode() + b"\n")
             self._proc.stdin.flush()
         except (BrokenPipeError, ValueError):
-            pass  # the reader thread fails the future
+            with self._lock:
+                self._pending.pop(req_id, None)
+            self._restart()
+            raise SessionRestarted("the sandbox's exec session died; it was restarted over the same files "
+                                   "(background jobs were lost)") from None
         try:
             reply = fut.result(timeout=wait)
         except SessionRestarted:
@@ -123,12 +130,12 @@ class Sandbox:
         return reply["result"]
 
     def _restart(self) -> None:
-        with self._lock:
+        with self._restart_lock:  # parallel calls that failed together restart the session once
             if self._closed or (self._proc is not None and self._proc.poll() is None):
                 return
-        self.cgroups.kill_all()
-        self.restarts += 1
-        self._start()
+            self.cgroups.kill_all()
+            self.restarts += 1
+            self._start()
 
     # Workspace protocol -------------------------------------------------------------------------------------
     def resolve(self, path: str) -> str:

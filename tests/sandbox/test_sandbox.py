@@ -48,3 +48,17 @@ def test_files_written_in_the_sandbox_belong_to_the_sandbox_uid(snapshot):
         owner = (sb.layout.upper / "owned.txt").stat().st_uid
         assert owner == host().uid
         assert subprocess.run(["test", "-e", str(snapshot / "owned.txt")]).returncode == 1
+
+
+def test_session_killed_between_calls_restarts_on_next_call(snapshot):
+    import time
+
+    from shipyard.harness.process import kill_group
+
+    with Sandbox(snapshot) as sb:
+        sb.write_bytes("kept.txt", b"x")
+        kill_group(sb._proc.pid)  # e.g. killed by a limit while idle
+        sb._proc.wait()
+        start = time.monotonic()
+        assert sb.read_bytes("kept.txt") == b"x"
+        assert sb.restarts == 1 and time.monotonic() - start < 10
