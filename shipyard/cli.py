@@ -254,6 +254,33 @@ def sandbox_exec(
     raise typer.Exit(result.exit_code)
 
 
+@app.command("env-server")
+def env_server(
+    host_: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on."),
+    port: int = typer.Option(8100, min=1, max=65535),
+    max_live: int = typer.Option(256, "--max-live", min=1, help="Most sandboxes alive at once."),
+    max_starting: int = typer.Option(8, "--max-starting", min=1, help="Most sandboxes starting at once."),
+    max_queue: int = typer.Option(512, "--max-queue", min=0, help="Most starts waiting; beyond: 503 Retry-After."),
+    idle_timeout: float = typer.Option(1800, "--idle-timeout", min=1, help="Seconds before an idle sandbox is reaped."),
+) -> None:
+    """Serve sandboxes over HTTP (create from snapshots, exec, files, diff, destroy; /metrics)."""
+    import uvicorn
+
+    from shipyard.sandbox.host import host
+    from shipyard.sandbox.run import sandbox_problem
+    from shipyard.sandbox.server import ServerConfig, create_app
+
+    with user_errors():
+        problem = sandbox_problem()
+        if problem:
+            raise UserError(f"this host cannot start bubblewrap sandboxes: {problem}")
+        for note in host().notes:
+            console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+    config = ServerConfig(max_live=max_live, max_starting=max_starting, max_queue=max_queue, idle_timeout=idle_timeout)
+    console.print(f"environment server on http://{host_}:{port} (sandbox uid {host().uid}, cgroup {host().cgroup})")
+    uvicorn.run(create_app(config), host=host_, port=port, log_level="warning")
+
+
 @app.command()
 def bench(name: str = typer.Argument(..., help="Benchmark name: a file bench/NAME.py."),
           args: list[str] | None = typer.Argument(None, help="Arguments passed to the benchmark.")) -> None:

@@ -54,13 +54,78 @@ def shipyard_source(h: Host) -> Path:
     return dest
 
 
-class Sandbox:
+class SessionWorkspace:
+    """The `Workspace` protocol over the exec session's request set; subclasses supply the transport (`_call`)."""
+
+    exec_root = WORKSPACE
+
+    def _call(self, method: str, wait: float = 120, **params: Any) -> Any:
+        raise NotImplementedError
+
+    @staticmethod
+    def _unwrap(reply: dict[str, Any]) -> Any:
+        """A session reply envelope → its result, or the exception it carries (as the tools expect it)."""
+        if "error" in reply:
+            err = reply["error"]
+            if err["type"] == "PathError":
+                raise PathError(err["message"])
+            if err["type"] == "OSError":
+                raise OSError(err.get("errno") or 0, err["message"])
+            raise RuntimeError(f"sandbox session error: {err['message']}")
+        return reply["result"]
+
+    def resolve(self, path: str) -> str:
+        if not isinstance(path, str) or not path.strip():
+            raise PathError("path must be a non-empty string (relative to the workspace root, e.g. 'src/app.py')")
+        return self._call("resolve", path=path)
+
+    def kind(self, path: str) -> Kind:
+        return self._call("kind", path=path)
+
+    def read_bytes(self, path: str) -> bytes:
+        return base64.b64decode(self._call("read_bytes", path=path))
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        self._call("write_bytes", path=path, data=base64.b64encode(data).decode())
+
+    def delete(self, path: str) -> None:
+        self._call("delete", path=path)
+
+    def listdir(self, path: str) -> list[Entry]:
+        return [Entry(**e) for e in self._call("listdir", path=path)]
+
+    def glob(self, pattern: str, path: str) -> list[str]:
+        return self._call("glob", pattern=pattern, path=path)
+
+    def files(self, limit: int) -> list[str]:
+        return self._call("files", limit=limit)
+
+    def environment(self) -> dict[str, str]:
+        return self._call("environment")
+
+    def run(self, argv: list[str], *, timeout: float, cwd: str | None = None, env: dict[str, str] | None = None,
+            stdin: bytes | None = None) -> ExecResult:
+        r = self._call("run", wait=timeout + 60, argv=argv, cwd=cwd, env=env, timeout=timeout,
+                       stdin=base64.b64encode(stdin).decode() if stdin is not None else None)
+        return ExecResult(base64.b64decode(r["output"]), r["exit_code"], r["timed_out"], r["seconds"],
+                          r["dropped_bytes"])
+
+    def spawn(self, command: list[str], *, cwd: str, env: dict[str, str]) -> Job:
+        info = self._call("spawn", command=command, cwd=cwd, env=env)
+        job_id = info["id"]
+        return Job(job_id, " ".join(command), info["pid"], info["log"],
+                   lambda: bool(self._call("job_running", id=job_id)), lambda: self._call("job_stop", id=job_id))
+
+    def diff(self) -> str:
+        return self._call("diff", wait=600)
+
+
+class Sandbox(SessionWorkspace):
     def __init__(self, snapshot: str | Path, limits: Limits | None = None, sandbox_id: str | None = None):
         self.h = host()
         self.snapshot = Path(snapshot)
         self.limits = limits or Limits()
         self.id = sandbox_id or uuid.uuid4().hex[:12]
-        self.exec_root = WORKSPACE
         self.layout = Layout.create(self.h, self.id)
         self.cgroups = Cgroups(self.h, self.limits)
         self._ids = itertools.count(1)
@@ -120,14 +185,7 @@ class Sandbox:
         except SessionRestarted:
             self._restart()
             raise
-        if "error" in reply:
-            err = reply["error"]
-            if err["type"] == "PathError":
-                raise PathError(err["message"])
-            if err["type"] == "OSError":
-                raise OSError(err.get("errno") or 0, err["message"])
-            raise RuntimeError(f"sandbox session error: {err['message']}")
-        return reply["result"]
+        return self._unwrap(reply)
 
     def _restart(self) -> None:
         with self._restart_lock:  # parallel calls that failed together restart the session once
@@ -136,52 +194,6 @@ class Sandbox:
             self.cgroups.kill_all()
             self.restarts += 1
             self._start()
-
-    # Workspace protocol -------------------------------------------------------------------------------------
-    def resolve(self, path: str) -> str:
-        if not isinstance(path, str) or not path.strip():
-            raise PathError("path must be a non-empty string (relative to the workspace root, e.g. 'src/app.py')")
-        return self._call("resolve", path=path)
-
-    def kind(self, path: str) -> Kind:
-        return self._call("kind", path=path)
-
-    def read_bytes(self, path: str) -> bytes:
-        return base64.b64decode(self._call("read_bytes", path=path))
-
-    def write_bytes(self, path: str, data: bytes) -> None:
-        self._call("write_bytes", path=path, data=base64.b64encode(data).decode())
-
-    def delete(self, path: str) -> None:
-        self._call("delete", path=path)
-
-    def listdir(self, path: str) -> list[Entry]:
-        return [Entry(**e) for e in self._call("listdir", path=path)]
-
-    def glob(self, pattern: str, path: str) -> list[str]:
-        return self._call("glob", pattern=pattern, path=path)
-
-    def files(self, limit: int) -> list[str]:
-        return self._call("files", limit=limit)
-
-    def environment(self) -> dict[str, str]:
-        return self._call("environment")
-
-    def run(self, argv: list[str], *, timeout: float, cwd: str | None = None, env: dict[str, str] | None = None,
-            stdin: bytes | None = None) -> ExecResult:
-        r = self._call("run", wait=timeout + 60, argv=argv, cwd=cwd, env=env, timeout=timeout,
-                       stdin=base64.b64encode(stdin).decode() if stdin is not None else None)
-        return ExecResult(base64.b64decode(r["output"]), r["exit_code"], r["timed_out"], r["seconds"],
-                          r["dropped_bytes"])
-
-    def spawn(self, command: list[str], *, cwd: str, env: dict[str, str]) -> Job:
-        info = self._call("spawn", command=command, cwd=cwd, env=env)
-        job_id = info["id"]
-        return Job(job_id, " ".join(command), info["pid"], info["log"],
-                   lambda: bool(self._call("job_running", id=job_id)), lambda: self._call("job_stop", id=job_id))
-
-    def diff(self) -> str:
-        return self._call("diff", wait=600)
 
     def close(self) -> None:
         if self._closed:

@@ -1,0 +1,107 @@
+"""The environment server and its client, over real HTTP on 127.0.0.1 with real sandboxes."""
+
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+from test_security import _problem, host_is_clean
+
+from shipyard.harness.tools import ToolContext
+from shipyard.harness.tools.edit import search_replace
+from shipyard.harness.tools.files import read_file
+from shipyard.harness.tools.terminal import run_terminal
+from shipyard.harness.workspace import PathError
+from shipyard.sandbox.client import EnvClient, EnvServerError, EnvServerUnreachable
+from shipyard.sandbox.server import ServerConfig, create_app
+
+pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    app = create_app(ServerConfig(max_live=3, max_starting=2, max_queue=4, idle_timeout=3600))
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", app.state.env
+    srv.should_exit = True
+    thread.join(timeout=30)
+    assert host_is_clean()  # shutdown closed every sandbox and snapshot
+
+
+@pytest.fixture
+def client(server):
+    c = EnvClient(server[0], retry_for=0)
+    yield c
+    c.close()
+
+
+def test_tools_through_a_remote_sandbox(client, repo):
+    snap = client.snapshot(str(repo))
+    with client.sandbox(snap) as sb:
+        ctx = ToolContext(sb)
+        assert "def to_roman" in read_file(ctx, "pocketlib/roman.py")
+        search_replace(ctx, "pocketlib/stats.py", "def mean(", "def average(")
+        run_terminal(ctx, "cd pocketlib && export GREETING=hi")
+        out = run_terminal(ctx, 'pwd; echo $GREETING; grep -c "def average" stats.py')
+        assert "/workspace/pocketlib" in out and "hi" in out and "\n1\n" in out
+        with pytest.raises(PathError, match="outside the workspace"):
+            read_file(ctx, "../../etc/passwd")
+        assert "+def average(" in sb.diff()
+        ctx.close()
+    assert "def mean(" in (repo / "pocketlib/stats.py").read_text()
+    client.delete_snapshot(snap)
+
+
+def test_admission_control_sheds_load_with_503(client, repo, server):
+    snap = client.snapshot(str(repo))
+    boxes = [client.sandbox(snap) for _ in range(3)]
+    with pytest.raises(EnvServerError, match="503: over capacity"):
+        client.sandbox(snap)
+    metrics = client.metrics()
+    assert metrics["live"] == 3 and metrics["failures"]["over_capacity"] >= 1
+    assert metrics["start_latency_ms"]["p50"] > 0
+    patient = EnvClient(server[0], retry_for=30)  # honours Retry-After until a slot frees up
+    threading.Timer(1.5, boxes[0].close).start()
+    start = time.monotonic()
+    with patient.sandbox(snap) as sb:
+        assert time.monotonic() - start >= 1.0
+        assert sb.run(["true"], timeout=10).exit_code == 0
+    patient.close()
+    for b in boxes[1:]:
+        b.close()
+    client.delete_snapshot(snap)
+
+
+def test_errors_are_clear(client):
+    with pytest.raises(EnvServerError, match="404: no snapshot 'nope'"):
+        client.sandbox("nope")
+    with pytest.raises(EnvServerError, match="not a directory"):
+        client.snapshot("/no/such/dir")
+    with pytest.raises(EnvServerError, match="no live sandbox"):
+        client.request("POST", "/sandboxes/zzz/call", {"method": "ping"})
+    with pytest.raises(EnvServerUnreachable, match="shipyard env-server"):
+        EnvClient(f"http://127.0.0.1:{free_port()}", retry_for=1).metrics()
+
+
+def test_idle_sandboxes_are_reaped(client, repo, server):
+    env = server[1]
+    snap = client.snapshot(str(repo))
+    sb = client.sandbox(snap)
+    env.config.idle_timeout = 0.0
+    assert env.reap() == 1
+    env.config.idle_timeout = 3600
+    with pytest.raises(EnvServerError, match="reaped after idling"):
+        sb.kind(".")
+    client.delete_snapshot(snap)
