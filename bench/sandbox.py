@@ -6,7 +6,9 @@
 2. A new workspace over a 100 MB tree of 20,000 small files: overlay (empty upper dir) vs a full copy of the tree.
 
     shipyard bench sandbox [-- --n 50]
-(The 500-sandbox burst through the environment server arrives with the server.)
+3. Burst: `--burst` sandboxes (create → `true` → destroy) at concurrency `--concurrency` through a real
+   `shipyard env-server` process on 127.0.0.1; failures seen by clients, then leaks on the host (live processes
+   of the sandbox uid, sandbox dirs, cgroups, host mounts).
 """
 
 from __future__ import annotations
@@ -14,14 +16,19 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from _common import finish, table
 
-from shipyard.sandbox.host import host
+from shipyard.sandbox.client import EnvClient
+from shipyard.sandbox.host import CGROUP_ROOT, host
 from shipyard.sandbox.run import run_in_sandbox
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
@@ -36,6 +43,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=50)
     ap.add_argument("--tree-mb", type=int, default=100)
+    ap.add_argument("--burst", type=int, default=500)
+    ap.add_argument("--concurrency", type=int, default=64)
     args = ap.parse_args()
     h = host()
     src = Path(tempfile.mkdtemp(prefix="shipyard-bench-"))
@@ -69,6 +78,7 @@ def main() -> None:
         copy.append((time.perf_counter() - t) * 1000)
         shutil.rmtree(dest.parent)
     remove_snapshot(snap)
+    burst = run_burst(args.burst, args.concurrency)
     shutil.rmtree(src)
 
     table("create → first command (ms)", ["what", "p50", "p99", "n"],
@@ -79,10 +89,71 @@ def main() -> None:
     table(f"new workspace over a {args.tree_mb} MB tree (ms, median of 5)", ["method", "ms"],
           [["overlay (sandbox start + first write)", statistics.median(overlay)],
            ["full copy (shutil.copytree)", statistics.median(copy)]])
-    finish("sandbox", {"one_shot_p50_ms": round(pct(one_shot, 50), 2), "one_shot_p99_ms": round(pct(one_shot, 99), 2),
+    table(f"burst: {args.burst} sandboxes at concurrency {args.concurrency} through shipyard env-server",
+          ["what", "value"], [[k, v] for k, v in burst.items()])
+    finish("sandbox", {"burst": burst,
+                       "one_shot_p50_ms": round(pct(one_shot, 50), 2), "one_shot_p99_ms": round(pct(one_shot, 99), 2),
                        "session_p50_ms": round(pct(session, 50), 2), "session_p99_ms": round(pct(session, 99), 2),
                        "overlay_ms": round(statistics.median(overlay), 1), "copy_ms": round(statistics.median(copy), 1),
                        "tree_mb": args.tree_mb, "target_p50_ms": 15, "cgroup": h.cgroup})
+
+
+def leaks(uid: int, mounts_before: int) -> dict[str, int]:
+    ps = subprocess.run(["ps", "-u", str(uid), "-o", "stat="], capture_output=True, text=True).stdout.split()
+    return {"live_processes": sum(not st.startswith("Z") for st in ps),
+            "sandbox_dirs": len(list((host().state_dir / "sandboxes").glob("*"))),
+            "cgroups": len([p for sub in ("", "memory", "pids") for p in (CGROUP_ROOT / sub).glob("shipyard-*")]),
+            "extra_host_mounts": len(Path("/proc/mounts").read_text().splitlines()) - mounts_before}
+
+
+def run_burst(n: int, concurrency: int) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mounts_before = len(Path("/proc/mounts").read_text().splitlines())
+    server = subprocess.Popen([sys.executable, "-m", "shipyard.cli", "env-server", "--port", str(port),
+                               "--max-live", str(concurrency), "--max-starting", "4"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = EnvClient(f"http://127.0.0.1:{port}", retry_for=300)
+    for _ in range(300):
+        try:
+            client.request("GET", "/health")
+            break
+        except Exception:
+            time.sleep(0.1)
+    repo = Path(tempfile.mkdtemp(prefix="shipyard-burst-"))
+    (repo / "main.py").write_text("print('hi')\n")
+    snap = client.snapshot(str(repo))
+    failures: list[str] = []
+
+    def one(i: int) -> float:
+        t = time.perf_counter()
+        try:
+            with client.sandbox(snap) as sb:
+                r = sb.run(["python", "main.py"], timeout=60)
+                if r.exit_code != 0 or b"hi" not in r.output:
+                    failures.append(f"#{i}: exit {r.exit_code}")
+        except Exception as e:
+            failures.append(f"#{i}: {type(e).__name__}: {e}")
+        return time.perf_counter() - t
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        durations = list(pool.map(one, range(n)))
+    wall = time.perf_counter() - start
+    metrics = client.metrics()
+    client.delete_snapshot(snap)
+    server.terminate()
+    server.wait(timeout=120)
+    shutil.rmtree(repo)
+    time.sleep(2)  # let the host's init reap the last zombies
+    return {"sandboxes": n, "failures": len(failures), "first_failures": failures[:3], "wall_s": round(wall, 1),
+            "sandboxes_per_s": round(n / wall, 1), "episode_p50_ms": round(pct(durations, 50) * 1000),
+            "episode_p99_ms": round(pct(durations, 99) * 1000),
+            "server_start_p50_ms": metrics["start_latency_ms"]["p50"],
+            "server_start_p99_ms": metrics["start_latency_ms"]["p99"],
+            "rejected_503_then_retried": metrics["failures"].get("over_capacity", 0),
+            **leaks(host().uid, mounts_before)}
 
 
 if __name__ == "__main__":
