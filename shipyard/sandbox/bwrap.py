@@ -81,7 +81,19 @@ class Layout:
         return layout
 
     def remove(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        """Delete the sandbox's dirs. overlayfs leaves `work/work` with mode 000, which a non-root owner must first
+        open up (root removes it regardless)."""
+
+        def open_up(func, path, _exc) -> None:
+            os.chmod(os.path.dirname(path), 0o700)
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.chmod(path, 0o700)
+                shutil.rmtree(path, onerror=open_up)
+            else:
+                func(path)
+
+        if self.root.exists():
+            shutil.rmtree(self.root, onerror=open_up)
 
 
 def _usr_links() -> list[str]:
