@@ -146,19 +146,23 @@ class Sandbox(SessionWorkspace):
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                       cwd="/", env={}, start_new_session=True,
                                       preexec_fn=preexec(self.h, self.limits, self.cgroups))
-        threading.Thread(target=self._read, args=(self._proc,), daemon=True).start()
+        # Each session process has its own table of calls in flight, so a dead session's reader can only fail
+        # the calls that were sent to it, never those already sent to its replacement.
+        self._pending = {}
+        threading.Thread(target=self._read, args=(self._proc, self._pending), daemon=True).start()
         self._call("ping", wait=30)
 
-    def _read(self, proc: subprocess.Popen) -> None:
+    def _read(self, proc: subprocess.Popen, pending: dict[int, Future]) -> None:
         for line in proc.stdout:
             reply = json.loads(line)
             with self._lock:
-                fut = self._pending.pop(reply["id"], None)
+                fut = pending.pop(reply["id"], None)
             if fut is not None:
                 fut.set_result(reply)
         with self._lock:  # the session is gone: fail everything still waiting on it
-            pending, self._pending = self._pending, {}
-        for fut in pending.values():
+            failed = list(pending.values())
+            pending.clear()
+        for fut in failed:
             fut.set_exception(SessionRestarted("the sandbox's exec session died; it was restarted over the same "
                                                "files (background jobs were lost)"))
 
@@ -170,13 +174,14 @@ class Sandbox(SessionWorkspace):
         req_id = next(self._ids)
         fut: Future = Future()
         with self._lock:
-            self._pending[req_id] = fut
+            pending = self._pending
+            pending[req_id] = fut
         try:
             self._proc.stdin.write(json.dumps({"id": req_id, "method": method, "params": params}).encode() + b"\n")
             self._proc.stdin.flush()
         except (BrokenPipeError, ValueError):
             with self._lock:
-                self._pending.pop(req_id, None)
+                pending.pop(req_id, None)
             self._restart()
             raise SessionRestarted("the sandbox's exec session died; it was restarted over the same files "
                                    "(background jobs were lost)") from None
