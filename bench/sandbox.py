@@ -78,6 +78,7 @@ def main() -> None:
         copy.append((time.perf_counter() - t) * 1000)
         shutil.rmtree(dest.parent)
     remove_snapshot(snap)
+    warm = warm_latency(args.n)
     burst = run_burst(args.burst, args.concurrency)
     shutil.rmtree(src)
 
@@ -85,7 +86,9 @@ def main() -> None:
           [["one-shot sandbox (run_in_sandbox: bwrap + cgroup + overlay + `true`)", pct(one_shot, 50),
             pct(one_shot, 99), len(one_shot)],
            ["Sandbox with exec session (incl. Python start inside)", pct(session, 50), pct(session, 99),
-            len(session)]])
+            len(session)],
+           ["env-server warm pool: HTTP create + HTTP `true` (pool not empty)", pct(warm, 50), pct(warm, 99),
+            len(warm)]])
     table(f"new workspace over a {args.tree_mb} MB tree (ms, median of 5)", ["method", "ms"],
           [["overlay (sandbox start + first write)", statistics.median(overlay)],
            ["full copy (shutil.copytree)", statistics.median(copy)]])
@@ -94,6 +97,7 @@ def main() -> None:
     finish("sandbox", {"burst": burst,
                        "one_shot_p50_ms": round(pct(one_shot, 50), 2), "one_shot_p99_ms": round(pct(one_shot, 99), 2),
                        "session_p50_ms": round(pct(session, 50), 2), "session_p99_ms": round(pct(session, 99), 2),
+                       "warm_pool_p50_ms": round(pct(warm, 50), 2), "warm_pool_p99_ms": round(pct(warm, 99), 2),
                        "overlay_ms": round(statistics.median(overlay), 1), "copy_ms": round(statistics.median(copy), 1),
                        "tree_mb": args.tree_mb, "target_p50_ms": 15, "cgroup": h.cgroup})
 
@@ -106,13 +110,11 @@ def leaks(uid: int, mounts_before: int) -> dict[str, int]:
             "extra_host_mounts": len(Path("/proc/mounts").read_text().splitlines()) - mounts_before}
 
 
-def run_burst(n: int, concurrency: int) -> dict:
+def start_server(*flags: str) -> tuple[subprocess.Popen, EnvClient]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mounts_before = len(Path("/proc/mounts").read_text().splitlines())
-    server = subprocess.Popen([sys.executable, "-m", "shipyard.cli", "env-server", "--port", str(port),
-                               "--max-live", str(concurrency), "--max-starting", "4"],
+    server = subprocess.Popen([sys.executable, "-m", "shipyard.cli", "env-server", "--port", str(port), *flags],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = EnvClient(f"http://127.0.0.1:{port}", retry_for=300)
     for _ in range(300):
@@ -121,6 +123,33 @@ def run_burst(n: int, concurrency: int) -> dict:
             break
         except Exception:
             time.sleep(0.1)
+    return server, client
+
+
+def warm_latency(n: int) -> list[float]:
+    """Create → first command through the server's HTTP API while the warm pool has a sandbox ready (ms)."""
+    server, client = start_server("--warm-pool", "2")
+    repo = Path(tempfile.mkdtemp(prefix="shipyard-warm-"))
+    snap = client.snapshot(str(repo))
+    samples = []
+    for _ in range(n):
+        while client.metrics()["warm_pool"] < 1:
+            time.sleep(0.02)
+        t = time.perf_counter()
+        sb = client.sandbox(snap)
+        assert sb.run(["true"], timeout=30).exit_code == 0
+        samples.append((time.perf_counter() - t) * 1000)
+        sb.close()
+    client.delete_snapshot(snap)
+    server.terminate()
+    server.wait(timeout=120)
+    shutil.rmtree(repo)
+    return samples
+
+
+def run_burst(n: int, concurrency: int) -> dict:
+    mounts_before = len(Path("/proc/mounts").read_text().splitlines())
+    server, client = start_server("--max-live", str(concurrency), "--max-starting", "4")
     repo = Path(tempfile.mkdtemp(prefix="shipyard-burst-"))
     (repo / "main.py").write_text("print('hi')\n")
     snap = client.snapshot(str(repo))

@@ -262,6 +262,7 @@ def env_server(
     max_starting: int = typer.Option(8, "--max-starting", min=1, help="Most sandboxes starting at once."),
     max_queue: int = typer.Option(512, "--max-queue", min=0, help="Most starts waiting; beyond: 503 Retry-After."),
     idle_timeout: float = typer.Option(1800, "--idle-timeout", min=1, help="Seconds before an idle sandbox is reaped."),
+    warm_pool: int = typer.Option(0, "--warm-pool", min=0, help="Started sandboxes kept ready per snapshot."),
 ) -> None:
     """Serve sandboxes over HTTP (create from snapshots, exec, files, diff, destroy; /metrics)."""
     import uvicorn
@@ -276,7 +277,8 @@ def env_server(
             raise UserError(f"this host cannot start bubblewrap sandboxes: {problem}")
         for note in host().notes:
             console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
-    config = ServerConfig(max_live=max_live, max_starting=max_starting, max_queue=max_queue, idle_timeout=idle_timeout)
+    config = ServerConfig(max_live=max_live, max_starting=max_starting, max_queue=max_queue, idle_timeout=idle_timeout,
+                          warm_pool=warm_pool)
     console.print(f"environment server on http://{host_}:{port} (sandbox uid {host().uid}, cgroup {host().cgroup})")
     uvicorn.run(create_app(config), host=host_, port=port, log_level="warning")
 

@@ -7,6 +7,10 @@ API (JSON):
   (`{"result"}` or `{"error": {"type", "message"}}`): every `Workspace` operation, exactly as `Sandbox` sends it.
 - `DELETE /sandboxes/{id}`, `DELETE /snapshots/{id}`; `GET /metrics`; `GET /health`.
 
+Warm pool: for every snapshot the server keeps `warm_pool` sandboxes started (refilled in the background as they
+are taken), so a create that finds one returns in about a millisecond instead of paying bwrap and the session's
+start. Pooled sandboxes count towards `max_live`; creates with custom limits always start cold.
+
 Admission control — bursty RL load must be shed, never hang: at most `max_starting` sandboxes start at once
 (starting is the CPU-heavy part), at most `max_live` exist, and at most `max_queue` requests wait for a start slot.
 Past that the answer is `503` with `Retry-After`, which `EnvClient` honours. Sandboxes idle for `idle_timeout`
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import threading
 import time
 import uuid
@@ -45,6 +50,7 @@ class ServerConfig:
     max_queue: int = 512
     idle_timeout: float = 1800.0
     retry_after: int = 1
+    warm_pool: int = 0  # started sandboxes kept ready per snapshot
 
 
 class SnapshotRequest(BaseModel):
@@ -85,6 +91,51 @@ class EnvServer:
         self.failures: Counter[str] = Counter()
         self.latencies: deque[float] = deque(maxlen=2000)
         self.start_times: deque[float] = deque(maxlen=2000)
+        self.pool: dict[str, deque[Sandbox]] = {}
+        self.warm_hits = 0
+        self.refills: queue.Queue[str | None] = queue.Queue()
+        self.refiller = threading.Thread(target=self._refill_loop, name="shipyard-warm-pool", daemon=True)
+        self.refiller.start()
+
+    def pooled(self) -> int:
+        return sum(len(q) for q in self.pool.values())
+
+    def _refill_loop(self) -> None:
+        while (snapshot_id := self.refills.get()) is not None:
+            while True:
+                with self.lock:
+                    snapshot = self.snapshots.get(snapshot_id)
+                    full = (snapshot is None or len(self.pool.get(snapshot_id, ())) >= self.config.warm_pool
+                            or len(self.live) + self.pooled() + self.waiting >= self.config.max_live)
+                if full:
+                    break
+                try:
+                    with self.start_slots:
+                        sandbox = Sandbox(snapshot)
+                except Exception as e:  # counted and retried on the next request for this snapshot
+                    self.failures[f"warm_start:{type(e).__name__}"] += 1
+                    break
+                with self.lock:
+                    if snapshot_id in self.snapshots:
+                        self.pool.setdefault(snapshot_id, deque()).append(sandbox)
+                        sandbox = None
+                if sandbox is not None:
+                    sandbox.close()
+                    break
+
+    def add_snapshot(self, snapshot_id: str, path: Path) -> None:
+        with self.lock:
+            self.snapshots[snapshot_id] = path
+        if self.config.warm_pool:
+            self.refills.put(snapshot_id)
+
+    def remove_snapshot(self, snapshot_id: str) -> Path | None:
+        with self.lock:
+            path = self.snapshots.pop(snapshot_id, None)
+            pooled = list(self.pool.pop(snapshot_id, ()))
+        for sandbox in pooled:
+            sandbox.close()
+        return path
 
     def create(self, snapshot_id: str, limits: dict[str, int] | None) -> tuple[str, float]:
         snapshot = self.snapshots.get(snapshot_id)
@@ -93,8 +144,20 @@ class EnvServer:
         known = {f.name for f in fields(Limits)}
         if limits and set(limits) - known:
             raise HTTPException(422, f"unknown limits {sorted(set(limits) - known)}; known: {sorted(known)}")
+        if not limits:
+            with self.lock:
+                warm = self.pool.get(snapshot_id)
+                sandbox = warm.popleft() if warm else None
+                if sandbox is not None:
+                    self.live[sandbox.id] = Live(sandbox, time.monotonic())
+                    self.starts += 1
+                    self.warm_hits += 1
+                    self.start_times.append(time.monotonic())
+            if sandbox is not None:
+                self.refills.put(snapshot_id)
+                return sandbox.id, 0.0
         with self.lock:
-            if len(self.live) + self.waiting >= self.config.max_live:
+            if len(self.live) + self.pooled() + self.waiting >= self.config.max_live:
                 self.failures["over_capacity"] += 1
                 raise Overloaded(f"{len(self.live)} sandboxes live (max {self.config.max_live})")
             if self.waiting >= self.config.max_queue:
@@ -153,6 +216,7 @@ class EnvServer:
         mem = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
         kb = lambda key: int(mem[key].split()[0])  # noqa: E731
         return {"live": len(self.live), "queued": self.waiting, "starts_total": self.starts,
+                "warm_pool": self.pooled(), "warm_hits": self.warm_hits,
                 "starts_per_s": round(recent / 10, 2), "start_latency_ms": {"p50": pick(0.5), "p99": pick(0.99)},
                 "failures": dict(self.failures), "snapshots": len(self.snapshots),
                 "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count(),
@@ -160,13 +224,16 @@ class EnvServer:
                 "memory_total_mb": kb("MemTotal") // 1024}
 
     def shutdown(self) -> None:
+        self.refills.put(None)
+        self.refiller.join(timeout=60)
         with self.lock:
-            victims, self.live = list(self.live.values()), {}
-            snapshots, self.snapshots = list(self.snapshots.values()), {}
-        for v in victims:
-            v.sandbox.close()
-        for s in snapshots:
-            remove_snapshot(s)
+            victims = [v.sandbox for v in self.live.values()] + [sb for q in self.pool.values() for sb in q]
+            snapshots = list(self.snapshots.values())
+            self.live, self.pool, self.snapshots = {}, {}, {}
+        for sandbox in victims:
+            sandbox.close()
+        for path in snapshots:
+            remove_snapshot(path)
 
 
 def create_app(config: ServerConfig | None = None) -> FastAPI:
@@ -213,12 +280,12 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         snap_id = req.name or uuid.uuid4().hex[:12]
         if snap_id in env.snapshots:
             raise HTTPException(409, f"snapshot '{snap_id}' exists")
-        env.snapshots[snap_id] = await asyncio.to_thread(make_snapshot, req.path, host(), snap_id)
+        env.add_snapshot(snap_id, await asyncio.to_thread(make_snapshot, req.path, host(), snap_id))
         return {"id": snap_id}
 
     @app.delete("/snapshots/{snap_id}")
     async def delete_snapshot(snap_id: str) -> dict[str, bool]:
-        path = env.snapshots.pop(snap_id, None)
+        path = await asyncio.to_thread(env.remove_snapshot, snap_id)
         if path is None:
             raise HTTPException(404, f"no snapshot '{snap_id}'")
         await asyncio.to_thread(remove_snapshot, path)

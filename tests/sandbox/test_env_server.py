@@ -25,10 +25,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+def serve(config: ServerConfig):
     port = free_port()
-    app = create_app(ServerConfig(max_live=3, max_starting=2, max_queue=4, idle_timeout=3600))
+    app = create_app(config)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -37,7 +36,12 @@ def server():
     yield f"http://127.0.0.1:{port}", app.state.env
     srv.should_exit = True
     thread.join(timeout=30)
-    assert host_is_clean()  # shutdown closed every sandbox and snapshot
+    assert host_is_clean()  # shutdown closed every sandbox, pooled ones included, and every snapshot
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from serve(ServerConfig(max_live=3, max_starting=2, max_queue=4, idle_timeout=3600))
 
 
 @pytest.fixture
@@ -105,3 +109,29 @@ def test_idle_sandboxes_are_reaped(client, repo, server):
     with pytest.raises(EnvServerError, match="reaped after idling"):
         sb.kind(".")
     client.delete_snapshot(snap)
+
+
+@pytest.fixture
+def warm_server():
+    yield from serve(ServerConfig(max_live=8, warm_pool=2))
+
+
+def test_warm_pool_hands_out_started_sandboxes(repo, warm_server):
+    client = EnvClient(warm_server[0], retry_for=0)
+    snap = client.snapshot(str(repo))
+    deadline = time.monotonic() + 30
+    while client.metrics()["warm_pool"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.metrics()["warm_pool"] == 2
+    body = client.request("POST", "/sandboxes", {"snapshot": snap})
+    assert body["start_ms"] == 0.0 and client.metrics()["warm_hits"] == 1
+    from shipyard.sandbox.client import RemoteSandbox
+
+    with RemoteSandbox(client, body["id"]) as sb:
+        assert sb.run(["true"], timeout=10).exit_code == 0
+    custom = client.sandbox(snap, limits={"memory_mb": 512})  # custom limits: always a cold start
+    assert client.metrics()["warm_hits"] == 1
+    custom.close()
+    client.delete_snapshot(snap)
+    assert client.metrics()["warm_pool"] == 0
+    client.close()
