@@ -29,6 +29,7 @@ from _common import finish, table
 
 from shipyard.sandbox.client import EnvClient
 from shipyard.sandbox.host import CGROUP_ROOT, host
+from shipyard.sandbox.layout import mounted_under
 from shipyard.sandbox.run import run_in_sandbox
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
@@ -102,12 +103,12 @@ def main() -> None:
                        "tree_mb": args.tree_mb, "target_p50_ms": 15, "cgroup": h.cgroup})
 
 
-def leaks(uid: int, mounts_before: int) -> dict[str, int]:
+def leaks(uid: int) -> dict[str, int]:
     ps = subprocess.run(["ps", "-u", str(uid), "-o", "stat="], capture_output=True, text=True).stdout.split()
     return {"live_processes": sum(not st.startswith("Z") for st in ps),
             "sandbox_dirs": len(list((host().state_dir / "sandboxes").glob("*"))),
             "cgroups": len([p for sub in ("", "memory", "pids") for p in (CGROUP_ROOT / sub).glob("shipyard-*")]),
-            "extra_host_mounts": len(Path("/proc/mounts").read_text().splitlines()) - mounts_before}
+            "mounts_left": len(mounted_under(host().state_dir))}
 
 
 def start_server(*flags: str) -> tuple[subprocess.Popen, EnvClient]:
@@ -148,7 +149,6 @@ def warm_latency(n: int) -> list[float]:
 
 
 def run_burst(n: int, concurrency: int) -> dict:
-    mounts_before = len(Path("/proc/mounts").read_text().splitlines())
     server, client = start_server("--max-live", str(concurrency), "--max-starting", "4")
     repo = Path(tempfile.mkdtemp(prefix="shipyard-burst-"))
     (repo / "main.py").write_text("print('hi')\n")
@@ -182,7 +182,7 @@ def run_burst(n: int, concurrency: int) -> dict:
             "server_start_p50_ms": metrics["start_latency_ms"]["p50"],
             "server_start_p99_ms": metrics["start_latency_ms"]["p99"],
             "rejected_503_then_retried": metrics["failures"].get("over_capacity", 0),
-            **leaks(host().uid, mounts_before)}
+            **leaks(host().uid)}
 
 
 if __name__ == "__main__":

@@ -227,6 +227,7 @@ def sandbox_exec(
     timeout: float = typer.Option(600, min=0.1, help="Seconds before the sandbox is killed."),
     memory: int = typer.Option(4096, "--memory", min=16, help="Memory limit in MB."),
     pids: int = typer.Option(512, min=8, help="Most processes and threads."),
+    disk: int = typer.Option(4096, "--disk", min=1, help="Most MB the command may write to the workspace."),
 ) -> None:
     """Run one command in a fresh sandbox over DIR; print its output and exit with its exit code."""
     from shipyard.sandbox.bwrap import Limits
@@ -242,7 +243,8 @@ def sandbox_exec(
             console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
         snapshot = make_snapshot(repo, h)
         try:
-            result = run_in_sandbox(snapshot, command, timeout=timeout, limits=Limits(memory_mb=memory, pids=pids))
+            limits = Limits(memory_mb=memory, pids=pids, disk_mb=disk)
+            result = run_in_sandbox(snapshot, command, timeout=timeout, limits=limits)
         finally:
             remove_snapshot(snapshot)
     sys.stdout.buffer.write(result.output)

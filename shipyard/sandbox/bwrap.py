@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
-import shutil
 import signal
 import time
 import uuid
@@ -28,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shipyard.sandbox.host import CGROUP_ROOT, Host
+from shipyard.sandbox.layout import SANDBOX_GID, SANDBOX_UID, Layout
 
 WORKSPACE, SNAPSHOT = "/workspace", "/snapshot"
-SANDBOX_UID = SANDBOX_GID = 1000
 ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl", "ca-certificates", "localtime",
              "nsswitch.conf", "gitconfig", "mime.types")
 
@@ -42,58 +41,7 @@ class Limits:
     cpu_seconds: int = 3600
     file_size_mb: int = 2048
     open_files: int = 4096
-
-
-@dataclass
-class Layout:
-    """Host directories of one sandbox: its upper and work dirs, and its private /etc and /home."""
-
-    root: Path
-
-    @property
-    def upper(self) -> Path:
-        return self.root / "upper"
-
-    @property
-    def work(self) -> Path:
-        return self.root / "work"
-
-    @property
-    def etc(self) -> Path:
-        return self.root / "etc"
-
-    @classmethod
-    def create(cls, h: Host, sandbox_id: str) -> Layout:
-        layout = cls(h.state_dir / "sandboxes" / sandbox_id)
-        for d in (layout.upper, layout.work, layout.etc):
-            d.mkdir(parents=True, exist_ok=True)
-        (layout.etc / "passwd").write_text(f"root:x:0:0:root:/root:/bin/bash\nagent:x:{SANDBOX_UID}:{SANDBOX_GID}:"
-                                           "agent:/home/agent:/bin/bash\nnobody:x:65534:65534::/:/bin/false\n")
-        (layout.etc / "group").write_text(f"root:x:0:\nagent:x:{SANDBOX_GID}:\nnogroup:x:65534:\n")
-        (layout.etc / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
-        (layout.etc / "hostname").write_text("sandbox\n")
-        os.chmod(layout.root.parent, 0o755)
-        for p in (layout.root, layout.etc, *layout.etc.iterdir()):
-            os.chmod(p, 0o755 if p.is_dir() else 0o644)
-        if h.drop_privileges:
-            for d in (layout.upper, layout.work):
-                os.chown(d, h.uid, h.gid)
-        return layout
-
-    def remove(self) -> None:
-        """Delete the sandbox's dirs. overlayfs leaves `work/work` with mode 000, which a non-root owner must first
-        open up (root removes it regardless)."""
-
-        def open_up(func, path, _exc) -> None:
-            os.chmod(os.path.dirname(path), 0o700)
-            if os.path.isdir(path) and not os.path.islink(path):
-                os.chmod(path, 0o700)
-                shutil.rmtree(path, onerror=open_up)
-            else:
-                func(path)
-
-        if self.root.exists():
-            shutil.rmtree(self.root, onerror=open_up)
+    disk_mb: int = 4096  # the upper dir: everything written to /workspace (see shipyard.sandbox.layout)
 
 
 def _usr_links() -> list[str]:
@@ -137,7 +85,7 @@ class Cgroups:
 
     def __init__(self, h: Host, limits: Limits):
         self.version = h.cgroup
-        self.name = f"shipyard-{uuid.uuid4().hex[:12]}"
+        self.name = f"shipyard-{os.getpid()}-{uuid.uuid4().hex[:12]}"  # owner pid: see layout.recover_stale
         self.dirs: list[Path] = []
         memory, pids = limits.memory_mb * 1024 * 1024, limits.pids
         if self.version == "v2":

@@ -83,6 +83,10 @@ class RemoteSandbox(SessionWorkspace):
                                     {"method": method, "params": params, "wait": wait}, timeout=wait + 30)
         return self._unwrap(reply)
 
+    def save_snapshot(self, name: str | None = None) -> str:
+        """The workspace as it is now, as a new snapshot on the server; its id."""
+        return self.client.request("POST", f"/sandboxes/{self.id}/snapshot", {"name": name})["id"]
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True

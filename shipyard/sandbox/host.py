@@ -14,7 +14,8 @@ interpreter's original path, so `sys.executable`, venvs made from it and the too
 inside and outside.
 
 **Limits.** rlimits (address space, processes, CPU time, file size, open files) always apply. cgroup limits
-(memory incl. page cache, pids) are applied where a writable cgroup v2 or v1 hierarchy exists. What cannot be
+(memory incl. page cache, pids) are applied where a writable cgroup v2 or v1 hierarchy exists; the disk quota of
+upper dirs where shipyard runs as root (`shipyard.sandbox.layout`). What cannot be
 enforced on this host is listed by `capabilities()` and printed at start-up, never silently skipped.
 """
 
@@ -45,6 +46,7 @@ class Host:
     python_prefix: str  # the interpreter prefix as seen inside the sandbox
     python_source: str  # what is bound there (the prefix itself, or its hard-link farm)
     cgroup: str | None  # "v2", "v1" or None
+    disk_quota: bool  # upper dirs live on size-capped tmpfs mounts (needs root)
     notes: tuple[str, ...] = field(default=())  # limits that cannot be enforced here, and why
 
 
@@ -145,4 +147,8 @@ def host() -> Host:
         source = str(prefix)
     cgroup, cg_notes = _cgroup_version()
     notes += cg_notes
-    return Host(str(bwrap), uid, gid, os.geteuid() == 0, state, str(prefix), source, cgroup, tuple(notes))
+    root = os.geteuid() == 0
+    if not root:
+        notes.append("the disk use of a sandbox's upper dir is not capped (the size-capped tmpfs it lives on needs "
+                     "root to mount); RLIMIT_FSIZE still caps each file")
+    return Host(str(bwrap), uid, gid, root, state, str(prefix), source, cgroup, root, tuple(notes))

@@ -6,8 +6,9 @@ import uuid
 from pathlib import Path
 
 from shipyard.harness.process import ExecResult, run_process
-from shipyard.sandbox.bwrap import WORKSPACE, Cgroups, Layout, Limits, bwrap_argv, preexec
+from shipyard.sandbox.bwrap import WORKSPACE, Cgroups, Limits, bwrap_argv, preexec
 from shipyard.sandbox.host import host
+from shipyard.sandbox.layout import Layout
 
 
 def run_in_sandbox(snapshot: Path, command: list[str], *, timeout: float, limits: Limits | None = None,
@@ -15,7 +16,7 @@ def run_in_sandbox(snapshot: Path, command: list[str], *, timeout: float, limits
     """Run `command` in a new sandbox whose workspace is an overlay over `snapshot`; discard its changes."""
     h = host()
     limits = limits or Limits()
-    layout = Layout.create(h, uuid.uuid4().hex[:12])
+    layout = Layout.create(h, uuid.uuid4().hex[:12], limits.disk_mb)
     cgroups = Cgroups(h, limits)
     try:
         argv = bwrap_argv(h, layout, snapshot, command, cwd=cwd, env=env)

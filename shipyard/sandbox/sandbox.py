@@ -13,6 +13,7 @@ pid namespace dying with bwrap), then removes its cgroups and its upper dir.
 from __future__ import annotations
 
 import base64
+import compileall
 import hashlib
 import itertools
 import json
@@ -28,8 +29,10 @@ from typing import Any
 import shipyard
 from shipyard.harness.process import ExecResult, Job, kill_group
 from shipyard.harness.workspace import Entry, Kind, PathError
-from shipyard.sandbox.bwrap import WORKSPACE, Cgroups, Layout, Limits, bwrap_argv, preexec
+from shipyard.sandbox.bwrap import WORKSPACE, Cgroups, Limits, bwrap_argv, preexec
 from shipyard.sandbox.host import Host, host
+from shipyard.sandbox.layout import Layout
+from shipyard.sandbox.snapshot import snapshot_episode
 
 SOURCE_MOUNT = "/opt/shipyard"
 
@@ -40,7 +43,8 @@ class SessionRestarted(OSError):
 
 @cache
 def shipyard_source(h: Host) -> Path:
-    """A copy of shipyard's (pure-Python) package the sandbox uid can read; the session imports it."""
+    """A copy of shipyard's (pure-Python) package the sandbox uid can read; the session imports it. Compiled here:
+    the sandbox cannot write bytecode next to it, and compiling at every session start cost ~60 ms."""
     package = Path(shipyard.__file__).resolve().parent
     files = sorted(p for p in package.rglob("*.py"))
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()[:16]
@@ -49,6 +53,7 @@ def shipyard_source(h: Host) -> Path:
         tmp = dest.with_name(digest + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(package, tmp / "shipyard", ignore=shutil.ignore_patterns("__pycache__"))
+        compileall.compile_dir(tmp / "shipyard", quiet=1, ddir=f"{SOURCE_MOUNT}/shipyard")
         subprocess.run(["chmod", "-R", "a+rX", str(tmp), str(tmp.parent)], check=True)
         tmp.replace(dest)
     return dest
@@ -126,7 +131,7 @@ class Sandbox(SessionWorkspace):
         self.snapshot = Path(snapshot)
         self.limits = limits or Limits()
         self.id = sandbox_id or uuid.uuid4().hex[:12]
-        self.layout = Layout.create(self.h, self.id)
+        self.layout = Layout.create(self.h, self.id, self.limits.disk_mb)
         self.cgroups = Cgroups(self.h, self.limits)
         self._ids = itertools.count(1)
         self._pending: dict[int, Future] = {}
@@ -141,7 +146,7 @@ class Sandbox(SessionWorkspace):
     def _start(self) -> None:
         python = f"{self.h.python_prefix}/bin/python3"
         code = f"import sys; sys.path.insert(0, {SOURCE_MOUNT!r}); from shipyard.sandbox.session import main; main()"
-        argv = bwrap_argv(self.h, self.layout, self.snapshot, [python, "-I", "-c", code],
+        argv = bwrap_argv(self.h, self.layout, self.snapshot, [python, "-I", "-S", "-c", code],
                           extra_ro_binds=((str(shipyard_source(self.h)), SOURCE_MOUNT),))
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                       cwd="/", env={}, start_new_session=True,
@@ -199,6 +204,10 @@ class Sandbox(SessionWorkspace):
             self.cgroups.kill_all()
             self.restarts += 1
             self._start()
+
+    def save_snapshot(self, name: str | None = None) -> Path:
+        """The workspace as it is now, as a new snapshot (the caller owns it: `remove_snapshot` when done)."""
+        return snapshot_episode(self.snapshot, self.layout.upper, self.h, name)
 
     def close(self) -> None:
         if self._closed:

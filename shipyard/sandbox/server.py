@@ -5,6 +5,8 @@ API (JSON):
 - `POST /sandboxes {"snapshot": ID, "limits"?: {...}}` → `{"id", "start_ms"}`: a fresh sandbox over a snapshot.
 - `POST /sandboxes/{id}/call {"method", "params", "wait"?}` → the exec session's reply envelope
   (`{"result"}` or `{"error": {"type", "message"}}`): every `Workspace` operation, exactly as `Sandbox` sends it.
+- `POST /sandboxes/{id}/snapshot {"name"?: ID}` → `{"id"}`: the sandbox's workspace as it is now, as a new
+  snapshot (fork rollouts from a shared prefix, resume a task).
 - `DELETE /sandboxes/{id}`, `DELETE /snapshots/{id}`; `GET /metrics`; `GET /health`.
 
 Warm pool: for every snapshot the server keeps `warm_pool` sandboxes started (refilled in the background as they
@@ -61,6 +63,10 @@ class SnapshotRequest(BaseModel):
 class SandboxRequest(BaseModel):
     snapshot: str
     limits: dict[str, int] | None = None
+
+
+class EpisodeSnapshotRequest(BaseModel):
+    name: str | None = None
 
 
 class CallRequest(BaseModel):
@@ -308,6 +314,15 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
             return {"error": {"type": "Error", "message": f"{type(e).__name__}: {e}"}}
         return {"result": result}
+
+    @app.post("/sandboxes/{sandbox_id}/snapshot")
+    async def save_snapshot(sandbox_id: str, req: EpisodeSnapshotRequest) -> dict[str, str]:
+        live = env.get(sandbox_id)
+        snap_id = req.name or uuid.uuid4().hex[:12]
+        if snap_id in env.snapshots:
+            raise HTTPException(409, f"snapshot '{snap_id}' exists")
+        env.add_snapshot(snap_id, await asyncio.to_thread(live.sandbox.save_snapshot, snap_id))
+        return {"id": snap_id}
 
     @app.delete("/sandboxes/{sandbox_id}")
     async def destroy(sandbox_id: str) -> dict[str, bool]:

@@ -68,6 +68,21 @@ def test_tools_through_a_remote_sandbox(client, repo):
     client.delete_snapshot(snap)
 
 
+def test_an_episode_forks_into_new_sandboxes(client, repo):
+    snap = client.snapshot(str(repo))
+    with client.sandbox(snap) as sb:
+        sb.write_bytes("prefix.txt", b"shared prefix\n")
+        fork = sb.save_snapshot()
+    with client.sandbox(fork) as a, client.sandbox(fork) as b:
+        assert a.read_bytes("prefix.txt") == b.read_bytes("prefix.txt") == b"shared prefix\n"
+        a.write_bytes("prefix.txt", b"a's own\n")
+        assert b.read_bytes("prefix.txt") == b"shared prefix\n" and b.diff() == ""
+    with pytest.raises(EnvServerError, match="404"):
+        client.request("POST", "/sandboxes/nope/snapshot", {})
+    for s in (fork, snap):
+        client.delete_snapshot(s)
+
+
 def test_admission_control_sheds_load_with_503(client, repo, server):
     snap = client.snapshot(str(repo))
     boxes = [client.sandbox(snap) for _ in range(3)]

@@ -1,11 +1,14 @@
 """The Sandbox workspace's lifecycle: restart of a dead exec session, clean close, limits from the host."""
 
+import os
 import subprocess
+import sys
 
 import pytest
 from test_security import _problem, host_is_clean
 
 from shipyard.sandbox.host import host
+from shipyard.sandbox.layout import recover_stale
 from shipyard.sandbox.sandbox import Sandbox, SessionRestarted
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 
@@ -62,3 +65,45 @@ def test_session_killed_between_calls_restarts_on_next_call(snapshot):
         start = time.monotonic()
         assert sb.read_bytes("kept.txt") == b"x"
         assert sb.restarts == 1 and time.monotonic() - start < 10
+
+
+EPISODE = """
+set -e
+echo changed >> README.md
+echo new > new.txt
+rm pyproject.toml
+rm -r tests && mkdir tests && echo 'only file' > tests/only.txt
+mkdir -p deep/er && echo x > deep/er/leaf.txt
+ln -s README.md link.md
+"""
+
+
+def test_an_episode_becomes_a_snapshot(snapshot):
+    with Sandbox(snapshot) as sb:
+        assert sb.run(["bash", "-c", EPISODE], timeout=30).exit_code == 0
+        listing = sb.run(["bash", "-c", "find . | sort; cat README.md"], timeout=30).output
+        saved = sb.save_snapshot()
+    try:
+        assert not (saved / "pyproject.toml").exists()
+        assert sorted(p.name for p in (saved / "tests").iterdir()) == ["only.txt"]  # the opaque dir replaced it
+        assert (saved / "link.md").is_symlink()
+        assert (saved / "pocketlib" / "roman.py").read_bytes() == (snapshot / "pocketlib" / "roman.py").read_bytes()
+        assert all(not a.startswith(("user.overlay", "trusted.overlay")) for p in saved.rglob("*")
+                   if not p.is_symlink() for a in os.listxattr(p))
+        with Sandbox(saved) as again:  # a sandbox over the new snapshot sees exactly what the episode left
+            assert again.run(["bash", "-c", "find . | sort; cat README.md"], timeout=30).output == listing
+            assert again.diff() == ""
+            again.write_bytes("new.txt", b"editable\n")
+    finally:
+        remove_snapshot(saved)
+    assert host_is_clean()
+
+
+def test_sandboxes_of_a_crashed_process_are_recovered(snapshot):
+    crash = (f"from shipyard.sandbox.sandbox import Sandbox; import os; sb = Sandbox({str(snapshot)!r}); "
+             "sb.run(['bash', '-c', 'sleep 1000 & echo started'], timeout=10); print(sb.id, flush=True); os._exit(1)")
+    out = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True, timeout=60)
+    sandbox_id = out.stdout.split()[-1]
+    assert (host().state_dir / "sandboxes" / sandbox_id).exists()  # the crash left it behind
+    assert sandbox_id in recover_stale(host())
+    assert host_is_clean()

@@ -1,5 +1,6 @@
 """Real attacks from inside real sandboxes. Each must be contained, and the host left clean afterwards."""
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 
 from shipyard.sandbox.bwrap import Limits
 from shipyard.sandbox.host import CGROUP_ROOT, host
+from shipyard.sandbox.layout import mounted_under
 from shipyard.sandbox.run import run_in_sandbox, sandbox_problem
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 
@@ -61,7 +63,7 @@ def _clean():
     leftovers = [stat for stat in ps if not stat.startswith("Z")]
     sandboxes = list((h.state_dir / "sandboxes").glob("*")) if (h.state_dir / "sandboxes").exists() else []
     groups = [p for sub in ("", "memory", "pids") for p in (CGROUP_ROOT / sub).glob("shipyard-*")]
-    return (not leftovers or not h.drop_privileges) and not sandboxes and not groups
+    return (not leftovers or not h.drop_privileges) and not sandboxes and not groups and not mounted_under(h.state_dir)
 
 
 @pytest.fixture(autouse=True)
@@ -76,9 +78,17 @@ def test_host_loopback_server_unreachable(snapshot):
     server.listen()
     port = server.getsockname()[1]
     accepted = []
-    threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True).start()
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):  # the socket is closed when the test ends
+            accepted.append(server.accept())
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
     r = sh(snapshot, f"python -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=3)\"")
+    server.shutdown(socket.SHUT_RDWR)
     server.close()
+    thread.join(timeout=5)
     assert r.exit_code != 0 and b"Connection refused" in r.output
     assert not accepted
 
@@ -122,10 +132,19 @@ def test_memory_bomb_is_killed(snapshot):
     assert b"ALLOCATED" not in r.output and r.exit_code != 0
 
 
-def test_disk_filling_is_capped(snapshot):
+def test_one_huge_file_is_capped(snapshot):
     r = sh(snapshot, "dd if=/dev/zero of=big bs=1M count=500 2>&1; ls -l big", file_size_mb=50)
     assert b"File size limit exceeded" in r.output
     assert b" 52428800 " in r.output
+
+
+@pytest.mark.skipif(not host().disk_quota, reason="the upper-dir quota needs root (a size-capped tmpfs mount)")
+def test_many_files_cannot_fill_the_disk(snapshot):
+    script = "for i in $(seq 1 40); do dd if=/dev/zero of=f$i bs=1M count=2 2>/dev/null || break; done; du -sm ."
+    r = sh(snapshot, script + "; df -m /workspace | tail -1", disk_mb=20, file_size_mb=50)
+    used = int(r.output.split()[0])
+    assert 15 <= used <= 21, r.output
+    assert b" 20 " in r.output  # df inside shows the quota as the workspace's size
 
 
 def test_stdout_flood_is_bounded(snapshot):

@@ -1,0 +1,153 @@
+"""The host directories of one sandbox, the disk quota of its upper dir, and recovery after a crash.
+
+Each sandbox has a directory `STATE/sandboxes/ID` holding its private `/etc` files and `fs/{upper,work}`, the
+overlay's upper and work dirs. Everything the sandbox writes to `/workspace` lands in `fs/upper`.
+
+**Disk quota.** Per-file size is capped by `RLIMIT_FSIZE`, but a sandbox could still fill the host's disk with
+many files. When shipyard runs as root, `fs` is a tmpfs mounted with `size=disk_mb` (a mount(2) call, ~0.1 ms):
+writes past the quota fail with `ENOSPC` inside the sandbox, and removal is an unmount. tmpfs pages are charged
+to the memory cgroup of the process that writes them, so what a sandbox stores in its upper dir also counts
+against its memory limit (measured files are small for coding tasks: edits, caches, test outputs). Without root
+nothing can be mounted; the host notes say the quota is not enforced there.
+
+**Crash recovery.** Every sandbox dir records its owner (pid and start time). `recover_stale()` unmounts and
+deletes the dirs, and removes the cgroups, of sandboxes whose owner process is gone — a killed environment
+server leaves nothing behind once any shipyard process starts again on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from shipyard.sandbox.host import CGROUP_ROOT, Host, host
+
+SANDBOX_UID = SANDBOX_GID = 1000
+MS_NOSUID, MS_NODEV, MNT_DETACH = 2, 4, 2
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def mount_tmpfs(target: Path, size_mb: int, uid: int, gid: int) -> None:
+    options = f"size={size_mb}m,mode=0755,uid={uid},gid={gid}".encode()
+    if _libc.mount(b"shipyard", str(target).encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mounting the disk-quota tmpfs at {target}: {os.strerror(err)}")
+
+
+def unmount(target: Path) -> None:
+    """Detach `target`; its memory is freed when the last process using it (none, after a kill) lets go."""
+    if _libc.umount2(str(target).encode(), MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unmounting {target}: {os.strerror(err)}")
+
+
+def mounted_under(root: Path) -> list[Path]:
+    prefix = str(root.resolve()) + "/"
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    return [Path(p) for p in points if p.startswith(prefix)]
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22: start time in clock ticks since boot
+
+
+def _owner_alive(owner_file: Path) -> bool:
+    try:
+        pid, started = owner_file.read_text().split()
+    except (OSError, ValueError):
+        return False
+    return _start_time(int(pid)) == started
+
+
+@dataclass
+class Layout:
+    root: Path
+    quota: bool = False  # `fs` is a size-capped tmpfs
+
+    @property
+    def fs(self) -> Path:
+        return self.root / "fs"
+
+    @property
+    def upper(self) -> Path:
+        return self.fs / "upper"
+
+    @property
+    def work(self) -> Path:
+        return self.fs / "work"
+
+    @property
+    def etc(self) -> Path:
+        return self.root / "etc"
+
+    @classmethod
+    def create(cls, h: Host, sandbox_id: str, disk_mb: int) -> Layout:
+        _recover_once(h.state_dir)
+        layout = cls(h.state_dir / "sandboxes" / sandbox_id, quota=h.disk_quota)
+        layout.etc.mkdir(parents=True)
+        os.chmod(layout.root.parent, 0o755)
+        (layout.root / "owner").write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+        layout.fs.mkdir()
+        if layout.quota:
+            mount_tmpfs(layout.fs, disk_mb, h.uid, h.gid)
+        (layout.etc / "passwd").write_text(f"root:x:0:0:root:/root:/bin/bash\nagent:x:{SANDBOX_UID}:{SANDBOX_GID}:"
+                                           "agent:/home/agent:/bin/bash\nnobody:x:65534:65534::/:/bin/false\n")
+        (layout.etc / "group").write_text(f"root:x:0:\nagent:x:{SANDBOX_GID}:\nnogroup:x:65534:\n")
+        (layout.etc / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
+        (layout.etc / "hostname").write_text("sandbox\n")
+        for p in (layout.root, layout.etc, *layout.etc.iterdir()):
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        for d in (layout.upper, layout.work):
+            d.mkdir()
+            if h.drop_privileges:
+                os.chown(d, h.uid, h.gid)
+        return layout
+
+    def remove(self) -> None:
+        """Unmount the quota tmpfs and delete the sandbox's dirs. overlayfs leaves `work/work` with mode 000, which
+        a non-root owner must first open up (root removes it regardless)."""
+
+        def open_up(func, path, _exc) -> None:
+            os.chmod(os.path.dirname(path), 0o700)
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.chmod(path, 0o700)
+                shutil.rmtree(path, onerror=open_up)
+            else:
+                func(path)
+
+        if self.root.exists():
+            for point in mounted_under(self.root):
+                unmount(point)
+            shutil.rmtree(self.root, onerror=open_up)
+
+
+def recover_stale(h: Host) -> list[str]:
+    """Remove the sandboxes (mounts, dirs, empty cgroups) left by shipyard processes that died; their ids."""
+    recovered = []
+    base = h.state_dir / "sandboxes"
+    for d in sorted(base.iterdir()) if base.is_dir() else []:
+        if d.is_dir() and not _owner_alive(d / "owner"):
+            with contextlib.suppress(OSError):
+                Layout(d).remove()
+                recovered.append(d.name)
+    for group in (p for sub in ("", "memory", "pids") for p in (CGROUP_ROOT / sub).glob("shipyard-*-*")):
+        owner = group.name.split("-")[1]
+        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            with contextlib.suppress(OSError):  # still has processes (they die with their bwrap): next time
+                group.rmdir()
+    return recovered
+
+
+@cache
+def _recover_once(state_dir: Path) -> None:
+    recover_stale(host())
