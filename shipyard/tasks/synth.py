@@ -1,0 +1,274 @@
+"""`shipyard synth`: feature-deletion tasks from a Python repository with a pytest suite.
+
+Pipeline (Composer 2.5's synthetic tasks: delete a testable feature so the codebase still works, ask for it back):
+
+1. Prepare the environment once (`environment.prepare`: `.venv` with the dependencies, the project editable).
+2. Run the suite 3× in sandboxes (the first with per-test coverage); tests that do not pass all 3 times (flaky
+   or broken) are excluded from every task.
+3. Choose features per tier from coverage (`features`), interleaving tiers so every tier is represented.
+4. For each candidate, build the task and validate it — every step required, every rejection counted by reason:
+   the deletion parses; scrubbed snapshot with one fresh commit; leak scan with 0 hits; with an empty patch the
+   suite collects cleanly, ≥ 1 FAIL_TO_PASS test exists and at most 30 % of them pass, all PASS_TO_PASS pass;
+   the gold patch restores a full pass 3 times out of 3 (the oracle); a `return None` stub patch fails.
+5. Write accepted tasks (`taskset` format), `tasks.jsonl` and `synth.json` (yield, rejections, tasks/CPU-hour).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import resource
+import shutil
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from shipyard.harness.workspace import tree_diff
+from shipyard.sandbox.host import host
+from shipyard.sandbox.sandbox import Sandbox
+from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
+from shipyard.tasks.deletion import DeletionError, delete_feature
+from shipyard.tasks.environment import VENV, prepare, project_requirements
+from shipyard.tasks.features import Feature, candidates, reach, source_files, symbols_of
+from shipyard.tasks.grade import grade, is_test_config
+from shipyard.tasks.scrub import fingerprints, fresh_commit, scan, scrub, third_party_files
+from shipyard.tasks.statement import statement, stub_source
+from shipyard.tasks.suite import run_suite
+from shipyard.tasks.taskset import DeletedSymbol, Task
+
+
+@dataclass
+class SynthConfig:
+    max_tasks: int = 20
+    tiers: tuple[int, ...] = (1, 2, 3)
+    suite_runs: int = 3
+    oracle_runs: int = 3
+    max_f2p_pass_rate: float = 0.3
+    min_lines: int = 3
+    timeout: float = 900.0
+
+
+@dataclass
+class SynthReport:
+    repo: str
+    accepted: list[str] = field(default_factory=list)
+    tried: int = 0
+    rejections: Counter = field(default_factory=Counter)
+    rejected: list[dict[str, str]] = field(default_factory=list)
+    stable_tests: int = 0
+    excluded_tests: dict[str, str] = field(default_factory=dict)  # node id → flaky | failing
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+
+    @property
+    def yield_(self) -> float:
+        return len(self.accepted) / self.tried if self.tried else 0.0
+
+    @property
+    def tasks_per_cpu_hour(self) -> float:
+        return len(self.accepted) / (self.cpu_seconds / 3600) if self.cpu_seconds else 0.0
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["rejections"] = dict(self.rejections)
+        out |= {"yield": round(self.yield_, 3), "tasks_per_cpu_hour": round(self.tasks_per_cpu_hour, 1)}
+        return out
+
+
+class Rejected(Exception):
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+def _cpu() -> float:
+    return sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+
+
+def source_commit(repo: Path) -> str:
+    proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True)
+    if proc.returncode == 0:
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True).stdout
+        return proc.stdout.strip() + ("+dirty" if dirty.strip() else "")
+    digest = hashlib.sha256()
+    for f in source_files(repo):
+        digest.update(f.encode() + (repo / f).read_bytes())
+    return "sha256:" + digest.hexdigest()[:16]
+
+
+def _copy_tree(base: Path, dest: Path) -> None:
+    """The repository copied, its (never edited) venv hard-linked: tasks share the venv's disk space."""
+    shutil.copytree(base, dest, symlinks=True, ignore=shutil.ignore_patterns(VENV))
+    if (base / VENV).exists():
+        subprocess.run(["cp", "-al", str(base / VENV), str(dest / VENV)], check=True)
+
+
+def baseline(base: Path, runs: int, timeout: float) -> tuple[set[str], dict[str, str], dict]:
+    """Stable tests (passed every run), excluded ones with why, and the first run's per-test coverage."""
+    snap = make_snapshot(base, host())
+    try:
+        results = []
+        for i in range(runs):
+            with Sandbox(snap) as sb:
+                results.append(run_suite(sb, coverage=i == 0, timeout=timeout))
+    finally:
+        remove_snapshot(snap)
+    if not results[0].outcomes:
+        raise RuntimeError(f"the suite reported no tests:\n{results[0].output[-2000:]}")
+    stable = set.intersection(*(r.passed for r in results))
+    excluded = {}
+    for t in set().union(*(r.outcomes for r in results)) - stable:
+        excluded[t] = "flaky" if any(t in r.passed for r in results) else "failing"
+    return stable, excluded, results[0].coverage
+
+
+class Synthesizer:
+    def __init__(self, repo: Path, out: Path, config: SynthConfig, log: Callable[[str], None] = print):
+        self.repo, self.out, self.config, self.log = Path(repo).resolve(), Path(out), config, log
+        self.work = self.out / ".work"
+        self.base = self.work / "base"
+        self.report = SynthReport(str(self.repo))
+
+    def run(self) -> SynthReport:
+        start, cpu0 = time.monotonic(), _cpu()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log("preparing the environment (.venv, dependencies, editable install)")
+        prepare(self.repo, self.base, Path.home() / ".cache" / "shipyard" / "wheels", timeout=self.config.timeout)
+        scrub(self.base)
+        self.commit = source_commit(self.repo)
+        self.log(f"running the suite {self.config.suite_runs}× (the first with per-test coverage)")
+        stable, excluded, coverage = baseline(self.base, self.config.suite_runs, self.config.timeout)
+        self.report.stable_tests, self.report.excluded_tests = len(stable), excluded
+        symbols = [s for f in source_files(self.base) for s in symbols_of(f, (self.base / f).read_text())]
+        reached = reach(symbols, coverage, stable)
+        pools = {t: candidates(symbols, reached, stable, t, self.config.min_lines) for t in self.config.tiers}
+        self.log(f"{len(stable)} stable tests, {len(excluded)} excluded; candidates per tier: "
+                 + ", ".join(f"T{t} {len(p)}" for t, p in pools.items()))
+        name = project_requirements(self.base)[0]
+        third_party = b"\n".join(p.read_bytes() for p in third_party_files(self.base / VENV, name and name.lower()))
+        used: dict[int, set] = {t: set() for t in pools}
+        index = []
+        while len(self.report.accepted) < self.config.max_tasks and any(pools.values()):
+            for tier in list(pools):
+                if not pools[tier] or len(self.report.accepted) >= self.config.max_tasks:
+                    continue
+                feature = pools[tier].pop(0)
+                if used[tier] & set(feature.symbols):  # one task per symbol and tier
+                    continue
+                self.report.tried += 1
+                try:
+                    task = self.validate(feature, third_party)
+                except Rejected as r:
+                    self.report.rejections[r.reason] += 1
+                    self.report.rejected.append({"feature": feature.id, "reason": r.reason, "detail": r.detail[:500]})
+                    self.log(f"  rejected {feature.id}: {r.reason}")
+                    shutil.rmtree(self.work / feature.id, ignore_errors=True)
+                    continue
+                used[tier] |= set(feature.symbols)
+                self.report.accepted.append(task.id)
+                index.append({"id": task.id, "tier": task.tier, "fail_to_pass": len(task.fail_to_pass),
+                              "lines_deleted": task.lines_deleted})
+                self.log(f"  accepted {task.id} ({len(task.fail_to_pass)} FAIL_TO_PASS)")
+        (self.out / "tasks.jsonl").write_text("".join(json.dumps(i) + "\n" for i in index))
+        shutil.rmtree(self.work, ignore_errors=True)
+        self.report.seconds = round(time.monotonic() - start, 1)
+        self.report.cpu_seconds = round(_cpu() - cpu0, 1)
+        (self.out / "synth.json").write_text(json.dumps(self.report.to_json(), indent=2) + "\n")
+        return self.report
+
+    def validate(self, feature: Feature, third_party: bytes) -> Task:
+        steps: list[dict] = []
+
+        def step(name: str, ok: bool, t0: float, reason: str, detail: str = "", **info) -> None:
+            steps.append({"name": name, "ok": ok, "seconds": round(time.monotonic() - t0, 2), **info})
+            if not ok:
+                raise Rejected(reason, detail)
+
+        stage = self.work / feature.id
+        shutil.rmtree(stage, ignore_errors=True)
+        tree = stage / "snapshot"
+        _copy_tree(self.base, tree)
+        t0 = time.monotonic()
+        try:
+            deletion = delete_feature(tree, feature)
+        except DeletionError as e:
+            step("delete", False, t0, "deletion_unparsable", str(e))
+        step("delete", True, t0, "", files=deletion.changed)
+        test_files = sorted(f for f in _all_files(self.base) if is_test_config(f))
+        for rel in test_files:
+            (stage / "tests" / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(self.base / rel, stage / "tests" / rel)
+        gold = tree_diff(tree, self.base)
+        stub = self._stub_patch(tree, feature, stage)
+        t0 = time.monotonic()
+        removed = scrub(tree)
+        fresh_commit(tree)
+        step("scrub", True, t0, "", removed=removed)
+        t0 = time.monotonic()
+        visible = b"\n".join((tree / f).read_bytes() for f in _all_files(tree))
+        fps = fingerprints(deletion.snippets, visible + b"\n" + third_party)
+        hits = scan(tree, fps)
+        step("leak_scan", not hits, t0, "leak", f"deleted code found in {hits[:5]}", fingerprints=len(fps.all()))
+        lines = sum(s.end - (s.body_start if feature.tier < 3 else s.start) + 1 for s in feature.symbols)
+        task = Task(feature.id, feature.tier, statement(feature, tree), feature.fail_to_pass, feature.pass_to_pass,
+                    [DeletedSymbol(s.file, s.qualname, s.start, s.end) for s in feature.symbols], lines,
+                    {"repo": str(self.repo), "commit": self.commit}, test_files=test_files,
+                    fingerprints=len(fps.all()))
+        snap = make_snapshot(tree, host())  # one sandbox snapshot for every grading run of this task
+        try:
+            self._grade_steps(task, stage, gold, stub, snap, step)
+        finally:
+            remove_snapshot(snap)
+        task.validation = steps
+        task.save(stage)
+        dest = self.out / task.id
+        shutil.rmtree(dest, ignore_errors=True)
+        stage.replace(dest)
+        return task
+
+    def _grade_steps(self, task: Task, stage: Path, gold: str, stub: str, snap: Path, step) -> None:
+        t0 = time.monotonic()
+        empty = grade(task, stage, "", self.config.timeout, snap)
+        if empty.status != "graded":
+            step("empty_patch", False, t0, f"infra_{empty.status}", empty.detail)
+        step("collects", not empty.collection_errors, t0, "collection_error", ", ".join(empty.collection_errors))
+        step("tests_present", not empty.missing, t0, "tests_missing", ", ".join(empty.missing[:5]))
+        rate = empty.fail_to_pass["passed"] / max(1, empty.fail_to_pass["total"])
+        step("f2p_fail", rate <= self.config.max_f2p_pass_rate, t0, "f2p_pass_rate", f"{rate:.2f}", pass_rate=rate)
+        step("p2p_pass", empty.pass_to_pass["passed"] == empty.pass_to_pass["total"], t0, "p2p_broken",
+             ", ".join(t for t in empty.failed if t in set(task.pass_to_pass))[:500])
+        (stage / "gold.patch").write_text(gold)
+        for i in range(self.config.oracle_runs):
+            t0 = time.monotonic()
+            v = grade(task, stage, gold, self.config.timeout, snap)
+            step(f"oracle_{i + 1}", v.reward == 1.0, t0, "oracle_fails" if i == 0 else "oracle_flaky",
+                 f"{v.status} {v.failed[:5]} {v.missing[:5]} {v.detail[-300:]}")
+        t0 = time.monotonic()
+        v = grade(task, stage, stub, self.config.timeout, snap)
+        step("stub_fails", v.reward == 0.0, t0, "stub_passes", v.status)
+
+    def _stub_patch(self, tree: Path, feature: Feature, stage: Path) -> str:
+        """The deleted functions implemented as `return None` (T3: stub definitions appended to the module)."""
+        stub = stage / "stub"
+        shutil.copytree(tree, stub, symlinks=True, ignore=shutil.ignore_patterns(VENV))
+        for file in {s.file for s in feature.symbols}:
+            path = stub / file
+            path.write_text(stub_source(path.read_text(), [s for s in feature.symbols if s.file == file],
+                                        feature.tier))
+        try:
+            return tree_diff(tree, stub)
+        finally:
+            shutil.rmtree(stub)
+
+
+def _all_files(root: Path) -> list[str]:
+    out = []
+    for p in root.rglob("*"):
+        rel = p.relative_to(root)
+        if p.is_file() and not any(part in (VENV, ".git", "__pycache__") for part in rel.parts):
+            out.append(rel.as_posix())
+    return sorted(out)
