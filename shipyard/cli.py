@@ -286,6 +286,66 @@ def env_server(
 
 
 @app.command()
+def synth(
+    repo: Path = typer.Option(..., "--repo", help="A Python repository with a pytest suite (never modified)."),
+    out: Path = typer.Option(..., "--out", help="The task-set directory to write (docs/tasks.md)."),
+    max_tasks: int = typer.Option(20, "--max-tasks", min=1, help="Stop after this many validated tasks."),
+    tier: list[int] | None = typer.Option(None, "--tier", min=1, max=3,
+                                          help="Tiers to make (repeatable): 1 one body, 2 several bodies of a "
+                                               "feature, 3 whole definitions. Default: all three."),
+    timeout: float = typer.Option(900, min=1, help="Seconds one run of the test suite may take."),
+) -> None:
+    """Feature-deletion tasks from REPO, each validated in sandboxes and graded by its tests."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from shipyard.tasks.environment import EnvSetupError
+    from shipyard.tasks.synth import SynthConfig, Synthesizer
+
+    with user_errors():
+        if not repo.is_dir():
+            raise UserError(f"--repo {repo} is not a directory")
+        if out.exists() and any(out.iterdir()) and not (out / "tasks.jsonl").exists():
+            raise UserError(f"--out {out} exists and is not a task set; choose an empty or new directory")
+        config = SynthConfig(max_tasks=max_tasks, tiers=tuple(sorted(set(tier or (1, 2, 3)))), timeout=timeout)
+        with Progress(TextColumn("[bold]validated tasks"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[tried]} tried"), TimeElapsedColumn(), console=console) as bar:
+            job = bar.add_task("synth", total=max_tasks, tried=0)
+            try:
+                report = Synthesizer(repo, out, config, log=lambda m: bar.console.print(f"[dim]· {m}[/]"),
+                                     progress=lambda a, t: bar.update(job, completed=a, tried=t)).run()
+            except EnvSetupError as e:
+                raise UserError(str(e)) from None
+    summary = report.to_json()
+    out_line = {k: summary[k] for k in ("yield", "tasks_per_cpu_hour", "tried", "rejections", "seconds")}
+    console.print(f"[green]{len(report.accepted)} tasks[/] in {out} — " + json.dumps(out_line))
+    if not report.accepted:
+        raise typer.Exit(1)
+
+
+@app.command()
+def grade(
+    tasks: Path = typer.Option(..., "--tasks", help="A task-set directory made by `shipyard synth`."),
+    task: str = typer.Option(..., "--task", help="The task id (a directory name in the task set)."),
+    patch: Path = typer.Option(..., "--patch", help="A `git diff` patch relative to the snapshot root."),
+    timeout: float = typer.Option(900, min=1, help="Seconds the test suite may take."),
+) -> None:
+    """Grade a patch in a fresh sandbox; print the verdict as JSON (exit 0 reward 1, 1 reward 0, 3 infra error)."""
+    from shipyard.tasks.grade import grade as grade_patch
+    from shipyard.tasks.taskset import TaskFormatError, load_task
+
+    with user_errors():
+        if not patch.is_file():
+            raise UserError(f"--patch {patch} is not a file")
+        try:
+            loaded, task_dir = load_task(tasks, task)
+        except TaskFormatError as e:
+            raise UserError(str(e)) from None
+        verdict = grade_patch(loaded, task_dir, patch.read_text(errors="replace"), timeout=timeout)
+    out.print_json(json.dumps(verdict.to_json()))
+    raise typer.Exit(0 if verdict.reward == 1.0 else 3 if verdict.reward is None else 1)
+
+
+@app.command()
 def bench(name: str = typer.Argument(..., help="Benchmark name: a file bench/NAME.py."),
           args: list[str] | None = typer.Argument(None, help="Arguments passed to the benchmark.")) -> None:
     """Run a benchmark from bench/: readable tables, then its figures as JSON on the last line."""

@@ -72,7 +72,9 @@ def _prune_imports(source: str, drop: set[str], module_of: str, target: str | No
     for node in ast.walk(tree):
         if imports and isinstance(node, ast.ImportFrom | ast.Import) and (target is None or (
                 isinstance(node, ast.ImportFrom) and _resolve(node, module_of) == target)):
-            keep = [a for a in node.names if (a.asname or a.name.split(".")[0]) not in drop]
+            # From the target module the imported name counts; otherwise the name the import binds.
+            keep = [a for a in node.names
+                    if (a.name if target is not None else a.asname or a.name.split(".")[0]) not in drop]
             if len(keep) == len(node.names):
                 continue
             if not keep:

@@ -67,7 +67,7 @@ def fresh_commit(root: Path, venv: str = ".venv") -> None:
     """Make `root` a git repository with a single commit of its current tree (the venv excluded)."""
     git = ["git", "-c", "user.name=shipyard", "-c", "user.email=tasks@shipyard.invalid",
            "-c", "init.defaultBranch=main", "-c", "commit.gpgsign=false"]
-    subprocess.run([*git, "init", "-q"], cwd=root, check=True)
+    subprocess.run([*git, "init", "-q", "--template="], cwd=root, check=True)  # no sample hooks, no description
     (root / ".git" / "info").mkdir(exist_ok=True)
     (root / ".git" / "info" / "exclude").write_text(f"/{venv}/\n")
     subprocess.run([*git, "add", "-A"], cwd=root, check=True)

@@ -127,8 +127,10 @@ def baseline(base: Path, runs: int, timeout: float) -> tuple[set[str], dict[str,
 
 
 class Synthesizer:
-    def __init__(self, repo: Path, out: Path, config: SynthConfig, log: Callable[[str], None] = print):
+    def __init__(self, repo: Path, out: Path, config: SynthConfig, log: Callable[[str], None] = print,
+                 progress: Callable[[int, int], None] | None = None):
         self.repo, self.out, self.config, self.log = Path(repo).resolve(), Path(out), config, log
+        self.progress = progress or (lambda accepted, tried: None)  # called after every candidate
         self.work = self.out / ".work"
         self.base = self.work / "base"
         self.report = SynthReport(str(self.repo))
@@ -151,28 +153,31 @@ class Synthesizer:
         name = project_requirements(self.base)[0]
         third_party = b"\n".join(p.read_bytes() for p in third_party_files(self.base / VENV, name and name.lower()))
         used: dict[int, set] = {t: set() for t in pools}
+        per_tier: Counter = Counter()
         index = []
         while len(self.report.accepted) < self.config.max_tasks and any(pools.values()):
-            for tier in list(pools):
-                if not pools[tier] or len(self.report.accepted) >= self.config.max_tasks:
-                    continue
-                feature = pools[tier].pop(0)
-                if used[tier] & set(feature.symbols):  # one task per symbol and tier
-                    continue
-                self.report.tried += 1
-                try:
-                    task = self.validate(feature, third_party)
-                except Rejected as r:
-                    self.report.rejections[r.reason] += 1
-                    self.report.rejected.append({"feature": feature.id, "reason": r.reason, "detail": r.detail[:500]})
-                    self.log(f"  rejected {feature.id}: {r.reason}")
-                    shutil.rmtree(self.work / feature.id, ignore_errors=True)
-                    continue
-                used[tier] |= set(feature.symbols)
-                self.report.accepted.append(task.id)
-                index.append({"id": task.id, "tier": task.tier, "fail_to_pass": len(task.fail_to_pass),
-                              "lines_deleted": task.lines_deleted})
-                self.log(f"  accepted {task.id} ({len(task.fail_to_pass)} FAIL_TO_PASS)")
+            # Balanced tiers: the tier with the fewest accepted tasks (that still has candidates) goes next.
+            tier = min((t for t in pools if pools[t]), key=lambda t: (per_tier[t], t))
+            feature = pools[tier].pop(0)
+            if used[tier] & set(feature.symbols):  # one task per symbol and tier
+                continue
+            self.report.tried += 1
+            try:
+                task = self.validate(feature, third_party)
+            except Rejected as r:
+                self.report.rejections[r.reason] += 1
+                self.report.rejected.append({"feature": feature.id, "reason": r.reason, "detail": r.detail[:500]})
+                self.log(f"  rejected {feature.id}: {r.reason}")
+                shutil.rmtree(self.work / feature.id, ignore_errors=True)
+                self.progress(len(self.report.accepted), self.report.tried)
+                continue
+            used[tier] |= set(feature.symbols)
+            per_tier[tier] += 1
+            self.report.accepted.append(task.id)
+            index.append({"id": task.id, "tier": task.tier, "fail_to_pass": len(task.fail_to_pass),
+                          "lines_deleted": task.lines_deleted})
+            self.log(f"  accepted {task.id} ({len(task.fail_to_pass)} FAIL_TO_PASS)")
+            self.progress(len(self.report.accepted), self.report.tried)
         (self.out / "tasks.jsonl").write_text("".join(json.dumps(i) + "\n" for i in index))
         shutil.rmtree(self.work, ignore_errors=True)
         self.report.seconds = round(time.monotonic() - start, 1)

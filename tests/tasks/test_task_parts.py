@@ -1,0 +1,182 @@
+"""The parts of task synthesis that need no sandbox: JUnit ids, symbols and features, deletion, scrubbing and the
+leak scanner, statements and stubs, the task format's errors."""
+
+import json
+import py_compile
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from shipyard.tasks.deletion import delete_feature, module_name
+from shipyard.tasks.features import Feature, Reach, candidates, is_test_file, symbols_of
+from shipyard.tasks.scrub import fingerprints, fresh_commit, scan, scrub
+from shipyard.tasks.statement import statement, stub_source
+from shipyard.tasks.suite import parse_junit
+from shipyard.tasks.taskset import TaskFormatError, list_tasks, load_task
+
+JUNIT = b"""<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="tests.test_a" name="test_ok" file="tests/test_a.py" line="3" time="0.1" />
+<testcase classname="tests.test_a.TestX" name="test_param[1-2]" file="tests/test_a.py" line="9" time="0.1">
+  <failure message="assert 1 == 2">boom</failure></testcase>
+<testcase classname="tests.test_a" name="test_skip" file="tests/test_a.py" line="12"><skipped message="no"/></testcase>
+<testcase classname="tests.test_a" name="test_teardown" file="tests/test_a.py" line="14" time="0.1" />
+<testcase classname="tests.test_a" name="test_teardown" file="tests/test_a.py" line="14" time="0.1">
+  <error message="teardown failed">x</error></testcase>
+<testcase classname="" name="tests.test_b" file="tests/test_b.py">
+  <error message="collection failure">E</error></testcase>
+</testsuite></testsuites>"""
+
+MODULE = '''"""Geometry."""
+
+import math
+from collections import OrderedDict
+
+__all__ = ["area", "perimeter", "Shape"]
+
+
+def area(r):
+    """Area of a circle of radius ``r``."""
+    squared_radius_value = r * r
+    return math.pi * squared_radius_value
+
+
+def perimeter(r):
+    """Perimeter."""
+    return 2 * math.pi * r
+
+
+class Shape:
+    def describe(self):
+        table = OrderedDict()
+        table["kind"] = "shape-description-marker"
+        return table
+'''
+
+
+def test_junit_node_ids_outcomes_and_collection_errors():
+    outcomes, errors = parse_junit(JUNIT)
+    assert outcomes == {"tests/test_a.py::test_ok": "passed", "tests/test_a.py::TestX::test_param[1-2]": "failed",
+                        "tests/test_a.py::test_skip": "skipped", "tests/test_a.py::test_teardown": "error"}
+    assert errors == ["tests.test_b"]
+
+
+def test_symbols_and_features_by_tier():
+    syms = {s.qualname: s for s in symbols_of("geo/shapes.py", MODULE)}
+    assert set(syms) == {"area", "perimeter", "Shape", "Shape.describe"}
+    assert syms["area"].body_start == syms["area"].def_line + 2  # the docstring stays
+    reach = Reach({syms["area"]: frozenset({"t1", "t2"}), syms["perimeter"]: frozenset({"t2"}),
+                   syms["Shape"]: frozenset({"t3"}), syms["Shape.describe"]: frozenset({"t3"})}, set())
+    stable = {"t1", "t2", "t3", "t4"}
+    t1 = candidates(list(syms.values()), reach, stable, 1, min_lines=2)
+    assert [f.symbols[0].qualname for f in t1] == ["Shape.describe", "area"]  # perimeter is one line: protected
+    assert t1[0].fail_to_pass == ["t3"] and t1[0].pass_to_pass == ["t1", "t2", "t4"]
+    t3 = candidates(list(syms.values()), reach, stable, 3, min_lines=2)
+    assert {f.symbols[0].qualname for f in t3} == {"Shape", "area"}
+    protected = Reach(reach.tests, {syms["area"]})  # ran at import time: never deleted
+    assert all(f.symbols[0].qualname != "area" for f in candidates(list(syms.values()), protected, stable, 1, 2))
+    with pytest.raises(ValueError, match="tiers are 1, 2 and 3"):
+        candidates([], reach, stable, 4)
+    assert is_test_file("tests/helpers.py") and is_test_file("pkg/conftest.py") and not is_test_file("pkg/a.py")
+
+
+@pytest.fixture
+def pkg(tmp_path):
+    (tmp_path / "geo").mkdir()
+    (tmp_path / "geo" / "shapes.py").write_text(MODULE)
+    (tmp_path / "geo" / "__init__.py").write_text('from .shapes import Shape, area, perimeter\n\n__all__ = ["area"]\n')
+    (tmp_path / "geo" / "use.py").write_text("from geo.shapes import area as a, perimeter\n\n\ndef f():\n"
+                                             "    return a(1) + perimeter(1)\n")
+    return tmp_path
+
+
+def test_tier1_keeps_signature_and_docstring(pkg):
+    sym = next(s for s in symbols_of("geo/shapes.py", MODULE) if s.qualname == "area")
+    deletion = delete_feature(pkg, Feature(1, (sym,), ["t"]))
+    text = (pkg / "geo/shapes.py").read_text()
+    assert 'def area(r):\n    """Area of a circle of radius ``r``."""\n    raise NotImplementedError\n' in text
+    assert "squared_radius_value" not in text and "squared_radius_value" in deletion.snippets[0]
+    assert text.replace(
+        '    raise NotImplementedError\n', deletion.snippets[0]) == MODULE  # the rest is byte-identical
+
+
+def test_tier3_removes_definitions_imports_and_exports(pkg):
+    syms = [s for s in symbols_of("geo/shapes.py", MODULE) if s.qualname in ("area", "Shape")]
+    delete_feature(pkg, Feature(3, tuple(syms), ["t"]))
+    text = (pkg / "geo/shapes.py").read_text()
+    assert "def area" not in text and "class Shape" not in text and "def perimeter" in text
+    assert "OrderedDict" not in text and "import math" in text  # only the deleted code used OrderedDict
+    assert '__all__ = ["perimeter"]' in text or "__all__ = ['perimeter']" in text
+    assert (pkg / "geo/__init__.py").read_text().startswith("from .shapes import perimeter\n")
+    assert "from geo.shapes import perimeter\n" in (pkg / "geo/use.py").read_text()
+    assert module_name("src/geo/__init__.py") == "geo" and module_name("geo/use.py") == "geo.use"
+
+
+def test_statement_and_stub_never_carry_the_deleted_code(pkg):
+    sym = next(s for s in symbols_of("geo/shapes.py", MODULE) if s.qualname == "area")
+    delete_feature(pkg, Feature(1, (sym,), ["tests/test_geo.py::test_area"]))
+    text = statement(Feature(1, (sym,), ["tests/test_geo.py::test_area"]), pkg)
+    assert "`area(r)`" in text and "Area of a circle" in text and "tests/test_geo.py::test_area" in text
+    assert "squared_radius_value" not in text
+    stubbed = stub_source((pkg / "geo/shapes.py").read_text(), [sym], 1)
+    assert '"""Area of a circle of radius ``r``."""\n    return None\n' in stubbed
+    t3 = stub_source("import math\n", [sym], 3)
+    assert t3.endswith("def area(*args, **kwargs):\n    return None\n")
+
+
+def test_scrub_removes_caches_history_and_build_products(tmp_path):
+    for d in ("pkg/__pycache__", ".mypy_cache/3.11", "build/lib", "pkg.egg-info", ".git/objects", ".venv/lib",
+              "docs/_build/html", "htmlcov"):
+        (tmp_path / d).mkdir(parents=True)
+    for f in ("pkg/__pycache__/a.cpython-311.pyc", "pkg/a.py", ".coverage", "pkg/b.pyc", ".venv/lib/keep.pyc"):
+        (tmp_path / f).write_text("x")
+    removed = scrub(tmp_path)
+    assert {".git", ".mypy_cache", "build", "pkg.egg-info", "docs/_build", "htmlcov", ".coverage",
+            "pkg/__pycache__", "pkg/b.pyc"} <= set(removed)
+    assert (tmp_path / "pkg/a.py").exists() and (tmp_path / ".venv/lib/keep.pyc").exists()
+    fresh_commit(tmp_path)
+    log = subprocess.run(["git", "log", "--oneline"], cwd=tmp_path, capture_output=True, text=True).stdout
+    assert len(log.splitlines()) == 1
+    tracked = subprocess.run(["git", "ls-files"], cwd=tmp_path, capture_output=True, text=True).stdout
+    assert ".venv" not in tracked
+
+
+def test_leak_scanner_finds_deleted_code_in_bytecode_archives_and_git(tmp_path):
+    deleted = ['    squared_radius_value = r * r\n    return math.pi * squared_radius_value\n',
+               '    label = "a-very-unique-string-literal"\n']
+    fps = fingerprints(deleted, b"def area(r):\n    raise NotImplementedError\n")
+    assert b"squared_radius_value" in fps.identifiers and b"a-very-unique-string-literal" in fps.strings
+    assert fingerprints(deleted, b"squared_radius_value a-very-unique-string-literal").identifiers == []
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    (clean / "a.py").write_text("def area(r):\n    raise NotImplementedError\n")
+    fresh_commit(clean)
+    assert scan(clean, fps) == []
+    leaky = tmp_path / "leaky"
+    leaky.mkdir()
+    src = tmp_path / "orig.py"
+    src.write_text("def area(r):\n" + deleted[0])
+    py_compile.compile(str(src), cfile=str(leaky / "orig.cpython-311.pyc"))  # bytecode left behind
+    with zipfile.ZipFile(leaky / "pkg-1.0-py3-none-any.whl", "w", zipfile.ZIP_DEFLATED) as z:  # installed copy
+        z.writestr("pkg/orig.py", "def area(r):\n" + deleted[0])
+    hits = {path for path, _ in scan(leaky, fps)}
+    assert hits == {"orig.cpython-311.pyc", "pkg-1.0-py3-none-any.whl"}
+    history = tmp_path / "history"
+    history.mkdir()
+    (history / "a.py").write_text("def area(r):\n" + deleted[1])
+    fresh_commit(history)
+    (history / "a.py").write_text("def area(r):\n    raise NotImplementedError\n")  # deleted, but in git
+    assert any(path.startswith(".git") for path, _ in scan(history, fps))
+
+
+def test_task_format_errors_are_clear(tmp_path):
+    with pytest.raises(TaskFormatError, match="not a task set"):
+        list_tasks(tmp_path)
+    with pytest.raises(TaskFormatError, match="no task 'nope'"):
+        load_task(tmp_path, "nope")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "task.json").write_text(json.dumps({"id": "bad"}))
+    with pytest.raises(TaskFormatError, match="not a valid task file"):
+        load_task(tmp_path, "bad")
+    assert Path(tmp_path / "bad").exists()
