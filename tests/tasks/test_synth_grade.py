@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from shipyard.harness.trajectory import CallRecord, Trajectory, Turn
 from shipyard.harness.workspace import tree_diff
 from shipyard.sandbox.host import host
 from shipyard.sandbox.run import sandbox_problem
@@ -16,6 +17,7 @@ from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 from shipyard.tasks.features import symbols_of
 from shipyard.tasks.grade import grade
+from shipyard.tasks.monitors import monitor
 from shipyard.tasks.statement import stub_source
 from shipyard.tasks.synth import SynthConfig, Synthesizer
 from shipyard.tasks.taskset import list_tasks, load_task
@@ -131,6 +133,9 @@ def test_red_team_cannot_recover_deleted_code(taskset, attempt):
             remove_snapshot(snap)
         seen = " ".join(r.output.decode(errors="replace").split())
         assert deleted and not [d for d in deleted if d in seen], f"{attempt} recovered deleted code of {task.id}"
+    call = CallRecord(0, "run_terminal", {"command": RED_TEAM[attempt]}, "", None, 0.0)
+    attempt_traj = Trajectory("t", "scripted", [], [Turn(0, "", [], [], "stop", [], [call], 1, 0.0, 0.0)])
+    assert monitor(attempt_traj), f"the monitors missed the {attempt} attempt"
 
 
 def test_cli_grade_and_synth_errors(taskset):
