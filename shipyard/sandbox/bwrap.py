@@ -13,6 +13,11 @@ The sandbox (bubblewrap >= 0.9, for `--overlay`):
   read-only, at `/snapshot` (the baseline for diffs).
 * Limits: rlimits set in the launcher's child before it execs bwrap (inherited by everything inside), plus a
   per-sandbox cgroup (memory, pids) where the host has one, joined before the privilege drop.
+
+CPU accounting: what runs in a sandbox is not in its launcher's `RUSAGE_CHILDREN` (its processes die with the pid
+namespace, reaped by no one we wait for), so the cgroup is the only place its CPU time is counted: `cpu.stat`
+(v2) or `cpuacct.usage` (v1, when the cpuacct hierarchy is writable), read just before the cgroup is removed and
+summed per process in `sandbox_cpu()`. Benchmarks that report work per CPU-hour add it to their own rusage.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import contextlib
 import os
 import resource
 import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -80,13 +86,24 @@ def bwrap_argv(h: Host, layout: Layout, snapshot: Path, command: list[str], *, c
     return [*argv, "--", *command]
 
 
+_cpu_lock = threading.Lock()
+_cpu = {"seconds": 0.0, "unmeasured": 0}
+
+
+def sandbox_cpu() -> tuple[float, int]:
+    """(CPU seconds used by the sandboxes this process has closed, how many of them could not be measured)."""
+    with _cpu_lock:
+        return _cpu["seconds"], _cpu["unmeasured"]
+
+
 class Cgroups:
-    """Per-sandbox cgroup (v2, or v1 memory + pids) that the launcher's child joins before exec."""
+    """Per-sandbox cgroup (v2, or v1 memory + pids [+ cpuacct]) that the launcher's child joins before exec."""
 
     def __init__(self, h: Host, limits: Limits):
         self.version = h.cgroup
         self.name = f"shipyard-{os.getpid()}-{uuid.uuid4().hex[:12]}"  # owner pid: see layout.recover_stale
         self.dirs: list[Path] = []
+        self.cpu_file: Path | None = None
         memory, pids = limits.memory_mb * 1024 * 1024, limits.pids
         if self.version == "v2":
             d = CGROUP_ROOT / self.name
@@ -95,6 +112,7 @@ class Cgroups:
             (d / "memory.swap.max").write_text("0")
             (d / "pids.max").write_text(str(pids))
             self.dirs = [d]
+            self.cpu_file = d / "cpu.stat"
         elif self.version == "v1":
             mem, pid = CGROUP_ROOT / "memory" / self.name, CGROUP_ROOT / "pids" / self.name
             mem.mkdir()
@@ -104,6 +122,11 @@ class Cgroups:
                 (mem / "memory.memsw.limit_in_bytes").write_text(str(memory))
             (pid / "pids.max").write_text(str(pids))
             self.dirs = [mem, pid]
+            acct = CGROUP_ROOT / "cpuacct"
+            if (acct / "cpuacct.usage").exists() and os.access(acct, os.W_OK):
+                (acct / self.name).mkdir()
+                self.dirs.append(acct / self.name)
+                self.cpu_file = acct / self.name / "cpuacct.usage"
 
     def join(self) -> None:
         """Called in the child between fork and exec."""
@@ -124,8 +147,24 @@ class Cgroups:
         if self.dirs:
             raise RuntimeError(f"processes in cgroup {self.name} survived SIGKILL for {wait} s")
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time (user + system) of everything that ran in the cgroup, or None where it is not counted."""
+        if self.cpu_file is None:
+            return None
+        text = self.cpu_file.read_text()
+        if self.version == "v2":
+            fields = dict(line.split() for line in text.splitlines())
+            return int(fields["usage_usec"]) / 1e6
+        return int(text) / 1e9
+
     def remove(self) -> None:
         self.kill_all()
+        used = self.cpu_seconds()
+        with _cpu_lock:
+            if used is None:
+                _cpu["unmeasured"] += 1
+            else:
+                _cpu["seconds"] += used
         for d in self.dirs:
             d.rmdir()
 

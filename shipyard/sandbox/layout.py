@@ -140,7 +140,7 @@ def recover_stale(h: Host) -> list[str]:
             with contextlib.suppress(OSError):
                 Layout(d).remove()
                 recovered.append(d.name)
-    for group in (p for sub in ("", "memory", "pids") for p in (CGROUP_ROOT / sub).glob("shipyard-*-*")):
+    for group in (p for sub in ("", "memory", "pids", "cpuacct") for p in (CGROUP_ROOT / sub).glob("shipyard-*-*")):
         owner = group.name.split("-")[1]
         if owner.isdigit() and not Path(f"/proc/{owner}").exists():
             with contextlib.suppress(OSError):  # still has processes (they die with their bwrap): next time

@@ -12,7 +12,8 @@ no test reaches (nothing would grade them).
 Tiers (Composer's feature deletion, our thresholds):
 - T1: one function or method body;
 - T2: 2–4 functions of one module whose tests overlap (one feature spread over several functions);
-- T3: whole top-level definitions of one module (function or class), removed with their signatures.
+- T3: whole top-level definitions of one module (function or class), removed with their signatures. Doctests in
+  the removed docstrings (`pkg/mod.py::pkg.mod.func`) go with them: they are neither FAIL_TO_PASS nor PASS_TO_PASS.
 """
 
 from __future__ import annotations
@@ -129,6 +130,13 @@ def reach(symbols: list[Symbol], coverage: dict[str, dict[int, set[str]]], stabl
     return Reach(tests, at_import)
 
 
+def is_doctest_of(test: str, sym: Symbol) -> bool:
+    """Whether `test` is a doctest item collected from the docstring of `sym` or of one of its members."""
+    file, _, name = test.partition("::")
+    return file == sym.file and "::" not in name and (name.endswith(f".{sym.qualname}")
+                                                       or f".{sym.qualname}." in name)
+
+
 def candidates(symbols: list[Symbol], r: Reach, stable: set[str], tier: int, min_lines: int = 3) -> list[Feature]:
     """Features of one tier, smallest FAIL_TO_PASS first (most specific), then by name for determinism."""
     eligible = [s for s in symbols if s not in r.at_import and r.tests[s] and s.size >= min_lines]
@@ -150,10 +158,13 @@ def candidates(symbols: list[Symbol], r: Reach, stable: set[str], tier: int, min
         for s in eligible:
             if s.top_level and not any(m in r.at_import for m in symbols if m.file == s.file and
                                        m.start >= s.start and m.end <= s.end):
-                features.append(Feature(3, (s,), sorted(r.tests[s])))
+                f2p = sorted(t for t in r.tests[s] if not is_doctest_of(t, s))
+                if f2p:
+                    features.append(Feature(3, (s,), f2p))
     else:
         raise ValueError(f"unknown tier {tier}: tiers are 1, 2 and 3")
     for f in features:
-        f.pass_to_pass = sorted(stable - set(f.fail_to_pass))
+        gone = {t for t in stable for s in f.symbols if tier == 3 and is_doctest_of(t, s)}
+        f.pass_to_pass = sorted(stable - set(f.fail_to_pass) - gone)
     features = [f for f in features if f.pass_to_pass]  # something must show the rest still works
     return sorted(features, key=lambda f: (len(f.fail_to_pass), f.id))

@@ -1,13 +1,18 @@
 """Running a repository's pytest suite inside a sandbox: per-test outcomes from JUnit XML, per-test coverage.
 
-Outcomes come from pytest's JUnit XML report in the `xunit1` family, whose `<testcase>` elements carry the test's
-file, so each one maps back to its pytest node id (`tests/test_a.py::TestX::test_y[1]`). A test module that fails
-to import is reported by pytest as an error case named after the module, with an empty class name: it is listed in
-`collection_errors` (and the other modules still run: `--continue-on-collection-errors`).
+Outcomes come from pytest's JUnit XML report (`xunit1` family). Its `<testcase>` elements name a test by dotted
+class name, which cannot always be mapped back to the pytest node id: a test method inherited from a mixin in
+`tests/__init__.py` is reported with that file, under every class that inherits it. So our plugin
+(`shipyard.tasks.pytest_plugin`, loaded into every run) records each item's node id
+(`tests/test_a.py::TestX::test_y[1]`) as a JUnit property; the class name is only the fallback.
+A test module that fails to import is reported by pytest as an error case named after the module, with an empty
+class name: it is listed in `collection_errors` (and the other modules still run: `--continue-on-collection-errors`).
 
-Coverage per test uses coverage.py's dynamic contexts: a tiny pytest plugin, put on the sandbox's path for the run,
-switches coverage's context to the current test's node id at setup and back to the empty context when the test
-finishes. Lines run with the empty context ran at import or collection time: code every test needs.
+Coverage per test uses coverage.py's dynamic contexts: the same plugin switches coverage's context to the current
+test's node id at setup and back to the empty context when the test finishes. Lines run with the empty context ran
+at import or collection time: code every test needs.
+
+Projects' own `--cov…` and `-n …` options are dropped (see the plugin): pytest-cov and xdist are disabled in runs.
 `coverage json --show-contexts` then gives, per file and line, the tests that executed it.
 """
 
@@ -17,33 +22,15 @@ import json
 import shlex
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 from shipyard.harness.workspace import Workspace
+from shipyard.tasks import pytest_plugin
 from shipyard.tasks.environment import PYTHON
+from shipyard.tasks.pytest_plugin import NODEID
 
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 OUT = ".shipyard-run"  # per-run outputs, inside the throwaway sandbox's workspace
-PLUGIN = '''
-import coverage
-import pytest
-
-
-def _cov():
-    return coverage.Coverage.current()
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item):
-    if _cov() is not None:
-        _cov().switch_context(item.nodeid)
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_runtest_logfinish(nodeid, location):
-    if _cov() is not None:
-        _cov().switch_context("")
-'''
 
 
 @dataclass
@@ -70,6 +57,7 @@ def node_id(case: ET.Element) -> str:
 
 
 def parse_junit(xml: bytes) -> tuple[dict[str, str], list[str]]:
+    """(node id → outcome, modules that failed to collect) from a JUnit XML report."""
     outcomes: dict[str, str] = {}
     collection_errors: list[str] = []
     for case in ET.fromstring(xml).iter("testcase"):
@@ -79,7 +67,9 @@ def parse_junit(xml: bytes) -> tuple[dict[str, str], list[str]]:
             continue
         outcome = ("failed" if "failure" in kinds else "error" if "error" in kinds
                    else "skipped" if "skipped" in kinds else "passed")
-        nid = node_id(case)  # a test with a teardown error is reported twice: keep the worse outcome
+        recorded = case.find(f"properties/property[@name='{NODEID}']")
+        nid = recorded.get("value", "") if recorded is not None else node_id(case)
+        # A test with a teardown error is reported twice: keep the worse outcome.
         outcomes[nid] = max(outcome, outcomes.get(nid, "passed"), key=RANK.__getitem__)
     return outcomes, collection_errors
 
@@ -87,9 +77,10 @@ def parse_junit(xml: bytes) -> tuple[dict[str, str], list[str]]:
 def run_suite(ws: Workspace, tests: list[str] | None = None, *, coverage: bool = False, timeout: float = 900,
               python: str = PYTHON) -> SuiteRun:
     """Run pytest (all of the suite, or the given node ids) in `ws`; outcomes, and coverage per test if asked."""
-    ws.write_bytes(f"{OUT}/shipyard_covctx.py", PLUGIN.encode())
+    ws.write_bytes(f"{OUT}/shipyard_pytest.py", Path(pytest_plugin.__file__).read_bytes())
     selection = " ".join(shlex.quote(t) for t in tests) if tests else ""
-    pytest_args = (f"-p no:cacheprovider -p shipyard_covctx -q -o junit_family=xunit1 --continue-on-collection-errors "
+    pytest_args = ("-p no:cacheprovider -p no:pytest_cov -p no:xdist -p no:xdist.looponfail -p shipyard_pytest -q "
+                   f"-o junit_family=xunit1 --continue-on-collection-errors "
                    f"--junitxml={OUT}/junit.xml {selection}")
     if coverage:
         data = f"--data-file={OUT}/coverage.data"

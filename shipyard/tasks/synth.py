@@ -11,6 +11,11 @@ Pipeline (Composer 2.5's synthetic tasks: delete a testable feature so the codeb
    suite collects cleanly, ≥ 1 FAIL_TO_PASS test exists and at most 30 % of them pass, all PASS_TO_PASS pass;
    the gold patch restores a full pass 3 times out of 3 (the oracle); a `return None` stub patch fails.
 5. Write accepted tasks (`taskset` format), `tasks.jsonl` and `synth.json` (yield, rejections, tasks/CPU-hour).
+
+CPU time is this process's and its waited-for children's rusage plus the CPU its sandboxes used, read from their
+cgroups (`shipyard.sandbox.bwrap.sandbox_cpu`): sandboxed processes never show up in rusage. Where the host has no
+cgroup that counts CPU, `unmeasured_sandboxes` says how many sandboxes' time is missing, and tasks per CPU-hour is
+an upper bound.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from shipyard.harness.workspace import tree_diff
+from shipyard.sandbox.bwrap import sandbox_cpu
 from shipyard.sandbox.host import host
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
@@ -62,6 +68,7 @@ class SynthReport:
     excluded_tests: dict[str, str] = field(default_factory=dict)  # node id → flaky | failing
     seconds: float = 0.0
     cpu_seconds: float = 0.0
+    unmeasured_sandboxes: int = 0  # sandboxes whose CPU time the host could not count (no cgroup cpu accounting)
 
     @property
     def yield_(self) -> float:
@@ -84,9 +91,11 @@ class Rejected(Exception):
         self.reason, self.detail = reason, detail
 
 
-def _cpu() -> float:
-    return sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
-               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+def _cpu() -> tuple[float, int]:
+    """(CPU seconds of this process, its reaped children and its closed sandboxes; sandboxes not measured)."""
+    sandboxes, unmeasured = sandbox_cpu()
+    return sandboxes + sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+                           for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)), unmeasured
 
 
 def source_commit(repo: Path) -> str:
@@ -136,7 +145,7 @@ class Synthesizer:
         self.report = SynthReport(str(self.repo))
 
     def run(self) -> SynthReport:
-        start, cpu0 = time.monotonic(), _cpu()
+        start, (cpu0, unmeasured0) = time.monotonic(), _cpu()
         self.out.mkdir(parents=True, exist_ok=True)
         self.log("preparing the environment (.venv, dependencies, editable install)")
         prepare(self.repo, self.base, Path.home() / ".cache" / "shipyard" / "wheels", timeout=self.config.timeout)
@@ -181,7 +190,8 @@ class Synthesizer:
         (self.out / "tasks.jsonl").write_text("".join(json.dumps(i) + "\n" for i in index))
         shutil.rmtree(self.work, ignore_errors=True)
         self.report.seconds = round(time.monotonic() - start, 1)
-        self.report.cpu_seconds = round(_cpu() - cpu0, 1)
+        cpu1, unmeasured1 = _cpu()
+        self.report.cpu_seconds, self.report.unmeasured_sandboxes = round(cpu1 - cpu0, 1), unmeasured1 - unmeasured0
         (self.out / "synth.json").write_text(json.dumps(self.report.to_json(), indent=2) + "\n")
         return self.report
 

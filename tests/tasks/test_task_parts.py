@@ -11,6 +11,7 @@ import pytest
 
 from shipyard.tasks.deletion import delete_feature, module_name
 from shipyard.tasks.features import Feature, Reach, candidates, is_test_file, symbols_of
+from shipyard.tasks.pytest_plugin import strip_disabled_options
 from shipyard.tasks.scrub import fingerprints, fresh_commit, scan, scrub
 from shipyard.tasks.statement import statement, stub_source
 from shipyard.tasks.suite import parse_junit
@@ -24,6 +25,11 @@ JUNIT = b"""<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="p
 <testcase classname="tests.test_a" name="test_teardown" file="tests/test_a.py" line="14" time="0.1" />
 <testcase classname="tests.test_a" name="test_teardown" file="tests/test_a.py" line="14" time="0.1">
   <error message="teardown failed">x</error></testcase>
+<testcase classname="tests.test_c.LRUTest" name="test_copy" file="tests/__init__.py" line="5" time="0.1">
+  <properties><property name="shipyard_nodeid" value="tests/test_c.py::LRUTest::test_copy"/></properties></testcase>
+<testcase classname="tests.test_c.FIFOTest" name="test_copy" file="tests/__init__.py" line="5" time="0.1">
+  <properties><property name="shipyard_nodeid" value="tests/test_c.py::FIFOTest::test_copy"/></properties>
+  <failure message="no">x</failure></testcase>
 <testcase classname="" name="tests.test_b" file="tests/test_b.py">
   <error message="collection failure">E</error></testcase>
 </testsuite></testsuites>"""
@@ -58,7 +64,10 @@ class Shape:
 def test_junit_node_ids_outcomes_and_collection_errors():
     outcomes, errors = parse_junit(JUNIT)
     assert outcomes == {"tests/test_a.py::test_ok": "passed", "tests/test_a.py::TestX::test_param[1-2]": "failed",
-                        "tests/test_a.py::test_skip": "skipped", "tests/test_a.py::test_teardown": "error"}
+                        "tests/test_a.py::test_skip": "skipped", "tests/test_a.py::test_teardown": "error",
+                        # inherited from a mixin in tests/__init__.py: the node id recorded by our plugin
+                        "tests/test_c.py::LRUTest::test_copy": "passed",
+                        "tests/test_c.py::FIFOTest::test_copy": "failed"}
     assert errors == ["tests.test_b"]
 
 
@@ -180,3 +189,24 @@ def test_task_format_errors_are_clear(tmp_path):
     with pytest.raises(TaskFormatError, match="not a valid task file"):
         load_task(tmp_path, "bad")
     assert Path(tmp_path / "bad").exists()
+
+
+def test_options_of_disabled_plugins_are_dropped():
+    args = ["--cov=parse", "--cov-report=term-missing", "--cov-append", "--cov-branch", "--doctest-modules",
+            "-n", "auto", "-n4", "--dist=loadfile", "--cov", "src", "--cov-report", "xml", "-q", "--cov", "-x",
+            "tests/test_a.py", "--maxprocesses", "2", "--no-cov", "-k", "not slow"]
+    assert strip_disabled_options(args) == ["--doctest-modules", "-q", "-x", "tests/test_a.py", "-k", "not slow"]
+
+
+def test_tier3_drops_doctests_of_the_deleted_definitions():
+    syms = {s.qualname: s for s in symbols_of("geo/shapes.py", MODULE)}
+    doctest = "geo/shapes.py::geo.shapes.Shape.describe"
+    reach = Reach({syms["area"]: frozenset({"t1"}), syms["perimeter"]: frozenset({"t1"}),
+                   syms["Shape"]: frozenset({"t3", doctest}), syms["Shape.describe"]: frozenset({"t3", doctest})},
+                  set())
+    stable = {"t1", "t3", doctest}
+    (shape,) = [f for f in candidates(list(syms.values()), reach, stable, 3, 2) if f.symbols[0].qualname == "Shape"]
+    assert shape.fail_to_pass == ["t3"] and shape.pass_to_pass == ["t1"]  # the doctest left with the docstring
+    (describe,) = [f for f in candidates(list(syms.values()), reach, stable, 1, 2)
+                   if f.symbols[0].qualname == "Shape.describe"]
+    assert describe.fail_to_pass == sorted(["t3", doctest])  # T1 keeps docstrings: the doctest must pass again
