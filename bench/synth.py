@@ -36,13 +36,16 @@ def fetch_sdist(spec: str, index: str, dest: Path) -> Path:
     name, _, version = spec.partition("==")
     if not version:
         raise SystemExit(f"--project {spec!r}: pin a version, as in cachetools==8.0.1")
-    url = f"{index.rstrip('/')}/pypi/{name}/{version}/json"
+    url = f"{index.rstrip('/')}/pypi/{name}/json"  # (some mirrors do not serve the per-version document)
     with httpx.Client(timeout=120, follow_redirects=True) as client:
         response = client.get(url)
         if response.status_code == 404:
-            raise SystemExit(f"{spec}: not on {index}")
+            raise SystemExit(f"{name}: not on {index}")
         response.raise_for_status()
-        sdists = [u for u in response.json()["urls"] if u["packagetype"] == "sdist"]
+        releases = response.json()["releases"]
+        if version not in releases:
+            raise SystemExit(f"{spec}: no such release on {index}; latest: {response.json()['info']['version']}")
+        sdists = [u for u in releases[version] if u["packagetype"] == "sdist"]
         if not sdists:
             raise SystemExit(f"{spec} has no source distribution on {index}")
         info = sdists[0]
@@ -80,11 +83,12 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="shipyard-bench-synth-") as tmp:
         work = Path(tmp)
-        if not args.no_example:
-            results.append(synthesize("examples/pocketlib", EXAMPLE, work / "out-example", config))
-        for spec in args.project or PROJECTS:
-            root = fetch_sdist(spec, args.index, work / spec)
-            results.append(synthesize(spec, root, work / f"out-{spec}", config))
+        repos = {} if args.no_example else {"examples/pocketlib": EXAMPLE}
+        for spec in args.project or PROJECTS:  # every download first: a bad spec fails before any work
+            (work / spec).mkdir()
+            repos[spec] = fetch_sdist(spec, args.index, work / spec)
+        for i, (name, repo) in enumerate(repos.items()):
+            results.append(synthesize(name, repo, work / f"out-{i}", config))
     table("feature-deletion synthesis (targets: yield >= 40 %, >= 30 tasks per CPU-hour)",
           ["project", "stable tests", "tried", "accepted", "tiers", "yield", "wall s", "CPU s", "tasks/CPU-h"],
           [[r["project"], r["stable_tests"], r["tried"], r["accepted"],

@@ -294,8 +294,11 @@ def synth(
                                           help="Tiers to make (repeatable): 1 one body, 2 several bodies of a "
                                                "feature, 3 whole definitions. Default: all three."),
     timeout: float = typer.Option(900, min=1, help="Seconds one run of the test suite may take."),
+    with_: list[str] | None = typer.Option(None, "--with", help="A requirement the tests need that the repo does not "
+                                           "declare, as `pip install` takes it (repeatable): --with hypothesis"),
 ) -> None:
     """Feature-deletion tasks from REPO, each validated in sandboxes and graded by its tests."""
+    from packaging.requirements import InvalidRequirement, Requirement
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from shipyard.tasks.environment import EnvSetupError
@@ -306,7 +309,14 @@ def synth(
             raise UserError(f"--repo {repo} is not a directory")
         if out.exists() and any(out.iterdir()) and not (out / "tasks.jsonl").exists():
             raise UserError(f"--out {out} exists and is not a task set; choose an empty or new directory")
-        config = SynthConfig(max_tasks=max_tasks, tiers=tuple(sorted(set(tier or (1, 2, 3)))), timeout=timeout)
+        for req in with_ or ():
+            try:
+                Requirement(req)
+            except InvalidRequirement as e:
+                raise UserError(f"--with {req!r} is not a requirement ({e}); write it as pip does: 'hypothesis>=6'") \
+                    from None
+        config = SynthConfig(max_tasks=max_tasks, tiers=tuple(sorted(set(tier or (1, 2, 3)))), timeout=timeout,
+                             requirements=tuple(with_ or ()))
         with Progress(TextColumn("[bold]validated tasks"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[tried]} tried"), TimeElapsedColumn(), console=console) as bar:
             job = bar.add_task("synth", total=max_tasks, tried=0)

@@ -6,7 +6,9 @@ interpreter, which sandboxes bind at its own path, so its `bin/python` link reso
 
 What goes in:
 - the project's dependencies (`[project].dependencies`, the optional groups and dependency groups named test,
-  tests, testing or dev), pytest and coverage (per-test coverage is how features are mapped to tests), and
+  tests, testing or dev), the test requirement files many projects keep instead (`requirements-test.txt`,
+  `requirements/tests.txt`, …, following `-r`; tox's `[testenv] deps`), requirements the user names
+  (`shipyard synth --with PKG`), pytest and coverage (per-test coverage is how features are mapped to tests), and
   the project's build backend (for the editable install);
 - a requirement already satisfied by a distribution installed on the host is copied file by file from the
   host's site-packages (its `RECORD`; offline, milliseconds); the rest is downloaded from PyPI on the host
@@ -18,6 +20,7 @@ What goes in:
 
 from __future__ import annotations
 
+import configparser
 import shutil
 import subprocess
 import sys
@@ -39,6 +42,10 @@ PYTHON = f"/workspace/{VENV}/bin/python"
 TEST_GROUPS = ("test", "tests", "testing", "dev")
 ALWAYS = ("pytest", "coverage", "pip")
 WHEELHOUSE = ".shipyard-wheelhouse"
+REQUIREMENT_FILES = ("requirements-test.txt", "requirements-tests.txt", "requirements_test.txt",
+                     "test-requirements.txt", "test_requirements.txt", "requirements-testing.txt",
+                     "requirements/test.txt", "requirements/tests.txt", "requirements/testing.txt",
+                     "tests/requirements.txt", "test/requirements.txt")
 
 
 class EnvSetupError(RuntimeError):
@@ -69,6 +76,49 @@ def project_requirements(repo: Path) -> tuple[str | None, list[str], list[str]]:
         reqs += [r for r in data.get("dependency-groups", {}).get(group, []) if isinstance(r, str)]
     build = data.get("build-system", {}).get("requires", ["setuptools>=40.8"])
     return project.get("name"), reqs, build
+
+
+def requirement_lines(text: str, where: Path, repo: Path, seen: set[Path]) -> list[str]:
+    """Requirements in pip requirements-file text found at `where` (`-r` followed inside the repo; options, paths
+    and URLs skipped)."""
+    out = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split(" #", 1)[0].strip()
+        if line.startswith(("-r", "--requirement")):
+            target = (where.parent / line.removeprefix("--requirement").removeprefix("-r").lstrip(" =")).resolve()
+            if target.is_relative_to(repo.resolve()) and target.is_file() and target not in seen:
+                seen.add(target)
+                out += requirement_lines(target.read_text(errors="replace"), target, repo, seen)
+        elif line and not line.startswith(("#", "-", ".", "/")) and "://" not in line and "{" not in line:
+            try:
+                out.append(str(Requirement(line)))
+            except InvalidRequirement as e:
+                why = str(e).splitlines()[0]
+                raise EnvSetupError(f"{where.relative_to(repo)}:{number}: {line!r} is not a requirement ({why}); fix "
+                                    "it, or name what the tests need with --with") from e
+    return out
+
+
+def requirements_for_tests(repo: Path) -> list[str]:
+    """Requirements from the test requirement files and tox's `[testenv] deps`."""
+    reqs: list[str] = []
+    seen: set[Path] = set()
+    for name in REQUIREMENT_FILES:
+        path = repo / name
+        if path.is_file() and path.resolve() not in seen:
+            seen.add(path.resolve())
+            reqs += requirement_lines(path.read_text(errors="replace"), path, repo, seen)
+    tox = repo / "tox.ini"
+    if tox.is_file():
+        parser = configparser.ConfigParser(interpolation=None)
+        try:
+            parser.read_string(tox.read_text(errors="replace"))
+        except configparser.Error as e:
+            raise EnvSetupError(f"{tox} is not valid INI ({e}); fix it, or name what the tests need with --with") \
+                from e
+        deps = parser.get("testenv", "deps", fallback="").replace("{toxinidir}", str(repo))
+        reqs += requirement_lines(deps, tox, repo, seen)
+    return reqs
 
 
 def _closure(requirements: list[str], own: str | None) -> tuple[list[metadata.Distribution], list[str]]:
@@ -129,14 +179,15 @@ def _download(requirements: list[str], cache: Path) -> Path:
     return cache
 
 
-def prepare(repo: Path, dest: Path, wheel_cache: Path, timeout: float = 900) -> Prepared:
-    """Copy `repo` to `dest` and give it a ready `.venv`."""
+def prepare(repo: Path, dest: Path, wheel_cache: Path, timeout: float = 900,
+            extra: tuple[str, ...] = ()) -> Prepared:
+    """Copy `repo` to `dest` and give it a ready `.venv` (`extra`: more requirements, as `shipyard synth --with`)."""
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(repo, dest, symlinks=True, ignore=shutil.ignore_patterns(".git", VENV, "__pycache__"))
     name, reqs, build = project_requirements(dest)
     own = canonicalize_name(name) if name else None
-    host_dists, missing = _closure([*reqs, *build, *ALWAYS], own)
+    host_dists, missing = _closure([*reqs, *requirements_for_tests(dest), *extra, *build, *ALWAYS], own)
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dest / VENV)], check=True)
     site = _site_packages(dest / VENV)
     for dist in host_dists:

@@ -55,6 +55,7 @@ class SynthConfig:
     max_f2p_pass_rate: float = 0.3
     min_lines: int = 3
     timeout: float = 900.0
+    requirements: tuple[str, ...] = ()  # more packages the tests need (`--with`), beyond what the repo declares
 
 
 @dataclass
@@ -66,6 +67,7 @@ class SynthReport:
     rejected: list[dict[str, str]] = field(default_factory=list)
     stable_tests: int = 0
     excluded_tests: dict[str, str] = field(default_factory=dict)  # node id → flaky | failing
+    baseline_errors: list[str] = field(default_factory=list)  # pytest's lines for modules that failed to collect
     seconds: float = 0.0
     cpu_seconds: float = 0.0
     unmeasured_sandboxes: int = 0  # sandboxes whose CPU time the host could not count (no cgroup cpu accounting)
@@ -116,8 +118,9 @@ def _copy_tree(base: Path, dest: Path) -> None:
         subprocess.run(["cp", "-al", str(base / VENV), str(dest / VENV)], check=True)
 
 
-def baseline(base: Path, runs: int, timeout: float) -> tuple[set[str], dict[str, str], dict]:
-    """Stable tests (passed every run), excluded ones with why, and the first run's per-test coverage."""
+def baseline(base: Path, runs: int, timeout: float) -> tuple[set[str], dict[str, str], dict, list[str]]:
+    """Stable tests (passed every run), excluded ones with why, the first run's per-test coverage, and pytest's
+    summary lines of test modules that failed to import."""
     snap = make_snapshot(base, host())
     try:
         results = []
@@ -132,7 +135,8 @@ def baseline(base: Path, runs: int, timeout: float) -> tuple[set[str], dict[str,
     excluded = {}
     for t in set().union(*(r.outcomes for r in results)) - stable:
         excluded[t] = "flaky" if any(t in r.passed for r in results) else "failing"
-    return stable, excluded, results[0].coverage
+    errors = [line for line in results[0].output.splitlines() if line.startswith("ERROR ")]
+    return stable, excluded, results[0].coverage, errors
 
 
 class Synthesizer:
@@ -148,12 +152,17 @@ class Synthesizer:
         start, (cpu0, unmeasured0) = time.monotonic(), _cpu()
         self.out.mkdir(parents=True, exist_ok=True)
         self.log("preparing the environment (.venv, dependencies, editable install)")
-        prepare(self.repo, self.base, Path.home() / ".cache" / "shipyard" / "wheels", timeout=self.config.timeout)
+        prepare(self.repo, self.base, Path.home() / ".cache" / "shipyard" / "wheels", timeout=self.config.timeout,
+                extra=self.config.requirements)
         scrub(self.base)
         self.commit = source_commit(self.repo)
         self.log(f"running the suite {self.config.suite_runs}× (the first with per-test coverage)")
-        stable, excluded, coverage = baseline(self.base, self.config.suite_runs, self.config.timeout)
+        stable, excluded, coverage, errors = baseline(self.base, self.config.suite_runs, self.config.timeout)
         self.report.stable_tests, self.report.excluded_tests = len(stable), excluded
+        self.report.baseline_errors = errors
+        if errors:
+            self.log(f"warning: {len(errors)} test modules fail before any deletion, their tests are left out "
+                     "(a missing test dependency? name it with --with):\n    " + "\n    ".join(errors[:10]))
         symbols = [s for f in source_files(self.base) for s in symbols_of(f, (self.base / f).read_text())]
         reached = reach(symbols, coverage, stable)
         pools = {t: candidates(symbols, reached, stable, t, self.config.min_lines) for t in self.config.tiers}

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from shipyard.tasks.deletion import delete_feature, module_name
+from shipyard.tasks.environment import EnvSetupError, requirements_for_tests
 from shipyard.tasks.features import Feature, Reach, candidates, is_test_file, symbols_of
 from shipyard.tasks.pytest_plugin import strip_disabled_options
 from shipyard.tasks.scrub import fingerprints, fresh_commit, scan, scrub
@@ -210,3 +211,18 @@ def test_tier3_drops_doctests_of_the_deleted_definitions():
     (describe,) = [f for f in candidates(list(syms.values()), reach, stable, 1, 2)
                    if f.symbols[0].qualname == "Shape.describe"]
     assert describe.fail_to_pass == sorted(["t3", doctest])  # T1 keeps docstrings: the doctest must pass again
+
+
+def test_requirements_from_test_files_and_tox(tmp_path):
+    (tmp_path / "requirements").mkdir()
+    (tmp_path / "requirements-test.txt").write_text(
+        "# test deps\n-r requirements/base.txt\nhypothesis>=6  # property tests\n--index-url https://x\n"
+        "-e .\n./vendored\nhttps://example.org/p.whl\nfreezegun; python_version >= '3.8'\n")
+    (tmp_path / "requirements" / "base.txt").write_text("attrs\n-r ../requirements-test.txt\n")  # a cycle
+    (tmp_path / "tox.ini").write_text("[tox]\nenvlist = py\n[testenv]\ndeps =\n    pytest-mock\n"
+                                      "    -r{toxinidir}/requirements/base.txt\n    {[base]deps}\n")
+    assert requirements_for_tests(tmp_path) == ["attrs", "hypothesis>=6", 'freezegun; python_version >= "3.8"',
+                                           "pytest-mock"]  # base.txt read once
+    (tmp_path / "requirements-test.txt").write_text("pytest\nnot a requirement!\n")
+    with pytest.raises(EnvSetupError, match=r"requirements-test.txt:2: 'not a requirement!'.*--with"):
+        requirements_for_tests(tmp_path)
