@@ -133,6 +133,24 @@ class ChatFormat:
         messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task}]
         return self.encode(self.render(messages, add_generation_prompt=True))
 
+    def assistant_header_ids(self) -> tuple[int, ...]:
+        """The ids that open an assistant turn (the generation prompt ending every prompt and continuation)."""
+        base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+        without, with_header = self.render(base, False), self.render(base, True)
+        if not with_header.startswith(without):
+            raise RuntimeError("the chat template renders the conversation differently with a generation prompt")
+        return tuple(self.encode(with_header[len(without):]))
+
+    def hint_ids(self, hint: str) -> tuple[int, ...]:
+        """A hint (targeted textual feedback) rendered as a user message, to go right before an assistant turn's
+        header in the teacher's context (see `shipyard.train.batch`)."""
+        base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+        before = self.render(base, False)
+        after = self.render([*base, {"role": "user", "content": hint}], False)
+        if not after.startswith(before):
+            raise RuntimeError("the chat template renders earlier turns differently once a message follows")
+        return tuple(self.encode(after[len(before):]))
+
     def continuation(self, tool_results: list[str]) -> Continuation:
         base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
                 {"role": "assistant", "content": SENTINEL}]

@@ -1,0 +1,148 @@
+"""The `Batch` the trainer consumes: what the rollout server hands over, as padded tensors.
+
+One row per trajectory, in token coordinates: `input_ids[b, t]` is the t-th token of the episode (prompt, then
+per turn the sampled completion and the rendered observation). Per-token fields describe *that token*:
+
+- `loss_mask[b, t] = 1` when token t was sampled by the policy (a completion token), 0 for prompt, observations
+  and padding — the trainer learns only from what the model chose;
+- `sampler_logprobs[b, t]`: the sampler's log-probability of token t (for the importance-sampling correction
+  between the inference engine and the trainer);
+- `advantages[b, t]`: the sample's advantage, on every token of the row (a per-token advantage also fits);
+- `versions[b, t]`: the policy version that sampled token t (trajectories can span weight updates).
+
+`sample_mask[b] = 0` marks a sample whose reward is unknown (an infrastructure failure): it contributes nothing —
+never a zero reward. The model predicts token t from positions < t, so losses pair the logits at t−1 with token t
+(`shift`).
+
+Targeted self-distillation (`HintTarget`): for row b and one assistant turn, the hint's token ids go into the
+sequence right before that turn's assistant header; the hinted sequence is the teacher's context and the loss
+covers the turn's completion tokens. The student's own row is never changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from shipyard.harness.trajectory import Trajectory
+
+
+@dataclass(frozen=True)
+class Hint:
+    """Targeted feedback for one trajectory: `hint_ids` (a rendered message) go before turn `turn`'s header."""
+
+    sample: int
+    turn: int
+    hint_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class HintTarget:
+    """A hint placed in token coordinates of row `sample`: insert at `insert_at`, loss on [start, end)."""
+
+    sample: int
+    insert_at: int
+    hint_ids: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T] long, right-padded with pad_id
+    attention_mask: torch.Tensor  # [B, T] long
+    loss_mask: torch.Tensor  # [B, T] float
+    sampler_logprobs: torch.Tensor  # [B, T] float
+    advantages: torch.Tensor  # [B, T] float
+    versions: torch.Tensor  # [B, T] long (0 where not sampled)
+    sample_mask: torch.Tensor  # [B] float: 0 = infra-failed sample, excluded
+    hints: list[HintTarget] = field(default_factory=list)
+    pad_id: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def tokens(self) -> int:
+        """Sampled tokens that count toward the loss."""
+        return int((self.loss_mask * self.sample_mask[:, None]).sum())
+
+    def to(self, device: torch.device | str) -> Batch:
+        moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        return Batch(**moved, hints=self.hints, pad_id=self.pad_id)
+
+    def rows(self, index: list[int]) -> Batch:
+        """A sub-batch of the given rows (hints renumbered), e.g. one data-parallel rank's or one micro-batch."""
+        pick = torch.tensor(index, dtype=torch.long)
+        tensors = {k: v[pick] for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        where = {old: new for new, old in enumerate(index)}
+        hints = [HintTarget(where[h.sample], h.insert_at, h.hint_ids, h.start, h.end)
+                 for h in self.hints if h.sample in where]
+        return Batch(**tensors, hints=hints, pad_id=self.pad_id)
+
+    @classmethod
+    def from_trajectories(cls, trajectories: list[Trajectory], advantages: list[float], *, pad_id: int,
+                          failed: list[bool] | None = None, hints: Sequence[Hint] = (),
+                          header_ids: tuple[int, ...] = ()) -> Batch:
+        """Pad trajectories into a batch. `header_ids`: the assistant header tokens that end every prompt and
+        observation (`ChatFormat.assistant_header_ids`), needed to place hints."""
+        if len(advantages) != len(trajectories):
+            raise ValueError(f"{len(trajectories)} trajectories but {len(advantages)} advantages")
+        failed = failed or [False] * len(trajectories)
+        if len(failed) != len(trajectories):
+            raise ValueError(f"{len(trajectories)} trajectories but {len(failed)} failure flags")
+        if not trajectories:
+            raise ValueError("an empty batch: no trajectories")
+        length = max(len(t.token_ids()) for t in trajectories)
+        shape = (len(trajectories), length)
+        input_ids = torch.full(shape, pad_id, dtype=torch.long)
+        attention = torch.zeros(shape, dtype=torch.long)
+        mask, lps, adv = torch.zeros(shape), torch.zeros(shape), torch.zeros(shape)
+        versions = torch.zeros(shape, dtype=torch.long)
+        for b, (traj, a) in enumerate(zip(trajectories, advantages, strict=True)):
+            ids = traj.token_ids()
+            n = len(ids)
+            input_ids[b, :n] = torch.tensor(ids)
+            attention[b, :n] = 1
+            mask[b, :n] = torch.tensor(traj.loss_mask(), dtype=torch.float)
+            lps[b, :n] = torch.tensor(traj.sampler_logprobs(), dtype=torch.float)
+            adv[b, :n] = a
+            pos = len(traj.prompt_ids)
+            for turn in traj.turns:
+                versions[b, pos:pos + len(turn.completion_ids)] = turn.policy_version
+                pos += len(turn.completion_ids) + len(turn.observation_ids)
+        sample_mask = torch.tensor([0.0 if f else 1.0 for f in failed])
+        targets = [place_hint(trajectories[h.sample], h, header_ids) for h in hints]
+        return cls(input_ids, attention, mask, lps, adv, versions, sample_mask, targets, pad_id)
+
+
+def turn_span(traj: Trajectory, turn: int) -> tuple[int, int]:
+    """[start, end) of turn `turn`'s completion tokens in the trajectory's token sequence."""
+    if not 0 <= turn < len(traj.turns):
+        raise ValueError(f"turn {turn} does not exist: the trajectory has {len(traj.turns)} turns")
+    pos = len(traj.prompt_ids)
+    for t in traj.turns[:turn]:
+        pos += len(t.completion_ids) + len(t.observation_ids)
+    return pos, pos + len(traj.turns[turn].completion_ids)
+
+
+def place_hint(traj: Trajectory, hint: Hint, header_ids: tuple[int, ...]) -> HintTarget:
+    """Where a hint goes: before the assistant header that opens the target turn (checked against the ids)."""
+    start, end = turn_span(traj, hint.turn)
+    insert_at = start - len(header_ids)
+    ids = traj.token_ids()
+    if insert_at < 0 or tuple(ids[insert_at:start]) != tuple(header_ids):
+        raise ValueError(f"turn {hint.turn} of sample {hint.sample} is not preceded by the assistant header "
+                         f"{list(header_ids)}; pass the header ids of the chat format the trajectory was made with")
+    if end == start:
+        raise ValueError(f"turn {hint.turn} of sample {hint.sample} has no sampled tokens to distill")
+    return HintTarget(hint.sample, insert_at, tuple(hint.hint_ids), start, end)
+
+
+def teacher_row(ids: torch.Tensor, target: HintTarget) -> tuple[torch.Tensor, int]:
+    """The teacher's context: the student's ids with the hint inserted; and the shift of later positions."""
+    hint = torch.tensor(target.hint_ids, dtype=ids.dtype, device=ids.device)
+    return torch.cat([ids[:target.insert_at], hint, ids[target.insert_at:]]), len(target.hint_ids)
