@@ -1,0 +1,270 @@
+"""The trainer: one RL step from a `Batch` — policy loss, targeted self-distillation, Muon/AdamW, FSDP2.
+
+One code path for 1 and N processes: the trainer always runs in a process group (a single-process gloo group over
+an in-memory store is made when none exists) and always shards the model with FSDP2 (`fully_shard` per decoder
+layer, then the root), so world size 1 is just N = 1. Each rank takes rows rank, rank + N, … of the global batch;
+loss denominators (tokens, sequences, distillation tokens) are all-reduced first, so the sum of the ranks' losses
+is exactly the full-batch loss, and the local loss is multiplied by N because FSDP averages gradients over ranks.
+
+A step:
+1. micro-batches of `micro_batch` rows: forward, per-token log-probabilities and entropies, the policy loss
+   (`losses.policy_loss`; one optimizer step per batch, so π_old = π_θ and the importance weights carry the
+   sampler/trainer mismatch), the k3 KL to the frozen initial policy when `kl_coef > 0`;
+2. for rows with hints: the teacher (EMA of the policy by default, frozen initial weights, or the live policy) runs
+   without gradient on the hinted contexts; `distill.distill_loss` on the target turn's tokens, weight λ. Every
+   rank runs the teacher on every micro-batch (a one-token stand-in when it has no hint) so the FSDP collectives
+   of all ranks stay in step;
+3. gradient clipping, Muon (matrices; q/k/v per head, experts per expert) + AdamW (embeddings, head, norms,
+   biases), the LR schedule, the EMA teacher update, policy version + 1.
+
+`train_step(trajectories, advantages, …)` is the Python API the rollout server calls.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from shipyard.harness.trajectory import Trajectory
+from shipyard.train.batch import Batch, Hint, teacher_row
+from shipyard.train.distill import DistillConfig, distill_loss
+from shipyard.train.losses import PolicyLossConfig, policy_loss, token_logprobs
+from shipyard.train.muon import Muon, muon_param_groups
+from shipyard.train.mx import convert_to_mxfp8
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["muon", "adamw"] = "muon"
+    lr: float = 2e-6  # Muon's 0.2·√max(r, c) scaling lets it share AdamW's learning rate
+    weight_decay: float = 0.1
+    momentum: float = 0.95
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    per_head: bool = True
+
+    def __post_init__(self) -> None:
+        if self.name not in ("muon", "adamw"):
+            raise ValueError(f"unknown optimizer {self.name!r}: muon or adamw")
+        if self.lr <= 0 or self.grad_clip <= 0 or self.warmup_steps < 0:
+            raise ValueError("lr and grad_clip must be > 0, warmup_steps >= 0")
+
+
+@dataclass
+class TrainConfig:
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    micro_batch: int = 4
+    mxfp8: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.micro_batch < 1:
+            raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
+
+
+def ensure_process_group() -> None:
+    """A process group for the trainer: the existing one, or a single-process gloo group (no network)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _shard(model: nn.Module, mesh) -> nn.Module:
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _adder(sums: dict[str, float]):
+    def add(key: str, value: float) -> None:
+        sums[key] = sums.get(key, 0.0) + value
+    return add
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Trainer:
+    def __init__(self, model: nn.Module, config: TrainConfig, *, pad_id: int, header_ids: Sequence[int] = (),
+                 device: str = "cpu"):
+        ensure_process_group()
+        self.config, self.pad_id, self.header_ids = config, pad_id, tuple(header_ids)
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.device = torch.device(device)
+        torch.manual_seed(config.seed)
+        if config.mxfp8:
+            convert_to_mxfp8(model)
+        model.to(self.device).train()
+        needs_ref = config.policy.kl_coef > 0 or (config.distill.weight > 0 and config.distill.teacher == "frozen")
+        teacher = copy.deepcopy(model).eval().requires_grad_(False) if (
+            config.distill.weight > 0 and config.distill.teacher == "ema") else None
+        reference = copy.deepcopy(model).eval().requires_grad_(False) if needs_ref else None
+        self.mesh = init_device_mesh(self.device.type, (self.world,))
+        self.model = _shard(model, self.mesh)
+        self.ema = _shard(teacher, self.mesh) if teacher is not None else None
+        self.reference = _shard(reference, self.mesh) if reference is not None else None
+        self.optimizers = self._optimizers()
+        warmup = config.optim.warmup_steps
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+                           for o in self.optimizers]
+        self.version = 0
+        self.step_count = 0
+
+    # Set-up --------------------------------------------------------------------------------------------------
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        o = self.config.optim
+        if o.name == "adamw":
+            return [torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                      weight_decay=o.weight_decay)]
+        muon_groups, adamw_groups = muon_param_groups(self.model, per_head=o.per_head)
+        opts: list[torch.optim.Optimizer] = [Muon(muon_groups, lr=o.lr, weight_decay=o.weight_decay,
+                                                  momentum=o.momentum)]
+        if adamw_groups:
+            opts.append(torch.optim.AdamW(adamw_groups, lr=o.lr, betas=o.betas, eps=o.eps,
+                                          weight_decay=o.weight_decay))
+        return opts
+
+    @property
+    def teacher(self) -> nn.Module:
+        kind = self.config.distill.teacher
+        return self.ema if kind == "ema" else self.reference if kind == "frozen" else self.model
+
+    # The step ----------------------------------------------------------------------------------------------------
+    def _sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def train_step(self, trajectories: list[Trajectory], advantages: list[float], *, failed: list[bool] | None = None,
+                   hints: Sequence[Hint] = ()) -> dict[str, float]:
+        """One RL step from trajectories (the rollout server's call): batch them and `step`."""
+        batch = Batch.from_trajectories(trajectories, advantages, pad_id=self.pad_id, failed=failed, hints=hints,
+                                        header_ids=self.header_ids)
+        return self.step(batch)
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step on `batch` (the same global batch on every rank); metrics for the whole batch."""
+        start = time.perf_counter()
+        if batch.size % self.world:
+            raise ValueError(f"a batch of {batch.size} rows does not split over {self.world} ranks; make the batch "
+                             "size a multiple of the world size")
+        local = batch.rows(list(range(self.rank, batch.size, self.world))).to(self.device)
+        mask = local.loss_mask[:, 1:] * local.sample_mask[:, None]
+        per_seq = self.config.policy.aggregation != "token_mean"
+        hint_tokens = sum(h.end - h.start for h in local.hints if local.sample_mask[h.sample] > 0)
+        den, dden = self._sum([float((mask.sum(-1) > 0).sum() if per_seq else mask.sum()), float(hint_tokens)])
+        sums: dict[str, float] = {}
+        for index in range(0, local.size, self.config.micro_batch):
+            rows = list(range(index, min(index + self.config.micro_batch, local.size)))
+            self._micro(local.rows(rows), den, dden, sums)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.optim.grad_clip)
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for sched in self.schedulers:
+            sched.step()
+        self._update_ema()
+        self.version += 1
+        self.step_count += 1
+        keys = sorted(sums)
+        totals = dict(zip(keys, self._sum([sums[k] for k in keys]), strict=True))
+        tokens = max(totals.pop("tokens", 0.0), 1.0)
+        dtok = totals.pop("distill_tokens", 0.0)
+        scale = {"t": tokens, "d": max(dtok, 1.0), "s": 1.0}
+        metrics = {k[2:]: v / scale[k[0]] for k, v in totals.items()}
+        seconds = time.perf_counter() - start
+        norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        metrics |= {"grad_norm": float(norm), "tokens": tokens, "distill_tokens": dtok,
+                    "seconds": seconds, "tokens_per_second": tokens / seconds, "version": float(self.version),
+                    "lr": self.schedulers[0].get_last_lr()[0]}
+        return metrics
+
+    def _micro(self, mb: Batch, den: float, dden: float, sums: dict[str, float]) -> None:
+        cfg = self.config
+        distilling = cfg.distill.weight > 0 and dden > 0
+        teacher_logits = self._teacher_logits(mb) if distilling else None
+        ref_lp = None
+        if self.reference is not None and cfg.policy.kl_coef > 0:
+            with torch.no_grad():
+                ref_logits = self.reference(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+                ref_lp, _ = token_logprobs(ref_logits[:, :-1], mb.input_ids[:, 1:])
+        logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+        lp, entropy = token_logprobs(logits[:, :-1], mb.input_ids[:, 1:])
+        mask = mb.loss_mask[:, 1:] * mb.sample_mask[:, None]
+        loss, metrics = policy_loss(lp, lp.detach(), mb.sampler_logprobs[:, 1:], mb.advantages[:, 1:], mask,
+                                    cfg.policy, ref_lp, denominator=den)
+        n = float(mask.sum())
+        add = _adder(sums)
+        for k, v in metrics.items():
+            if k != "tokens":
+                add("t:" + k, v * n)
+        add("t:entropy", float((entropy * mask).sum()))
+        add("tokens", n)
+        add("s:policy_loss", float(loss.detach()))  # micro-batch losses sum to the full-batch loss
+        if distilling:
+            targets = [h for h in mb.hints if mb.sample_mask[h.sample] > 0]
+            if targets:
+                student = torch.cat([logits[h.sample, h.start - 1:h.end - 1] for h in targets])
+                tokens = torch.cat([mb.input_ids[h.sample, h.start:h.end] for h in targets])
+                sampler = torch.cat([mb.sampler_logprobs[h.sample, h.start:h.end] for h in targets])
+                dl, dm = distill_loss(student, teacher_logits, tokens, sampler, cfg.distill)
+                k = float(tokens.numel())
+                loss = loss + cfg.distill.weight * dl * k / dden
+                for key, v in dm.items():
+                    if key != "distill_tokens":
+                        add("d:" + key, v * k)
+                add("distill_tokens", k)
+                add("s:distill_loss", float(dl.detach()) * k / dden)
+        (loss * self.world).backward()
+
+    def _teacher_logits(self, mb: Batch) -> torch.Tensor:
+        """Teacher logits at the target positions of the micro-batch's hints, concatenated in hint order."""
+        targets = [h for h in mb.hints if mb.sample_mask[h.sample] > 0]
+        rows, spans = [], []
+        for h in targets:
+            length = int(mb.attention_mask[h.sample].sum())
+            row, shift = teacher_row(mb.input_ids[h.sample, :length], h)
+            rows.append(row)
+            spans.append((h.start - 1 + shift, h.end - 1 + shift))
+        if not rows:  # keep this rank's FSDP collectives in step with ranks that have hints
+            rows = [torch.tensor([self.pad_id], device=self.device)]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=self.device)
+        att = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)], att[i, :len(r)] = r, 1
+        with torch.no_grad():
+            out = self.teacher(input_ids=ids, attention_mask=att).logits
+        if not spans:
+            return out[:0, 0]
+        return torch.cat([out[i, a:b] for i, (a, b) in enumerate(spans)])
+
+    @torch.no_grad()
+    def _update_ema(self) -> None:
+        if self.ema is None:
+            return
+        decay = self.config.distill.ema_decay
+        for t, p in zip(self.ema.parameters(), self.model.parameters(), strict=True):
+            _local(t).lerp_(_local(p).to(t.dtype), 1 - decay)
+
+    # Weights -----------------------------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded weights (collective: every rank calls it; every rank gets them)."""
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+                for k, v in self.model.state_dict().items()}

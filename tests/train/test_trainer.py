@@ -1,0 +1,142 @@
+"""The trainer on trajectories the harness produced (scripted replay engine and the tiny random model): the loss
+it optimizes is the hand-computed one, failed samples count for nothing, hints distill, and 2 gloo ranks train
+like 1."""
+
+import copy
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from shipyard.harness.loop import Agent, LoopConfig
+from shipyard.harness.tools import default_tools
+from shipyard.harness.wire import ChatFormat
+from shipyard.harness.workspace import LocalWorkspace
+from shipyard.models.local import LocalEngine
+from shipyard.models.replay import ReplayEngine
+from shipyard.models.resolve import tiny_model
+from shipyard.train.batch import Batch, Hint
+from shipyard.train.distill import DistillConfig
+from shipyard.train.losses import PolicyLossConfig, policy_loss, token_logprobs
+from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pocketlib"
+SCRIPTS = [
+    ['<tool_call>\n{"name": "list_dir", "arguments": {"path": "."}}\n</tool_call>', "Nothing to change."],
+    ['<tool_call>\n{"name": "read_file", "arguments": {"path": "README.md", "limit": 5}}\n</tool_call>',
+     '<tool_call>\n{"name": "grep", "arguments": {"pattern": "def roman"}}\n</tool_call>', "Done."],
+    ["I cannot help with that."],
+    ['<tool_call>\n{"name": "glob", "arguments": {"pattern": "*.toml"}}\n</tool_call>', "All good."],
+]
+CONFIG = LoopConfig(max_turns=3, max_new_tokens=24, overview_entries=0, seed=0)
+
+
+@pytest.fixture(scope="module")
+def episodes(tmp_path_factory):
+    """Trajectories from the real agent loop: 4 scripted (replay engine), 2 sampled from the tiny model."""
+    repo = tmp_path_factory.mktemp("ws") / "pocketlib"
+    shutil.copytree(EXAMPLE, repo, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    ws = LocalWorkspace(repo)
+    trajs = [Agent(ReplayEngine(script), ws, CONFIG).run("Explore the repository.") for script in SCRIPTS]
+    model, tok = tiny_model(seed=3)
+    engine = LocalEngine(model.float(), tok, name="tiny")
+    trajs += [Agent(engine, ws, CONFIG).run("Fix the failing test.") for _ in range(2)]
+    ws.close()
+    return trajs
+
+
+def _trainer(**kw) -> Trainer:
+    model, tok = tiny_model(seed=1)
+    config = TrainConfig(optim=OptimConfig(lr=1e-3, **kw.pop("optim", {})), micro_batch=2, **kw)
+    return Trainer(model.float(), config, pad_id=tok.pad_token_id,
+                   header_ids=ChatFormat(tok, default_tools()).assistant_header_ids())
+
+
+ADV = [1.0, -0.5, 0.25, -1.0, 0.5, -0.25]
+
+
+def test_step_optimizes_the_hand_computed_loss(episodes):
+    trainer = _trainer()
+    model = copy.deepcopy(tiny_model(seed=1)[0].float())
+    batch = Batch.from_trajectories(episodes, ADV, pad_id=trainer.pad_id)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    lp, _ = token_logprobs(logits[:, :-1], batch.input_ids[:, 1:])
+    mask = batch.loss_mask[:, 1:] * batch.sample_mask[:, None]
+    want, _ = policy_loss(lp, lp.detach(), batch.sampler_logprobs[:, 1:], batch.advantages[:, 1:], mask,
+                          PolicyLossConfig())
+    before = {k: v.clone() for k, v in trainer.full_state_dict().items()}
+    metrics = trainer.step(batch)
+    assert metrics["policy_loss"] == pytest.approx(float(want), rel=1e-4, abs=1e-6)
+    assert metrics["tokens"] == float(mask.sum()) and metrics["version"] == 1.0
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    after = trainer.full_state_dict()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert "model.layers.0.self_attn.q_proj.weight" in changed and "model.embed_tokens.weight" in changed
+
+
+def test_failed_samples_count_for_nothing(episodes):
+    a, b = _trainer(), _trainer()
+    batch = Batch.from_trajectories(episodes[:2], ADV[:2], pad_id=a.pad_id, failed=[False, True])
+    garbage = copy.deepcopy(batch)
+    g = torch.Generator().manual_seed(0)
+    garbage.input_ids[1] = torch.randint(0, 200, garbage.input_ids[1].shape, generator=g)
+    garbage.advantages[1] = 1e6
+    garbage.sampler_logprobs[1] = -50.0
+    ma, mb = a.step(batch), b.step(garbage)
+    assert ma["policy_loss"] == mb["policy_loss"] and ma["tokens"] == mb["tokens"]
+    for (k, x), y in zip(a.full_state_dict().items(), b.full_state_dict().values(), strict=True):
+        assert torch.equal(x, y), k
+
+
+def test_hints_distill_and_an_empty_hint_gives_zero_divergence(episodes):
+    fmt = ChatFormat(tiny_model()[1], default_tools())
+    multi = [i for i, t in enumerate(episodes) if len(t.turns) >= 2][:2]
+    trainer = _trainer(distill=DistillConfig(weight=0.5, teacher="live"))
+    hints = [Hint(0, 1, ())]  # nothing inserted: teacher context == student context
+    metrics = trainer.train_step([episodes[multi[0]]], [0.0], hints=hints)
+    assert metrics["distill_tokens"] > 0 and metrics["distill_divergence"] == pytest.approx(0.0, abs=1e-6)
+    ema = _trainer(distill=DistillConfig(weight=0.5, teacher="ema", ema_decay=0.5))
+    hints = [Hint(0, 1, fmt.hint_ids("Read the test first.")), Hint(1, 0, fmt.hint_ids("List the files."))]
+    m = ema.train_step([episodes[i] for i in multi], [0.0, 0.0], hints=hints)
+    assert m["distill_divergence"] > 0 and m["distill_loss"] > 0
+
+
+def _dist_worker(rank, world, port, episodes, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        trainer = _trainer()
+        for _ in range(2):
+            metrics = trainer.train_step(episodes[:4], ADV[:4])
+        state = trainer.full_state_dict()
+        if rank == 0:
+            torch.save({"state": state, "metrics": metrics}, out)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_train_like_one(episodes):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "w2.pt"
+        mp.spawn(_dist_worker, args=(2, port, episodes[:4], str(out)), nprocs=2)
+        two = torch.load(out)
+    one = _trainer()
+    init = {k: v.clone() for k, v in one.full_state_dict().items()}
+    for _ in range(2):
+        metrics = one.train_step(episodes[:4], ADV[:4])
+    assert two["metrics"]["policy_loss"] == pytest.approx(metrics["policy_loss"], rel=1e-4, abs=1e-6)
+    assert two["metrics"]["tokens"] == metrics["tokens"]
+    # Gradients are reduced in another order across ranks (float sums), and Newton–Schulz runs in bfloat16 on
+    # normalized gradients (a head with a near-zero gradient amplifies rounding): the updates agree to within 5 % in
+    # Frobenius norm, not bitwise (Muon itself is bitwise across ranks for equal gradients: test_muon.py).
+    for k, v in one.full_state_dict().items():
+        update, other = v - init[k], two["state"][k] - init[k]
+        assert float((update - other).norm()) <= 0.05 * float(update.norm()) + 1e-9, k
