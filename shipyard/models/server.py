@@ -5,6 +5,9 @@ The request and response follow the OpenAI completions API with the vLLM extensi
 (with `logprobs`) the sampled tokens' logprobs; `return_tokens_as_token_ids` writes tokens as `token_id:N`
 like vLLM. So `OpenAIEngine` is tested against a real server, and other harnesses can use a shipyard model.
 
+`POST /v1/weights` loads a versioned weight payload (bf16 or MXFP8 safetensors bytes, see `shipyard.train.sync`):
+the trainer's push. Completions report the `policy_version` they were sampled with.
+
 Concurrent requests are batched: a worker thread takes whatever is queued (up to `max_batch`, after waiting
 `batch_window` seconds for stragglers) and runs it as one `engine.generate` call.
 """
@@ -111,6 +114,20 @@ def create_app(engine: Engine, served_name: str, max_batch: int = 8) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": served_name, "object": "model", "owned_by": "shipyard"}]}
+
+    @app.post("/v1/weights")
+    async def weights(request: Request) -> dict[str, Any]:
+        from shipyard.train.sync import decode
+
+        body = await request.body()
+        start = time.perf_counter()
+        try:
+            version, tensors = decode(body)
+            await asyncio.to_thread(engine.update_weights, version, tensors)
+        except (ValueError, KeyError) as e:
+            raise HTTPException(400, str(e).strip('"')) from None
+        return {"version": version, "tensors": len(tensors), "bytes": len(body),
+                "seconds": round(time.perf_counter() - start, 4)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> dict[str, Any]:

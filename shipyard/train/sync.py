@@ -1,0 +1,132 @@
+"""Weight sync: versioned pushes of the policy to inference engines, as bf16 or MXFP8 payloads.
+
+A payload is one safetensors file (bytes), so the same object goes to an engine in this process
+(`push_to_engine`) or over HTTP to `shipyard serve` (`POST /v1/weights`, `push_http`) — a transport the Ray
+backend can reuse by shipping the bytes through its object store. Its `__metadata__` holds `version`, `format`
+and, for MXFP8, the original shape of each quantized tensor.
+
+- `bf16`: every tensor in bfloat16 (2 bytes per value).
+- `mxfp8`: the matrices the trainer runs in MXFP8 (its `MXLinear` layers: every linear layer but the output head)
+  as E4M3 elements + E8M0 block scales (`<name>.mx_elements`, `<name>.mx_scales`, uint8), everything else bf16.
+  8.25 bits per quantized value. The engine dequantizes with `shipyard.train.mx.dequantize`, the function the
+  trainer's forward uses, so the sampler runs on bit-identical weights (no post-training quantization).
+
+Each push returns its `SyncStats` (bytes, seconds for encode, transfer and load), which the trainer logs.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import httpx
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import nn
+
+from shipyard.models.engine import Engine
+from shipyard.train.mx import MXLinear, MXTensor, dequantize, quantize
+
+Format = Literal["bf16", "mxfp8"]
+
+
+@dataclass
+class SyncStats:
+    version: int
+    format: str
+    bytes: int
+    tensors: int
+    encode_seconds: float
+    push_seconds: float  # transfer + load on the engine side
+
+    @property
+    def seconds(self) -> float:
+        return self.encode_seconds + self.push_seconds
+
+
+def mx_weight_names(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> set[str]:
+    """State-dict names of the weights a payload quantizes: those of MXLinear layers, or — for a model not trained
+    in MXFP8 — of its linear layers but the head (then MXFP8 sync is post-training quantization)."""
+    linear = {f"{n}.weight" for n, m in model.named_modules()
+              if isinstance(m, nn.Linear) and not any(s in n for s in skip)}
+    mx = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, MXLinear)}
+    return mx or linear
+
+
+def encode(tensors: dict[str, torch.Tensor], version: int, fmt: Format = "bf16",
+           mx_names: set[str] | None = None) -> bytes:
+    if fmt not in ("bf16", "mxfp8"):
+        raise ValueError(f"unknown payload format {fmt!r}: bf16 or mxfp8")
+    out: dict[str, torch.Tensor] = {}
+    shapes: dict[str, list[int]] = {}
+    for name, t in tensors.items():
+        if fmt == "mxfp8" and name in (mx_names or set()) and t.ndim >= 2:
+            mx = quantize(t)
+            out[f"{name}.mx_elements"] = mx.elements.view(torch.uint8).contiguous()
+            out[f"{name}.mx_scales"] = mx.scales.view(torch.uint8).contiguous()
+            shapes[name] = list(mx.shape)
+        else:
+            out[name] = t.detach().to("cpu", torch.bfloat16).contiguous()
+    meta = {"version": str(version), "format": fmt, "mx_shapes": json.dumps(shapes)}
+    return st_save(out, metadata=meta)
+
+
+def metadata(payload: bytes) -> dict[str, str]:
+    (size,) = struct.unpack("<Q", payload[:8])
+    return json.loads(payload[8:8 + size]).get("__metadata__", {})
+
+
+def decode(payload: bytes, dtype: torch.dtype = torch.bfloat16) -> tuple[int, dict[str, torch.Tensor]]:
+    """(version, tensors in `dtype`) from a payload; MXFP8 tensors dequantized exactly as the trainer does."""
+    try:
+        meta = metadata(payload)
+        raw = st_load(payload)
+        version, shapes = int(meta["version"]), json.loads(meta.get("mx_shapes", "{}"))
+    except Exception as e:  # a truncated or foreign body: say what it should be
+        raise ValueError(f"not a shipyard weight payload ({type(e).__name__}: {e}); send the bytes "
+                         "shipyard.train.sync.encode produces") from e
+    tensors = {name: t.to(dtype) for name, t in raw.items() if not name.endswith((".mx_elements", ".mx_scales"))}
+    for name, shape in shapes.items():
+        mx = MXTensor(raw[f"{name}.mx_elements"].view(torch.float8_e4m3fn),
+                      raw[f"{name}.mx_scales"].view(torch.float8_e8m0fnu), tuple(shape))
+        tensors[name] = dequantize(mx, dtype)
+    return version, tensors
+
+
+def push_to_engine(engine: Engine, payload: bytes, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Load a payload into an engine in this process; the version it now serves."""
+    version, tensors = decode(payload, dtype)
+    engine.update_weights(version, tensors)
+    return version
+
+
+def push_http(base_url: str, payload: bytes, timeout: float = 600) -> dict:
+    """POST a payload to `shipyard serve` (`BASE_URL/v1/weights`); the server's reply."""
+    url = base_url.rstrip("/").removesuffix("/v1") + "/v1/weights"
+    try:
+        r = httpx.post(url, content=payload, timeout=timeout,
+                       headers={"content-type": "application/octet-stream"})
+    except httpx.HTTPError as e:
+        raise ConnectionError(f"could not push weights to {url}: {e}; is `shipyard serve` running there?") from e
+    if r.status_code != 200:
+        raise RuntimeError(f"{url} refused the weights ({r.status_code}): {r.text[:500]}")
+    return r.json()
+
+
+def sync(tensors: dict[str, torch.Tensor], version: int, *, fmt: Format = "bf16", mx_names: set[str] | None = None,
+         engine: Engine | None = None, url: str | None = None) -> SyncStats:
+    """Encode once and push to an in-process engine or a server; bytes and seconds recorded."""
+    if (engine is None) == (url is None):
+        raise ValueError("push to exactly one target: an engine in this process or a server url")
+    t0 = time.perf_counter()
+    payload = encode(tensors, version, fmt, mx_names)
+    t1 = time.perf_counter()
+    if engine is not None:
+        push_to_engine(engine, payload)
+    else:
+        push_http(url, payload)
+    return SyncStats(version, fmt, len(payload), len(tensors), t1 - t0, time.perf_counter() - t1)
