@@ -28,8 +28,8 @@ from pathlib import Path
 from _common import finish, table
 
 from shipyard.sandbox.client import EnvClient
-from shipyard.sandbox.host import CGROUP_ROOT, host
-from shipyard.sandbox.layout import mounted_under
+from shipyard.sandbox.host import host
+from shipyard.sandbox.layout import mounted_under, shipyard_cgroups
 from shipyard.sandbox.run import run_in_sandbox
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
@@ -107,7 +107,7 @@ def leaks(uid: int) -> dict[str, int]:
     ps = subprocess.run(["ps", "-u", str(uid), "-o", "stat="], capture_output=True, text=True).stdout.split()
     return {"live_processes": sum(not st.startswith("Z") for st in ps),
             "sandbox_dirs": len(list((host().state_dir / "sandboxes").glob("*"))),
-            "cgroups": len([p for sub in ("", "memory", "pids") for p in (CGROUP_ROOT / sub).glob("shipyard-*")]),
+            "cgroups": len(shipyard_cgroups()),
             "mounts_left": len(mounted_under(host().state_dir))}
 
 

@@ -131,6 +131,11 @@ class Layout:
             shutil.rmtree(self.root, onerror=open_up)
 
 
+def shipyard_cgroups() -> list[Path]:
+    """Every sandbox cgroup on this host (v2, and the v1 memory, pids and cpuacct hierarchies)."""
+    return [p for sub in ("", "memory", "pids", "cpuacct") for p in (CGROUP_ROOT / sub).glob("shipyard-*-*")]
+
+
 def recover_stale(h: Host) -> list[str]:
     """Remove the sandboxes (mounts, dirs, empty cgroups) left by shipyard processes that died; their ids."""
     recovered = []
@@ -140,7 +145,7 @@ def recover_stale(h: Host) -> list[str]:
             with contextlib.suppress(OSError):
                 Layout(d).remove()
                 recovered.append(d.name)
-    for group in (p for sub in ("", "memory", "pids", "cpuacct") for p in (CGROUP_ROOT / sub).glob("shipyard-*-*")):
+    for group in shipyard_cgroups():
         owner = group.name.split("-")[1]
         if owner.isdigit() and not Path(f"/proc/{owner}").exists():
             with contextlib.suppress(OSError):  # still has processes (they die with their bwrap): next time

@@ -95,6 +95,13 @@ def _adder(sums: dict[str, float]):
     return add
 
 
+def _reshard(module: nn.Module) -> None:
+    """Free a forward-only FSDP module's gathered weights: FSDP2 keeps the root's parameters unsharded after
+    forward (expecting a backward), and until resharded they are plain tensors that an in-place update (the EMA)
+    or a state_dict would see instead of the shards."""
+    module.reshard()
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -204,6 +211,7 @@ class Trainer:
             with torch.no_grad():
                 ref_logits = self.reference(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
                 ref_lp, _ = token_logprobs(ref_logits[:, :-1], mb.input_ids[:, 1:])
+            _reshard(self.reference)
         logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
         lp, entropy = token_logprobs(logits[:, :-1], mb.input_ids[:, 1:])
         mask = mb.loss_mask[:, 1:] * mb.sample_mask[:, None]
@@ -251,6 +259,8 @@ class Trainer:
             ids[i, :len(r)], att[i, :len(r)] = r, 1
         with torch.no_grad():
             out = self.teacher(input_ids=ids, attention_mask=att).logits
+        if self.teacher is not self.model:
+            _reshard(self.teacher)
         if not spans:
             return out[:0, 0]
         return torch.cat([out[i, a:b] for i, (a, b) in enumerate(spans)])

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from shipyard.sandbox.bwrap import Limits
-from shipyard.sandbox.host import CGROUP_ROOT, host
-from shipyard.sandbox.layout import mounted_under
+from shipyard.sandbox.host import host
+from shipyard.sandbox.layout import mounted_under, shipyard_cgroups
 from shipyard.sandbox.run import run_in_sandbox, sandbox_problem
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 
@@ -62,7 +62,7 @@ def _clean():
     ps = subprocess.run(["ps", "-u", str(h.uid), "-o", "stat="], capture_output=True, text=True).stdout.split()
     leftovers = [stat for stat in ps if not stat.startswith("Z")]
     sandboxes = list((h.state_dir / "sandboxes").glob("*")) if (h.state_dir / "sandboxes").exists() else []
-    groups = [p for sub in ("", "memory", "pids") for p in (CGROUP_ROOT / sub).glob("shipyard-*")]
+    groups = shipyard_cgroups()
     return (not leftovers or not h.drop_privileges) and not sandboxes and not groups and not mounted_under(h.state_dir)
 
 

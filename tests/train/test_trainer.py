@@ -4,7 +4,6 @@ like 1."""
 
 import copy
 import os
-import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -13,41 +12,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from shipyard.harness.loop import Agent, LoopConfig
 from shipyard.harness.tools import default_tools
 from shipyard.harness.wire import ChatFormat
-from shipyard.harness.workspace import LocalWorkspace
-from shipyard.models.local import LocalEngine
-from shipyard.models.replay import ReplayEngine
 from shipyard.models.resolve import tiny_model
 from shipyard.train.batch import Batch, Hint
 from shipyard.train.distill import DistillConfig
 from shipyard.train.losses import PolicyLossConfig, policy_loss, token_logprobs
 from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pocketlib"
-SCRIPTS = [
-    ['<tool_call>\n{"name": "list_dir", "arguments": {"path": "."}}\n</tool_call>', "Nothing to change."],
-    ['<tool_call>\n{"name": "read_file", "arguments": {"path": "README.md", "limit": 5}}\n</tool_call>',
-     '<tool_call>\n{"name": "grep", "arguments": {"pattern": "def roman"}}\n</tool_call>', "Done."],
-    ["I cannot help with that."],
-    ['<tool_call>\n{"name": "glob", "arguments": {"pattern": "*.toml"}}\n</tool_call>', "All good."],
-]
-CONFIG = LoopConfig(max_turns=3, max_new_tokens=24, overview_entries=0, seed=0)
-
-
-@pytest.fixture(scope="module")
-def episodes(tmp_path_factory):
-    """Trajectories from the real agent loop: 4 scripted (replay engine), 2 sampled from the tiny model."""
-    repo = tmp_path_factory.mktemp("ws") / "pocketlib"
-    shutil.copytree(EXAMPLE, repo, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
-    ws = LocalWorkspace(repo)
-    trajs = [Agent(ReplayEngine(script), ws, CONFIG).run("Explore the repository.") for script in SCRIPTS]
-    model, tok = tiny_model(seed=3)
-    engine = LocalEngine(model.float(), tok, name="tiny")
-    trajs += [Agent(engine, ws, CONFIG).run("Fix the failing test.") for _ in range(2)]
-    ws.close()
-    return trajs
 
 
 def _trainer(**kw) -> Trainer:

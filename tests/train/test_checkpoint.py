@@ -1,0 +1,67 @@
+"""Checkpoints: resuming continues bit-identically (weights, EMA teacher, Muon and AdamW state, schedule)."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shipyard.harness.tools import default_tools
+from shipyard.harness.wire import ChatFormat
+from shipyard.models.resolve import tiny_model
+from shipyard.train.batch import Batch, Hint
+from shipyard.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from shipyard.train.distill import DistillConfig
+from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer
+
+ADV = [[1.0, -1.0], [0.5, -0.5], [-0.25, 0.75], [0.3, -0.3]]
+
+
+def _trainer() -> Trainer:
+    model, tok = tiny_model(seed=4)
+    config = TrainConfig(optim=OptimConfig(lr=1e-3, warmup_steps=3), micro_batch=1,
+                         distill=DistillConfig(weight=0.3, teacher="ema", ema_decay=0.9))
+    return Trainer(model.float(), config, pad_id=tok.pad_token_id,
+                   header_ids=ChatFormat(tok, default_tools()).assistant_header_ids())
+
+
+def _batches(episodes, trainer):
+    fmt = ChatFormat(tiny_model()[1], default_tools())
+    multi = [t for t in episodes if len(t.turns) >= 2][:2]
+    return [Batch.from_trajectories(multi, adv, pad_id=trainer.pad_id, header_ids=trainer.header_ids,
+                                    hints=[Hint(0, 1, fmt.hint_ids(f"hint {i}"))]) for i, adv in enumerate(ADV)]
+
+
+def test_resume_continues_bit_identically(episodes, tmp_path):
+    straight = _trainer()
+    batches = _batches(episodes, straight)
+    want = [straight.step(b) for b in batches]
+
+    first = _trainer()
+    for b in batches[:2]:
+        first.step(b)
+    path = save_checkpoint(first, tmp_path / "ckpt")
+    assert path.name == "step-00000002" and latest_checkpoint(tmp_path / "ckpt") == path
+    weights = load_file(path / "model.safetensors")
+    assert all(torch.equal(weights[k], v) for k, v in first.full_state_dict().items() if k in weights)
+    assert "lm_head.weight" not in weights  # tied to the embedding: stored once
+
+    resumed = _trainer()
+    load_checkpoint(resumed, path)
+    assert resumed.version == 2 and resumed.schedulers[0].get_last_lr() == first.schedulers[0].get_last_lr()
+    got = [resumed.step(b) for b in batches[2:]]
+    for k, v in straight.full_state_dict().items():
+        assert torch.equal(v, resumed.full_state_dict()[k]), k
+    for k, v in straight.ema.state_dict().items():
+        assert torch.equal(v.full_tensor(), resumed.ema.state_dict()[k].full_tensor()), k
+    for a, b in zip(want[2:], got, strict=True):
+        assert a["policy_loss"] == b["policy_loss"] and a["distill_loss"] == b["distill_loss"]
+
+
+def test_bad_checkpoints_are_refused(episodes, tmp_path):
+    trainer = _trainer()
+    with pytest.raises(FileNotFoundError, match="not a shipyard checkpoint"):
+        load_checkpoint(trainer, tmp_path)
+    path = save_checkpoint(trainer, tmp_path)
+    (path / "trainer.json").write_text((path / "trainer.json").read_text().replace('"world_size": 1',
+                                                                                  '"world_size": 4'))
+    with pytest.raises(ValueError, match="written by 4 ranks"):
+        load_checkpoint(trainer, path)
