@@ -21,6 +21,8 @@ import contextlib
 import ctypes
 import os
 import shutil
+import signal
+import time
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -136,9 +138,28 @@ def shipyard_cgroups() -> list[Path]:
     return [p for sub in ("", "memory", "pids", "cpuacct") for p in (CGROUP_ROOT / sub).glob("shipyard-*-*")]
 
 
+def _drain(group: Path, wait: float = 2.0) -> None:
+    """SIGKILL what is left in a dead owner's cgroup and wait for it to empty: a sandbox's processes die with its
+    bwrap when the owner crashes, but asynchronously, and a cgroup with members cannot be removed."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        pids = [int(p) for p in (group / "cgroup.procs").read_text().split()]
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+
+
 def recover_stale(h: Host) -> list[str]:
-    """Remove the sandboxes (mounts, dirs, empty cgroups) left by shipyard processes that died; their ids."""
+    """Remove the sandboxes (processes, mounts, dirs, cgroups) left by shipyard processes that died; their ids."""
     recovered = []
+    for group in shipyard_cgroups():
+        owner = group.name.split("-")[1]
+        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            with contextlib.suppress(OSError):
+                _drain(group)
     base = h.state_dir / "sandboxes"
     for d in sorted(base.iterdir()) if base.is_dir() else []:
         if d.is_dir() and not _owner_alive(d / "owner"):
@@ -148,7 +169,7 @@ def recover_stale(h: Host) -> list[str]:
     for group in shipyard_cgroups():
         owner = group.name.split("-")[1]
         if owner.isdigit() and not Path(f"/proc/{owner}").exists():
-            with contextlib.suppress(OSError):  # still has processes (they die with their bwrap): next time
+            with contextlib.suppress(OSError):  # a member that survived SIGKILL for 2 s: next time
                 group.rmdir()
     return recovered
 

@@ -111,3 +111,23 @@ def test_two_ranks_train_like_one(episodes):
     for k, v in one.full_state_dict().items():
         update, other = v - init[k], two["state"][k] - init[k]
         assert float((update - other).norm()) <= 0.05 * float(update.norm()) + 1e-9, k
+
+
+def test_moe_model_trains_with_experts_as_muon_units(episodes):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tok = tiny_model()[1]
+    config = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=4, num_experts_per_tok=2, pad_token_id=tok.pad_token_id,
+                            eos_token_id=tok.eos_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    trainer = Trainer(Qwen3MoeForCausalLM(config), TrainConfig(optim=OptimConfig(lr=1e-3), micro_batch=2),
+                      pad_id=tok.pad_token_id)
+    muon = trainer.optimizers[0]
+    experts = [p for g in muon.param_groups for p in g["params"] if p.ndim == 3]
+    assert len(experts) == 4  # gate_up_proj and down_proj of 2 layers, one unit per expert
+    before = trainer.full_state_dict()["model.layers.0.mlp.experts.down_proj"].clone()
+    metrics = trainer.train_step(episodes[:2], ADV[:2])
+    assert torch.isfinite(torch.tensor(metrics["policy_loss"]))
+    assert not torch.equal(before, trainer.full_state_dict()["model.layers.0.mlp.experts.down_proj"])
