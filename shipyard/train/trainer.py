@@ -175,6 +175,9 @@ class Trainer:
         per_seq = self.config.policy.aggregation != "token_mean"
         hint_tokens = sum(h.end - h.start for h in local.hints if local.sample_mask[h.sample] > 0)
         den, dden = self._sum([float((mask.sum(-1) > 0).sum() if per_seq else mask.sum()), float(hint_tokens)])
+        if den == 0 and dden == 0:  # every sample failed or sampled nothing: no step, no new version
+            return {"skipped": 1.0, "tokens": 0.0, "version": float(self.version),
+                    "seconds": time.perf_counter() - start}
         sums: dict[str, float] = {}
         for index in range(0, local.size, self.config.micro_batch):
             rows = list(range(index, min(index + self.config.micro_batch, local.size)))

@@ -42,7 +42,7 @@ def test_step_optimizes_the_hand_computed_loss(episodes):
                           PolicyLossConfig())
     before = {k: v.clone() for k, v in trainer.full_state_dict().items()}
     metrics = trainer.step(batch)
-    assert metrics["policy_loss"] == pytest.approx(float(want), rel=1e-4, abs=1e-6)
+    assert metrics["policy_loss"] == pytest.approx(float(want.detach()), rel=1e-4, abs=1e-6)
     assert metrics["tokens"] == float(mask.sum()) and metrics["version"] == 1.0
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     after = trainer.full_state_dict()
@@ -60,6 +60,10 @@ def test_failed_samples_count_for_nothing(episodes):
     garbage.sampler_logprobs[1] = -50.0
     ma, mb = a.step(batch), b.step(garbage)
     assert ma["policy_loss"] == mb["policy_loss"] and ma["tokens"] == mb["tokens"]
+    before = {k: v.clone() for k, v in a.full_state_dict().items()}
+    skipped = a.train_step(episodes[:2], ADV[:2], failed=[True, True])  # nothing known: no step at all
+    assert skipped["skipped"] == 1.0 and a.version == 1
+    assert all(torch.equal(v, a.full_state_dict()[k]) for k, v in before.items())
     for (k, x), y in zip(a.full_state_dict().items(), b.full_state_dict().values(), strict=True):
         assert torch.equal(x, y), k
 
