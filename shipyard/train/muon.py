@@ -22,13 +22,13 @@ consecutive rows; the 0.2√max(r, c) scale uses the unit's shape.
 
 **Sharding.** Under FSDP2 each rank holds a contiguous block of rows of every parameter (`Shard(0)`; torch.chunk
 sizes). The momentum update is elementwise and runs on the local rows. A unit wholly inside one rank's rows is
-orthogonalized there with no communication. A unit split across ranks gets an owner (the rank holding most of its
-rows, lowest rank on ties); the other holders send their rows to it in one all-to-all for all split units of the
-step, the owner runs Newton–Schulz once, and a second all-to-all returns each holder its rows of the result. The
-local units are orthogonalized while the first all-to-all is in flight, and their updates applied while the second
-is. Every unit is computed by the same function on the same values whatever the world size, so 1, 2 and 4 ranks
-give bitwise-identical parameters. Parameters that are not DTensors are whole on every rank (world size 1, or
-replicated): every unit is local.
+orthogonalized there with no communication. A unit split across ranks gets an owner among the ranks holding its
+rows, chosen to balance the Newton–Schulz work over ranks (`plan_owners`); the other holders send their rows to it
+in one all-to-all for all split units of the step, the owner runs Newton–Schulz once, and a second all-to-all
+returns each holder its rows of the result. The local units are orthogonalized while the first all-to-all is in
+flight, and their updates applied while the second is. Every unit is computed by the same function on the same
+values whatever the world size, so 1, 2 and 4 ranks give bitwise-identical parameters. Parameters that are not
+DTensors are whole on every rank (world size 1, or replicated): every unit is local.
 
 AdamW handles what is not a matrix of a linear map — embeddings, the output head, norms, biases —
 (`muon_param_groups` splits a model's parameters by name, each matched exactly once).
@@ -91,9 +91,32 @@ class _Layout:
         u0, u1 = unit * self.unit_rows, (unit + 1) * self.unit_rows
         return [(r, max(u0, lo), min(u1, hi)) for r, (lo, hi) in enumerate(self.ranges) if max(u0, lo) < min(u1, hi)]
 
-    def owner(self, unit: int) -> int:
-        pieces = self.holders(unit)
-        return max(pieces, key=lambda p: (p[2] - p[1], -p[0]))[0]
+
+
+def _cost(rows: int, cols: int) -> int:
+    """Relative cost of Newton–Schulz on a rows × cols unit (its matmuls are m·m·n with m = min, n = max)."""
+    return min(rows, cols) ** 2 * max(rows, cols)
+
+
+def plan_owners(layouts: list[_Layout], world: int) -> dict[tuple[int, int], int]:
+    """Owner rank of every split unit, balancing Newton–Schulz work: each rank starts with its whole units' cost;
+    split units, largest first, go to the least-loaded rank holding a piece (then the biggest piece, lowest rank).
+    Every rank computes the same plan from the same layouts."""
+    load = [0] * world
+    split = []
+    for w, lay in enumerate(layouts):
+        for unit in range(lay.n // lay.unit_rows):
+            pieces = lay.holders(unit)
+            if len(pieces) == 1:
+                load[pieces[0][0]] += _cost(lay.unit_rows, lay.cols)
+            else:
+                split.append((w, unit, pieces))
+    owners = {}
+    for w, unit, pieces in sorted(split, key=lambda s: -_cost(layouts[s[0]].unit_rows, layouts[s[0]].cols)):
+        rank = min(pieces, key=lambda p: (load[p[0]], -(p[2] - p[1]), p[0]))[0]
+        owners[(w, unit)] = rank
+        load[rank] += _cost(layouts[w].unit_rows, layouts[w].cols)
+    return owners
 
 
 def _local(t: Tensor) -> Tensor:
@@ -181,6 +204,7 @@ class Muon(torch.optim.Optimizer):
     def _orthogonalize_and_apply(self, work: list, pg: dist.ProcessGroup | None) -> None:
         world = dist.get_world_size(pg) if pg is not None else 1
         rank = dist.get_rank(pg) if pg is not None else 0
+        owners = plan_owners([lay for _, _, lay, _ in work], world)
         # Plan: which split units this rank sends (to their owner) and receives (as owner), in a fixed order.
         send: list[list[Tensor]] = [[] for _ in range(world)]
         recv_sizes = [0] * world
@@ -195,7 +219,7 @@ class Muon(torch.optim.Optimizer):
                     if mine:
                         local.append((w, unit))
                     continue
-                owner = lay.owner(unit)
+                owner = owners[(w, unit)]
                 if mine:
                     returned.append((w, unit))
                     if owner != rank:
@@ -244,7 +268,7 @@ class Muon(torch.optim.Optimizer):
             expect = [0] * world
             for w, unit in returned:
                 lay = work[w][2]
-                owner = lay.owner(unit)
+                owner = owners[(w, unit)]
                 if owner != rank:
                     (_, a, b), = [pc for pc in lay.holders(unit) if pc[0] == rank]
                     expect[owner] += (b - a) * lay.cols
@@ -259,7 +283,7 @@ class Muon(torch.optim.Optimizer):
             offsets = [sum(expect[:r]) for r in range(world)]
             for w, unit in returned:
                 lay = work[w][2]
-                owner = lay.owner(unit)
+                owner = owners[(w, unit)]
                 (_, a, b), = [pc for pc in lay.holders(unit) if pc[0] == rank]
                 if owner == rank:
                     o = results[(w, unit)]

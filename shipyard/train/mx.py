@@ -10,11 +10,13 @@ two with amax / X ≤ 448, i.e. X = 2^⌈log2(amax / 448)⌉, so no element satu
 floor(log2 amax) − 8 can push the block maximum past 448 and clamp it. Exponents clamp to [−127, 127]; an all-zero
 block gets X = 2^−127. Elements are round-to-nearest-even casts of v / X to E4M3.
 
-Training in MXFP8 here is emulation (`MXLinear`): the forward multiplies dequantize(quantize(·)) of the input and of
-the weight, both blocked along the reduction dim; the backward quantizes the operands of its two matmuls blocked
-along *their* reduction dims (grad_output and weightᵀ along the output features for grad_input; grad_outputᵀ and
-inputᵀ along the tokens for grad_weight), as torchao's MX training recipe does. On Blackwell GPUs torchao's own
-MXLinear (real MX tensor cores) is used instead (`convert_to_mxfp8(backend="auto")`).
+Training in MXFP8 here is emulation (`MXLinear`, `MXEmbedding`): the forward multiplies dequantize(quantize(·))
+of the input and of the weight, both blocked along the reduction dim; the backward quantizes the operands of its
+two matmuls blocked along *their* reduction dims (grad_output and weightᵀ along the output features for
+grad_input; grad_outputᵀ and inputᵀ along the tokens for grad_weight), as torchao's MX training recipe does.
+Embedding tables are stored in MXFP8 too (rows blocked along the hidden dim, straight-through gradient), so a tied
+output head and the embedding share one MXFP8 tensor. On Blackwell GPUs torchao's own MXLinear (real MX tensor
+cores, linear layers only) is used instead (`convert_to_mxfp8(backend="auto")`).
 
 Because the sampler gets the policy as MXFP8 payloads (`quantize` here) and dequantizes them with `dequantize`
 here, it runs on exactly the weights the trainer's forward used: no post-training quantization step, no drift.
@@ -112,8 +114,20 @@ class MXLinear(nn.Linear):
         return y + self.bias if self.bias is not None else y
 
 
-def convert_to_mxfp8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",), backend: str = "auto") -> int:
-    """Swap the model's nn.Linear layers (except names containing `skip`) for MXFP8 ones; the count swapped.
+class MXEmbedding(nn.Embedding):
+    """An embedding table stored in MXFP8 (blocks along the hidden dim): lookups return dequantized rows, and the
+    gradient reaches the high-precision master weight unchanged (straight-through). A head tied to it quantizes
+    the same weight along the same dim, so one MXFP8 tensor serves both."""
+
+    def forward(self, ids: Tensor) -> Tensor:
+        w = self.weight
+        return nn.functional.embedding(ids, w + (fake_quantize(w) - w).detach(), self.padding_idx)
+
+
+def convert_to_mxfp8(model: nn.Module, skip: tuple[str, ...] = (), backend: str = "auto") -> int:
+    """Swap the model's nn.Linear and nn.Embedding layers (except names containing one of `skip`) for MXFP8 ones —
+    the output head and the embeddings included by default, so the sampler's payload is MXFP8 almost entirely;
+    `skip=("lm_head", "embed")` keeps them in high precision. The count swapped.
 
     backend "emulated": `MXLinear` (any device); "torchao": torchao's MXFP8 training (Blackwell GPUs);
     "auto": torchao on a CUDA device of compute capability >= 10.0, emulated elsewhere."""
@@ -134,7 +148,8 @@ def convert_to_mxfp8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",), bac
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            if type(child) is nn.Linear and not any(s in full for s in skip):
-                child.__class__ = MXLinear  # same parameters and state; only forward/backward change
+            swap = {nn.Linear: MXLinear, nn.Embedding: MXEmbedding}.get(type(child))
+            if swap is not None and not any(s in full for s in skip):
+                child.__class__ = swap  # same parameters and state; only forward/backward change
                 count += 1
     return count

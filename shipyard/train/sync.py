@@ -6,10 +6,13 @@ backend can reuse by shipping the bytes through its object store. Its `__metadat
 and, for MXFP8, the original shape of each quantized tensor.
 
 - `bf16`: every tensor in bfloat16 (2 bytes per value).
-- `mxfp8`: the matrices the trainer runs in MXFP8 (its `MXLinear` layers: every linear layer but the output head)
-  as E4M3 elements + E8M0 block scales (`<name>.mx_elements`, `<name>.mx_scales`, uint8), everything else bf16.
-  8.25 bits per quantized value. The engine dequantizes with `shipyard.train.mx.dequantize`, the function the
-  trainer's forward uses, so the sampler runs on bit-identical weights (no post-training quantization).
+- `mxfp8`: the matrices the trainer runs in MXFP8 (its `MXLinear` and `MXEmbedding` layers: by default every
+  linear layer, the head and the embeddings) as E4M3 elements + E8M0 block scales (`<name>.mx_elements`,
+  `<name>.mx_scales`, uint8), everything else (norms, biases) bf16. 8.25 bits per quantized value.
+
+Tied weights (a head sharing the embedding's tensor) are sent once; `aliases` in the metadata names the others.
+The engine dequantizes with `shipyard.train.mx.dequantize`, the function the trainer's forward uses, so the
+sampler runs on bit-identical weights (no post-training quantization).
 
 Each push returns its `SyncStats` (bytes, seconds for encode, transfer and load), which the trainer logs.
 """
@@ -29,7 +32,7 @@ from safetensors.torch import save as st_save
 from torch import nn
 
 from shipyard.models.engine import Engine
-from shipyard.train.mx import MXLinear, MXTensor, dequantize, quantize
+from shipyard.train.mx import MXEmbedding, MXLinear, MXTensor, dequantize, quantize
 
 Format = Literal["bf16", "mxfp8"]
 
@@ -48,13 +51,12 @@ class SyncStats:
         return self.encode_seconds + self.push_seconds
 
 
-def mx_weight_names(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> set[str]:
-    """State-dict names of the weights a payload quantizes: those of MXLinear layers, or — for a model not trained
-    in MXFP8 — of its linear layers but the head (then MXFP8 sync is post-training quantization)."""
-    linear = {f"{n}.weight" for n, m in model.named_modules()
-              if isinstance(m, nn.Linear) and not any(s in n for s in skip)}
-    mx = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, MXLinear)}
-    return mx or linear
+def mx_weight_names(model: nn.Module, skip: tuple[str, ...] = ()) -> set[str]:
+    """State-dict names of the weights a payload quantizes: those of the MXFP8 layers, or — for a model not trained
+    in MXFP8 — of its linear and embedding layers but `skip` (then MXFP8 sync is post-training quantization)."""
+    mx = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, MXLinear | MXEmbedding)}
+    return mx or {f"{n}.weight" for n, m in model.named_modules()
+                  if isinstance(m, nn.Linear | nn.Embedding) and not any(s in n for s in skip)}
 
 
 def encode(tensors: dict[str, torch.Tensor], version: int, fmt: Format = "bf16",
@@ -63,7 +65,13 @@ def encode(tensors: dict[str, torch.Tensor], version: int, fmt: Format = "bf16",
         raise ValueError(f"unknown payload format {fmt!r}: bf16 or mxfp8")
     out: dict[str, torch.Tensor] = {}
     shapes: dict[str, list[int]] = {}
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
     for name, t in tensors.items():
+        if t.data_ptr() in first:  # a tied weight: sent once
+            aliases[name] = first[t.data_ptr()]
+            continue
+        first[t.data_ptr()] = name
         if fmt == "mxfp8" and name in (mx_names or set()) and t.ndim >= 2:
             mx = quantize(t)
             out[f"{name}.mx_elements"] = mx.elements.view(torch.uint8).contiguous()
@@ -71,7 +79,7 @@ def encode(tensors: dict[str, torch.Tensor], version: int, fmt: Format = "bf16",
             shapes[name] = list(mx.shape)
         else:
             out[name] = t.detach().to("cpu", torch.bfloat16).contiguous()
-    meta = {"version": str(version), "format": fmt, "mx_shapes": json.dumps(shapes)}
+    meta = {"version": str(version), "format": fmt, "mx_shapes": json.dumps(shapes), "aliases": json.dumps(aliases)}
     return st_save(out, metadata=meta)
 
 
@@ -94,6 +102,8 @@ def decode(payload: bytes, dtype: torch.dtype = torch.bfloat16) -> tuple[int, di
         mx = MXTensor(raw[f"{name}.mx_elements"].view(torch.float8_e4m3fn),
                       raw[f"{name}.mx_scales"].view(torch.float8_e8m0fnu), tuple(shape))
         tensors[name] = dequantize(mx, dtype)
+    for alias, name in json.loads(meta.get("aliases", "{}")).items():
+        tensors[alias] = tensors[name]
     return version, tensors
 
 

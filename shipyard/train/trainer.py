@@ -278,6 +278,12 @@ class Trainer:
 
     # Weights -----------------------------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded weights (collective: every rank calls it; every rank gets them)."""
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
-                for k, v in self.model.state_dict().items()}
+        """Unsharded weights (collective: every rank calls it; every rank gets them). Tied weights (the head and
+        the embedding) come back as one tensor under both names."""
+        full: dict[int, torch.Tensor] = {}
+        out = {}
+        for k, v in self.model.state_dict().items():
+            if id(v) not in full:
+                full[id(v)] = (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+            out[k] = full[id(v)]
+        return out

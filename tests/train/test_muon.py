@@ -162,3 +162,15 @@ def test_sharded_across_2_and_4_ranks_is_bitwise_equal_to_one_process(sharded_re
     for world, full in sharded_results.items():
         for a, b in zip(params, full, strict=True):
             assert torch.equal(a.detach(), b), f"world {world}, shape {tuple(a.shape)}"
+
+
+def test_split_units_are_spread_over_ranks():
+    from shipyard.train.muon import _Layout, plan_owners
+
+    # Four whole 64 x 32 matrices, each split between 2 ranks: two owners each, not all on rank 0.
+    lays = [_Layout(64, 32, 64, ((0, 32), (32, 64)), 0) for _ in range(4)]
+    owners = plan_owners(lays, 2)
+    assert sorted(owners.values()) == [0, 0, 1, 1]
+    # Local work counts: rank 0 already has two whole units, rank 1 one, so the split unit goes to rank 1.
+    lays = [_Layout(128, 32, 32, ((0, 80), (80, 128)), 0)]  # units 0, 1 on rank 0; 2 split; 3 on rank 1
+    assert plan_owners(lays, 2) == {(0, 2): 1}

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from shipyard.train.mx import BLOCK, MXLinear, convert_to_mxfp8, dequantize, fake_quantize, quantize
+from shipyard.train.mx import BLOCK, MXEmbedding, MXLinear, convert_to_mxfp8, dequantize, fake_quantize, quantize
 
 
 def _x(*shape, seed=0, scale=1.0):
@@ -73,13 +73,19 @@ def test_mx_linear_forward_and_backward_use_quantized_operands():
     assert torch.allclose(mxl.bias.grad, g.sum((0, 1)))
 
 
-def test_convert_swaps_linear_layers_but_not_the_head():
+def test_convert_swaps_linear_and_embedding_layers():
     model = torch.nn.Sequential()
-    model.add_module("up", torch.nn.Linear(32, 64))
+    model.add_module("embed", torch.nn.Embedding(10, 64))
+    model.add_module("up", torch.nn.Linear(64, 64))
     model.add_module("lm_head", torch.nn.Linear(64, 10))
     weight = model.up.weight
-    assert convert_to_mxfp8(model, backend="emulated") == 1
-    assert type(model.up) is MXLinear and type(model.lm_head) is torch.nn.Linear
+    assert convert_to_mxfp8(model, skip=("lm_head",), backend="emulated") == 2
+    assert type(model.up) is MXLinear and type(model.embed) is MXEmbedding and type(model.lm_head) is torch.nn.Linear
     assert model.up.weight is weight  # the same parameter: optimizers and FSDP keep working
+    ids = torch.tensor([[1, 7, 7]])
+    out = model.embed(ids)
+    assert torch.equal(out, fake_quantize(model.embed.weight.detach())[ids])
+    out.sum().backward()  # straight-through: the gradient of a plain lookup
+    assert torch.equal(model.embed.weight.grad[7], torch.full((64,), 2.0))
     with pytest.raises(ValueError, match="backend"):
         convert_to_mxfp8(model, backend="fp4")

@@ -32,16 +32,18 @@ def test_bf16_payload_round_trip():
 def test_mxfp8_payload_is_smaller_and_dequantizes_like_the_trainer():
     model, _ = tiny_model()
     names = mx_weight_names(model)
-    assert "model.layers.0.mlp.up_proj.weight" in names and "lm_head.weight" not in names
+    assert {"model.layers.0.mlp.up_proj.weight", "lm_head.weight", "model.embed_tokens.weight"} <= names
     state = model.state_dict()
     bf16, mx = encode(state, 1), encode(state, 1, "mxfp8", names)
     _, tensors = decode(mx)
     for name in names:
         assert torch.equal(tensors[name], fake_quantize(state[name]).bfloat16()), name
-    quantized = sum(state[n].numel() for n in names)
+    quantized = sum({state[n].data_ptr(): state[n].numel() for n in names}.values())  # the tied head counts once
     data = {k: sum(t.numel() * t.element_size() for t in load(p).values()) for k, p in (("bf16", bf16), ("mx", mx))}
     assert data["bf16"] - data["mx"] == quantized * (2 - 33 / 32)  # 8.25 instead of 16 bits per quantized value
     assert len(mx) < len(bf16)
+    assert metadata(mx)["aliases"] == '{"lm_head.weight": "model.embed_tokens.weight"}'
+    assert tensors["lm_head.weight"] is tensors["model.embed_tokens.weight"]
     with pytest.raises(ValueError, match="not a shipyard weight payload"):
         decode(b"garbage")
     with pytest.raises(ValueError, match="format"):
