@@ -25,15 +25,13 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
-import signal
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from shipyard.sandbox.host import CGROUP_ROOT, Host
-from shipyard.sandbox.layout import SANDBOX_GID, SANDBOX_UID, Layout
+from shipyard.sandbox.layout import SANDBOX_GID, SANDBOX_UID, Layout, kill_members
 
 WORKSPACE, SNAPSHOT = "/workspace", "/snapshot"
 ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl", "ca-certificates", "localtime",
@@ -135,16 +133,7 @@ class Cgroups:
 
     def kill_all(self, wait: float = 5.0) -> None:
         """SIGKILL every process left in the cgroup (whatever session or group it escaped to); wait for none."""
-        deadline = time.monotonic() + wait
-        while self.dirs and time.monotonic() < deadline:
-            pids = {int(p) for d in self.dirs for p in (d / "cgroup.procs").read_text().split()}
-            if not pids:
-                return
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.01)
-        if self.dirs:
+        if not kill_members(self.dirs, wait):
             raise RuntimeError(f"processes in cgroup {self.name} survived SIGKILL for {wait} s")
 
     def cpu_seconds(self) -> float | None:

@@ -138,18 +138,19 @@ def shipyard_cgroups() -> list[Path]:
     return [p for sub in ("", "memory", "pids", "cpuacct") for p in (CGROUP_ROOT / sub).glob("shipyard-*-*")]
 
 
-def _drain(group: Path, wait: float = 2.0) -> None:
-    """SIGKILL what is left in a dead owner's cgroup and wait for it to empty: a sandbox's processes die with its
-    bwrap when the owner crashes, but asynchronously, and a cgroup with members cannot be removed."""
+def kill_members(groups: list[Path], wait: float) -> bool:
+    """SIGKILL every process in the cgroups (whatever session or group it escaped to) until none is left; whether
+    they emptied within `wait` seconds. A cgroup with members cannot be removed."""
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
-        pids = [int(p) for p in (group / "cgroup.procs").read_text().split()]
+        pids = {int(p) for g in groups for p in (g / "cgroup.procs").read_text().split()}
         if not pids:
-            return
+            return True
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.01)
+    return not groups
 
 
 def recover_stale(h: Host) -> list[str]:
@@ -158,8 +159,9 @@ def recover_stale(h: Host) -> list[str]:
     for group in shipyard_cgroups():
         owner = group.name.split("-")[1]
         if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            # Its sandbox's processes die with their bwrap when the owner crashes, but asynchronously.
             with contextlib.suppress(OSError):
-                _drain(group)
+                kill_members([group], wait=2.0)
     base = h.state_dir / "sandboxes"
     for d in sorted(base.iterdir()) if base.is_dir() else []:
         if d.is_dir() and not _owner_alive(d / "owner"):

@@ -1,14 +1,11 @@
 """`shipyard serve` and `OpenAIEngine` against each other: a real uvicorn server on 127.0.0.1."""
 
 import socket
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.local import LocalEngine
@@ -36,21 +33,10 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def served():
+def served(serve_app):
     model, tok = load_hf(TINY, dtype=torch.float32)
     engine = CountingEngine(model, tok, max_batch=8)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, TINY, max_batch=8), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(100):
-        if server.started:
-            break
-        time.sleep(0.05)
-    yield engine, f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(timeout=10)
+    return engine, serve_app(create_app(engine, TINY, max_batch=8)) + "/v1"
 
 
 def test_client_matches_local_engine(served):

@@ -2,13 +2,10 @@
 127.0.0.1; the sampler runs on bit-identical weights to the MXFP8 trainer."""
 
 import socket
-import threading
-import time
 
 import httpx
 import pytest
 import torch
-import uvicorn
 from safetensors.torch import load
 
 from shipyard.models.local import LocalEngine
@@ -77,20 +74,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(serve_app):
     model, tok = tiny_model()
     engine = LocalEngine(model.float(), tok)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(engine, "tiny"), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(100):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    yield engine, f"http://127.0.0.1:{port}/v1"
-    srv.should_exit = True
-    thread.join(timeout=10)
+    return engine, serve_app(create_app(engine, "tiny")) + "/v1"
 
 
 def test_push_over_http_updates_the_served_model(server):
