@@ -1,0 +1,109 @@
+"""RL training throughput: shipyard's trainer vs TRL's GRPOTrainer on the same model, batches and lengths.
+
+TRL runs in its own venv (`~/.cache/shipyard/bench-trl`, made on first use with `--system-site-packages` and
+`pip install trl==1.16.0`, so the project's environment never gets TRL), through `bench/_trl_grpo.py`: GRPO on
+CPU in float32, `--prompts` prompts × `--generations` completions of exactly `--completion` tokens per step, AdamW,
+β = 0, token-level ("dapo") loss, one optimizer step per batch. It reports each step's wall time and the time spent
+generating and scoring inside it; TRL's training time is the difference. It also saves the exact sequences and
+advantages of every step.
+
+shipyard's `Trainer` (AdamW, token-mean loss, the same learning rate, one micro-batch per step) is then timed on
+those same sequences. Training tokens/s = prompt + completion tokens of a batch / training seconds of its step; the
+first step of each is a warm-up and not counted. Target: shipyard ≥ 1.5× TRL.
+
+    shipyard bench trainer [-- --model qwen2.5-coder-0.5b --prompts 2 --generations 4 --completion 64 --steps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _common import finish, table
+
+from shipyard.models.bundled import DEFAULT_MODEL
+from shipyard.models.resolve import load_hf
+from shipyard.train.batch import Batch
+from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer
+
+TRL = "trl==1.16.0"
+VENV = Path.home() / ".cache" / "shipyard" / "bench-trl"
+
+
+def trl_python() -> Path:
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", TRL], check=True)
+    return python
+
+
+def to_batch(b: dict, pad_id: int) -> Batch:
+    """TRL's left-padded prompts + completions as one right-padded row per sequence."""
+    rows = [torch.cat([p[pm.bool()], c[cm.bool()]]) for p, pm, c, cm in
+            zip(b["prompt_ids"], b["prompt_mask"], b["completion_ids"], b["completion_mask"], strict=True)]
+    n_prompt = [int(pm.sum()) for pm in b["prompt_mask"]]
+    width = max(len(r) for r in rows)
+    shape = (len(rows), width)
+    ids, att = torch.full(shape, pad_id, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
+    mask, adv = torch.zeros(shape), torch.zeros(shape)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], att[i, :len(r)] = r, 1
+        mask[i, n_prompt[i]:len(r)] = 1
+        adv[i, :len(r)] = float(b["advantages"][i])
+    return Batch(ids, att, mask, torch.zeros(shape), adv, torch.zeros(shape, dtype=torch.long),
+                 torch.ones(len(rows)), pad_id=pad_id)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--generations", type=int, default=4)
+    ap.add_argument("--completion", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-6)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "trl.pt"
+        cmd = [str(trl_python()), str(Path(__file__).with_name("_trl_grpo.py")), "--model", args.model, "--out",
+               str(out), "--prompts", str(args.prompts), "--generations", str(args.generations), "--completion",
+               str(args.completion), "--steps", str(args.steps), "--lr", str(args.lr)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"the TRL run failed:\n{proc.stderr[-3000:]}")
+        trl = torch.load(out)
+    batches = [to_batch(b, trl["pad_id"]) for b in trl["batches"]]
+    tokens = [int(b.attention_mask.sum()) for b in batches]
+    trl_train = [s - g for s, g in zip(trl["step_seconds"], trl["generation_seconds"], strict=True)]
+
+    model, _ = load_hf(args.model, dtype=torch.float32)
+    trainer = Trainer(model, TrainConfig(optim=OptimConfig(name="adamw", lr=args.lr, weight_decay=0.0),
+                                         micro_batch=batches[0].size), pad_id=trl["pad_id"])
+    ours = []
+    for b in batches:
+        t = time.perf_counter()
+        trainer.step(b)
+        ours.append(time.perf_counter() - t)
+    rate = lambda secs: statistics.median(n / s for n, s in zip(tokens[1:], secs[1:], strict=True))  # noqa: E731
+    ours_rate, trl_rate = rate(ours), rate(trl_train)
+    table(f"RL training throughput on {args.model} (float32, CPU, {trl['threads']} threads; {len(batches[0].input_ids)}"
+          f" sequences × {tokens[0] // batches[0].size} tokens per step)",
+          ["trainer", "train s / step (median)", "generation s / step (TRL)", "training tokens/s", "× TRL"],
+          [["TRL GRPOTrainer", statistics.median(trl_train[1:]), statistics.median(trl["generation_seconds"][1:]),
+            trl_rate, 1.0],
+           ["shipyard Trainer", statistics.median(ours[1:]), "—", ours_rate, ours_rate / trl_rate]])
+    finish("trainer", {"model": args.model, "sequences": batches[0].size, "tokens_per_step": tokens,
+                       "trl_train_s": [round(s, 3) for s in trl_train], "ours_s": [round(s, 3) for s in ours],
+                       "trl_tokens_per_s": round(trl_rate, 1), "ours_tokens_per_s": round(ours_rate, 1),
+                       "ratio": round(ours_rate / trl_rate, 3), "target_met": ours_rate / trl_rate >= 1.5})
+
+
+if __name__ == "__main__":
+    main()
