@@ -102,6 +102,11 @@ def _reshard(module: nn.Module) -> None:
     module.reshard()
 
 
+def _dense(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """[B, T] zeros with `values` (flattened, row-major) at the True positions of `where`; differentiable."""
+    return values.new_zeros(where.shape).masked_scatter(where, values)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -209,15 +214,22 @@ class Trainer:
         cfg = self.config
         distilling = cfg.distill.weight > 0 and dden > 0
         teacher_logits = self._teacher_logits(mb) if distilling else None
+        # Logits only where a sampled token is predicted (position t − 1 for token t): the output head and the
+        # log-softmax over the vocabulary are skipped for prompts and observations — in agent trajectories most of
+        # the sequence. They come back flattened, [N, V], in row-major order.
+        mask = mb.loss_mask[:, 1:] * mb.sample_mask[:, None]
+        keep = torch.zeros_like(mb.attention_mask, dtype=torch.bool)
+        keep[:, :-1] = mask > 0
+        targets = mb.input_ids[:, 1:][keep[:, :-1]]
         ref_lp = None
         if self.reference is not None and cfg.policy.kl_coef > 0:
             with torch.no_grad():
-                ref_logits = self.reference(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-                ref_lp, _ = token_logprobs(ref_logits[:, :-1], mb.input_ids[:, 1:])
+                ref = self.reference(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=keep)
+                ref_lp = _dense(token_logprobs(ref.logits[None], targets[None])[0][0], keep[:, :-1])
             _reshard(self.reference)
-        logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-        lp, entropy = token_logprobs(logits[:, :-1], mb.input_ids[:, 1:])
-        mask = mb.loss_mask[:, 1:] * mb.sample_mask[:, None]
+        logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=keep).logits
+        flat_lp, flat_entropy = token_logprobs(logits[None], targets[None])
+        lp = _dense(flat_lp[0], keep[:, :-1])
         loss, metrics = policy_loss(lp, lp.detach(), mb.sampler_logprobs[:, 1:], mb.advantages[:, 1:], mask,
                                     cfg.policy, ref_lp, denominator=den)
         n = float(mask.sum())
@@ -225,15 +237,17 @@ class Trainer:
         for k, v in metrics.items():
             if k != "tokens":
                 add("t:" + k, v * n)
-        add("t:entropy", float((entropy * mask).sum()))
+        add("t:entropy", float(flat_entropy.sum()))
         add("tokens", n)
         add("s:policy_loss", float(loss.detach()))  # micro-batch losses sum to the full-batch loss
         if distilling:
-            targets = [h for h in mb.hints if mb.sample_mask[h.sample] > 0]
-            if targets:
-                student = torch.cat([logits[h.sample, h.start - 1:h.end - 1] for h in targets])
-                tokens = torch.cat([mb.input_ids[h.sample, h.start:h.end] for h in targets])
-                sampler = torch.cat([mb.sampler_logprobs[h.sample, h.start:h.end] for h in targets])
+            hinted = [h for h in mb.hints if mb.sample_mask[h.sample] > 0]
+            if hinted:
+                row_of = torch.full(keep.shape, -1, dtype=torch.long, device=keep.device)
+                row_of[keep] = torch.arange(int(keep.sum()), device=keep.device)
+                student = torch.cat([logits[row_of[h.sample, h.start - 1:h.end - 1]] for h in hinted])
+                tokens = torch.cat([mb.input_ids[h.sample, h.start:h.end] for h in hinted])
+                sampler = torch.cat([mb.sampler_logprobs[h.sample, h.start:h.end] for h in hinted])
                 dl, dm = distill_loss(student, teacher_logits, tokens, sampler, cfg.distill)
                 k = float(tokens.numel())
                 loss = loss + cfg.distill.weight * dl * k / dden
@@ -258,15 +272,16 @@ class Trainer:
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=self.device)
         att = torch.zeros_like(ids)
+        keep = torch.zeros_like(ids, dtype=torch.bool)
         for i, r in enumerate(rows):
             ids[i, :len(r)], att[i, :len(r)] = r, 1
-        with torch.no_grad():
-            out = self.teacher(input_ids=ids, attention_mask=att).logits
+        for i, (a, b) in enumerate(spans):
+            keep[i, a:b] = True
+        with torch.no_grad():  # logits of the target spans only, flattened in hint order
+            out = self.teacher(input_ids=ids, attention_mask=att, logits_to_keep=keep).logits
         if self.teacher is not self.model:
             _reshard(self.teacher)
-        if not spans:
-            return out[:0, 0]
-        return torch.cat([out[i, a:b] for i, (a, b) in enumerate(spans)])
+        return out
 
     @torch.no_grad()
     def _update_ema(self) -> None:
