@@ -1,5 +1,6 @@
 """TRL's GRPOTrainer side of `shipyard bench trainer`, run by the bench in a venv that has TRL (never imported by
-shipyard itself). Trains `--steps` GRPO steps on CPU and writes, per step, the wall time of the step, the time TRL
+shipyard itself). Trains `--steps` GRPO steps on CPU (float32 weights; `--dtype bfloat16`: TRL's
+bf16 mixed precision) and writes, per step, the wall time of the step, the time TRL
 spent generating and scoring, the token count of the batch, and the exact sequences (prompt + completion ids and
 masks, advantages) so that shipyard's trainer can be timed on the same batches.
 
@@ -40,6 +41,7 @@ def main() -> None:
     ap.add_argument("--completion", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = ap.parse_args()
     torch.manual_seed(0)
     random.seed(0)
@@ -52,7 +54,8 @@ def main() -> None:
     config = GRPOConfig(output_dir="/tmp/shipyard-bench-trl", per_device_train_batch_size=batch,
                         gradient_accumulation_steps=1, num_generations=args.generations, steps_per_generation=1,
                         num_iterations=1, max_completion_length=args.completion, max_steps=args.steps,
-                        learning_rate=args.lr, beta=0.0, loss_type="dapo", use_cpu=True, bf16=False,
+                        learning_rate=args.lr, beta=0.0, loss_type="dapo", use_cpu=True,
+                        bf16=args.dtype == "bfloat16",
                         logging_steps=1, report_to="none", save_strategy="no", seed=0,
                         generation_kwargs={"min_new_tokens": args.completion}, dataloader_num_workers=0)
     trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [random.random() for _ in completions],

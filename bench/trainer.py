@@ -1,11 +1,11 @@
 """RL training throughput: shipyard's trainer vs TRL's GRPOTrainer on the same model, batches and lengths.
 
-TRL runs in its own venv (`~/.cache/shipyard/bench-trl`, made on first use with `--system-site-packages` and
-`pip install trl==1.16.0`, so the project's environment never gets TRL), through `bench/_trl_grpo.py`: GRPO on
-CPU in float32, `--prompts` prompts × `--generations` completions of exactly `--completion` tokens per step, AdamW,
-β = 0, token-level ("dapo") loss, one optimizer step per batch. It reports each step's wall time and the time spent
-generating and scoring inside it; TRL's training time is the difference. It also saves the exact sequences and
-advantages of every step.
+TRL runs in its own venv (`~/.cache/shipyard/bench-trl`, made on first use with `--system-site-packages` and `pip
+install trl==1.16.0`, so the project's environment never gets TRL), through `bench/_trl_grpo.py`: GRPO on CPU
+(float32, or `--dtype bfloat16` mixed precision for both trainers), `--prompts` prompts × `--generations`
+completions of exactly `--completion` tokens per step, AdamW, β = 0, token-level ("dapo") loss, one optimizer step
+per batch. It reports each step's wall time and the time spent generating and scoring inside it; TRL's training time
+is the difference. It also saves the exact sequences and advantages of every step.
 
 shipyard's `Trainer` (AdamW, token-mean loss, the same learning rate, one micro-batch per step) is then timed on
 those same sequences. Training tokens/s = prompt + completion tokens of a batch / training seconds of its step; the
@@ -69,12 +69,14 @@ def main() -> None:
     ap.add_argument("--completion", type=int, default=64)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="compute precision of both trainers (float32 master weights either way)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "trl.pt"
         cmd = [str(trl_python()), str(Path(__file__).with_name("_trl_grpo.py")), "--model", args.model, "--out",
                str(out), "--prompts", str(args.prompts), "--generations", str(args.generations), "--completion",
-               str(args.completion), "--steps", str(args.steps), "--lr", str(args.lr)]
+               str(args.completion), "--steps", str(args.steps), "--lr", str(args.lr), "--dtype", args.dtype]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"the TRL run failed:\n{proc.stderr[-3000:]}")
@@ -85,7 +87,8 @@ def main() -> None:
 
     model, _ = load_hf(args.model, dtype=torch.float32)
     trainer = Trainer(model, TrainConfig(optim=OptimConfig(name="adamw", lr=args.lr, weight_decay=0.0),
-                                         micro_batch=batches[0].size), pad_id=trl["pad_id"])
+                                         micro_batch=batches[0].size, compute_dtype=args.dtype),
+                      pad_id=trl["pad_id"])
     ours = []
     for b in batches:
         t = time.perf_counter()
@@ -93,13 +96,14 @@ def main() -> None:
         ours.append(time.perf_counter() - t)
     rate = lambda secs: statistics.median(n / s for n, s in zip(tokens[1:], secs[1:], strict=True))  # noqa: E731
     ours_rate, trl_rate = rate(ours), rate(trl_train)
-    table(f"RL training throughput on {args.model} (float32, CPU, {trl['threads']} threads; {len(batches[0].input_ids)}"
-          f" sequences × {tokens[0] // batches[0].size} tokens per step)",
+    table(f"RL training throughput on {args.model} ({args.dtype} compute, CPU, {trl['threads']} threads; "
+          f"{batches[0].size} sequences × {tokens[0] // batches[0].size} tokens per step)",
           ["trainer", "train s / step (median)", "generation s / step (TRL)", "training tokens/s", "× TRL"],
           [["TRL GRPOTrainer", statistics.median(trl_train[1:]), statistics.median(trl["generation_seconds"][1:]),
             trl_rate, 1.0],
            ["shipyard Trainer", statistics.median(ours[1:]), "—", ours_rate, ours_rate / trl_rate]])
-    finish("trainer", {"model": args.model, "sequences": batches[0].size, "tokens_per_step": tokens,
+    finish("trainer", {"model": args.model, "dtype": args.dtype, "sequences": batches[0].size,
+                       "tokens_per_step": tokens,
                        "trl_train_s": [round(s, 3) for s in trl_train], "ours_s": [round(s, 3) for s in ours],
                        "trl_tokens_per_s": round(trl_rate, 1), "ours_tokens_per_s": round(ours_rate, 1),
                        "ratio": round(ours_rate / trl_rate, 3), "target_met": ours_rate / trl_rate >= 1.5})

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from shipyard.harness.trajectory import Trajectory
@@ -69,11 +69,14 @@ class TrainConfig:
     distill: DistillConfig = field(default_factory=DistillConfig)
     micro_batch: int = 4
     mxfp8: bool = False
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: FSDP2 mixed precision, fp32 master
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
 
 
 def ensure_process_group() -> None:
@@ -82,10 +85,14 @@ def ensure_process_group() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
-def _shard(model: nn.Module, mesh) -> nn.Module:
+def _shard(model: nn.Module, mesh, compute_dtype: str) -> nn.Module:
+    """FSDP2 per decoder layer, then the root. bfloat16 compute: parameters are gathered in bf16 for forward and
+    backward, gradients reduced in float32 into the float32 master weights the optimizer updates."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if compute_dtype == "bfloat16" else None,
+                                  reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
@@ -121,15 +128,16 @@ class Trainer:
         torch.manual_seed(config.seed)
         if config.mxfp8:
             convert_to_mxfp8(model)
-        model.to(self.device).train()
+        model.to(self.device, torch.float32).train()  # float32 master weights; compute_dtype sets the math
         needs_ref = config.policy.kl_coef > 0 or (config.distill.weight > 0 and config.distill.teacher == "frozen")
         teacher = copy.deepcopy(model).eval().requires_grad_(False) if (
             config.distill.weight > 0 and config.distill.teacher == "ema") else None
         reference = copy.deepcopy(model).eval().requires_grad_(False) if needs_ref else None
         self.mesh = init_device_mesh(self.device.type, (self.world,))
-        self.model = _shard(model, self.mesh)
-        self.ema = _shard(teacher, self.mesh) if teacher is not None else None
-        self.reference = _shard(reference, self.mesh) if reference is not None else None
+        dtype = config.compute_dtype
+        self.model = _shard(model, self.mesh, dtype)
+        self.ema = _shard(teacher, self.mesh, dtype) if teacher is not None else None
+        self.reference = _shard(reference, self.mesh, dtype) if reference is not None else None
         self.optimizers = self._optimizers()
         warmup = config.optim.warmup_steps
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / (warmup + 1)))

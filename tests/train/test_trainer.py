@@ -135,3 +135,11 @@ def test_moe_model_trains_with_experts_as_muon_units(episodes):
     metrics = trainer.train_step(episodes[:2], ADV[:2])
     assert torch.isfinite(torch.tensor(metrics["policy_loss"]))
     assert not torch.equal(before, trainer.full_state_dict()["model.layers.0.mlp.experts.down_proj"])
+
+
+def test_bfloat16_compute_keeps_float32_master_weights(episodes):
+    fp32, bf16 = _trainer(), _trainer(compute_dtype="bfloat16")
+    m32, m16 = fp32.train_step(episodes[:2], ADV[:2]), bf16.train_step(episodes[:2], ADV[:2])
+    assert all(v.dtype == torch.float32 for v in bf16.full_state_dict().values())
+    assert m16["policy_loss"] == pytest.approx(m32["policy_loss"], rel=0.05, abs=1e-4)
+    assert m16["tokens"] == m32["tokens"]
