@@ -1,14 +1,12 @@
 """Muon against torch.optim.Muon, per-head/per-expert units against separate parameters, and sharded across
 1, 2 and 4 gloo ranks against one process — all bitwise."""
 
-import os
-import socket
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 
 from shipyard.train.muon import Muon, muon_param_groups, newton_schulz
 
@@ -110,33 +108,22 @@ def test_param_groups_cover_every_parameter_once():
 SHARDED = [((6 * 16, 40), 16), ((50, 30), None), ((3, 20, 12), None), ((5, 24), None)]
 
 
-def _sharded_worker(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Shard, distribute_tensor
+def _sharded_worker(rank, world, out):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
 
-        mesh = init_device_mesh("cpu", (world,))
-        shapes = [s for s, _ in SHARDED]
-        params = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in _init(shapes)]
-        opt = Muon([{"params": [p], "unit_rows": rows} for p, (_, rows) in zip(params, SHARDED, strict=True)],
-                   lr=LR, weight_decay=WD)
-        for step in range(3):
-            for p, g in zip(params, _grads(shapes, step), strict=True):
-                p.grad = distribute_tensor(g, mesh, [Shard(0)])
-            opt.step()
-        full = [p.full_tensor() for p in params]
-        if rank == 0:
-            torch.save(full, out)
-    finally:
-        torch.distributed.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = [s for s, _ in SHARDED]
+    params = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in _init(shapes)]
+    opt = Muon([{"params": [p], "unit_rows": rows} for p, (_, rows) in zip(params, SHARDED, strict=True)],
+               lr=LR, weight_decay=WD)
+    for step in range(3):
+        for p, g in zip(params, _grads(shapes, step), strict=True):
+            p.grad = distribute_tensor(g, mesh, [Shard(0)])
+        opt.step()
+    full = [p.full_tensor() for p in params]
+    if rank == 0:
+        torch.save(full, out)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +132,7 @@ def sharded_results():
     with tempfile.TemporaryDirectory() as tmp:
         for world in (2, 4):
             out = Path(tmp) / f"w{world}.pt"
-            mp.spawn(_sharded_worker, args=(world, _free_port(), str(out)), nprocs=world)
+            run_ranks(_sharded_worker, world, str(out))
             results[world] = torch.load(out)
     return results
 

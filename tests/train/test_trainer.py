@@ -3,14 +3,12 @@ it optimizes is the hand-computed one, failed samples count for nothing, hints d
 like 1."""
 
 import copy
-import os
-import socket
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 
 from shipyard.harness.tools import default_tools
 from shipyard.harness.wire import ChatFormat
@@ -81,27 +79,20 @@ def test_hints_distill_and_an_empty_hint_gives_zero_divergence(episodes):
     assert m["distill_divergence"] > 0 and m["distill_loss"] > 0
 
 
-def _dist_worker(rank, world, port, episodes, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        trainer = _trainer()
-        for _ in range(2):
-            metrics = trainer.train_step(episodes[:4], ADV[:4])
-        state = trainer.full_state_dict()
-        if rank == 0:
-            torch.save({"state": state, "metrics": metrics}, out)
-    finally:
-        torch.distributed.destroy_process_group()
+def _dist_worker(rank, world, episodes, out):
+    trainer = _trainer()
+    for _ in range(2):
+        metrics = trainer.train_step(episodes[:4], ADV[:4])
+    state = trainer.full_state_dict()
+    bf16 = _trainer(compute_dtype="bfloat16").train_step(episodes[:4], ADV[:4])  # FSDP2 mixed precision
+    if rank == 0:
+        torch.save({"state": state, "metrics": metrics, "bf16": bf16}, out)
 
 
 def test_two_ranks_train_like_one(episodes):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "w2.pt"
-        mp.spawn(_dist_worker, args=(2, port, episodes[:4], str(out)), nprocs=2)
+        run_ranks(_dist_worker, 2, episodes[:4], str(out))
         two = torch.load(out)
     one = _trainer()
     init = {k: v.clone() for k, v in one.full_state_dict().items()}
@@ -110,6 +101,11 @@ def test_two_ranks_train_like_one(episodes):
     assert two["metrics"]["policy_loss"] == pytest.approx(metrics["policy_loss"], rel=1e-4, abs=1e-6)
     assert two["metrics"]["tokens"] == metrics["tokens"]
     assert two["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)
+    # bfloat16: FSDP2's mixed-precision policy with 2 ranks, autocast with one; same loss to bf16 accuracy.
+    one_bf16 = _trainer(compute_dtype="bfloat16").train_step(episodes[:4], ADV[:4])
+    assert two["bf16"]["policy_loss"] == pytest.approx(one_bf16["policy_loss"], rel=0.05, abs=1e-4)
+    assert two["bf16"]["tokens"] == one_bf16["tokens"]
+    assert two["bf16"]["grad_norm"] == pytest.approx(one_bf16["grad_norm"], rel=0.1)
     # Gradients are reduced in another order across ranks and each rank packs its own rows (other matmul shapes),
     # so they differ in the last float bits; Newton–Schulz runs in bfloat16 on normalized gradients, where a head
     # with a near-zero gradient amplifies such rounding: after two steps the updates agree to within 10 % in
