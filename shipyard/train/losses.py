@@ -70,7 +70,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 102
     Computed in float32 over chunks of positions, so the full-vocabulary float32 log-softmax never exists at once.
     """
     logps, entropies = [], []
-    for s in range(0, logits.shape[1], chunk):
+    for s in range(0, max(logits.shape[1], 1), chunk):  # at least once: no positions gives empty tensors
         part = logits[:, s:s + chunk].float().log_softmax(-1)
         logps.append(part.gather(-1, targets[:, s:s + chunk, None]).squeeze(-1))
         with torch.no_grad():

@@ -11,6 +11,15 @@ logits equal its unpacked logits up to float rounding (tested).
 
 `forward_kept` returns the logits only at the requested positions of the original [B, T] layout, flattened in
 its row-major order — the output head and the vocabulary log-softmax never see prompts, observations or padding.
+
+Scheduling the rows of a step. Agent trajectories range from a few hundred to tens of thousands of tokens, so the
+rows of a batch are placed by tokens, not by count:
+- `balance` splits the batch over data-parallel ranks by longest-processing-time first (each row, longest first, to
+  the rank with the fewest tokens so far), within 4/3 of the best possible maximum load (Graham 1969); every rank
+  computes the same plan from the same batch, so no communication is needed and any batch size fits any world size;
+- `micro_batches` groups a rank's rows into micro-batches of at most `max_rows` rows and, when a token budget is
+  set, at most `max_tokens` tokens (first-fit decreasing again), which bounds activation memory by tokens. A row
+  longer than the budget gets a micro-batch of its own: a sequence is never split.
 """
 
 from __future__ import annotations
@@ -33,15 +42,16 @@ class Packed:
         return self.input_ids.numel() - int((self.index >= 0).sum())
 
 
-def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Bins of sequence indices whose lengths sum to at most `capacity`, longest sequences placed first."""
+def first_fit_decreasing(lengths: list[int], capacity: int, max_items: int | None = None) -> list[list[int]]:
+    """Bins of sequence indices whose lengths sum to at most `capacity` (and of at most `max_items` indices),
+    longest sequences placed first."""
     if any(n > capacity for n in lengths):
         raise ValueError(f"a sequence of {max(lengths)} tokens does not fit a packed row of {capacity}")
     bins: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         for b, free in enumerate(room):
-            if lengths[i] <= free:
+            if lengths[i] <= free and (max_items is None or len(bins[b]) < max_items):
                 bins[b].append(i)
                 room[b] -= lengths[i]
                 break
@@ -49,6 +59,29 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
             bins.append([i])
             room.append(capacity - lengths[i])
     return bins
+
+
+def balance(lengths: list[int], parts: int) -> list[list[int]]:
+    """Indices split into `parts` lists of nearly equal token sums (longest first to the least-loaded part, ties to
+    the lowest part); each list in ascending order. Deterministic: equal inputs give equal plans on every rank."""
+    load = [0] * parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        p = min(range(parts), key=lambda p: (load[p], p))
+        out[p].append(i)
+        load[p] += lengths[i]
+    return [sorted(o) for o in out]
+
+
+def micro_batches(lengths: list[int], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
+    """Indices grouped into micro-batches of at most `max_rows` and, if `max_tokens` > 0, at most `max_tokens`
+    tokens (a longer sequence alone). Without a token budget: consecutive runs of `max_rows`, in order."""
+    if not max_tokens:
+        return [list(range(i, min(i + max_rows, len(lengths)))) for i in range(0, len(lengths), max_rows)]
+    alone = [[i] for i, n in enumerate(lengths) if n > max_tokens]
+    rest = [i for i, n in enumerate(lengths) if n <= max_tokens]
+    bins = first_fit_decreasing([lengths[i] for i in rest], max_tokens, max_rows)
+    return alone + [sorted(rest[j] for j in b) for b in bins]
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int, capacity: int | None = None) -> Packed:

@@ -1,19 +1,23 @@
 """The trainer: one RL step from a `Batch` — policy loss, targeted self-distillation, Muon/AdamW, FSDP2.
 
 One code path for 1 and N processes: the trainer always runs in a process group (a single-process gloo group over
-an in-memory store is made when none exists). Each rank takes rows rank, rank + N, … of the global batch; loss
-denominators (tokens, sequences, distillation tokens) are all-reduced first, so the sum of the ranks' losses is
-exactly the full-batch loss, and the local loss is multiplied by N because data parallelism averages gradients over
-ranks. With N > 1 the model is sharded with FSDP2 (`fully_shard` per decoder layer, then the root), whose mixed
-precision policy gathers bf16 weights for `compute_dtype = "bfloat16"`. A data-parallel degree of 1 applies no FSDP,
+an in-memory store is made when none exists). Every rank gets the same global batch and takes its share of the rows,
+balanced by tokens (`packing.balance`; any batch size on any number of ranks); loss denominators (tokens,
+sequences, distillation tokens) are all-reduced first, so the sum of the ranks' losses is exactly the full-batch
+loss, and the local loss is multiplied by N because data parallelism averages gradients over ranks. With N > 1
+the model is sharded with FSDP2 (`fully_shard` per decoder layer, then the root), whose mixed precision policy
+gathers bf16 weights for `compute_dtype = "bfloat16"`. A data-parallel degree of 1 applies no FSDP,
 as torchtitan does (`fsdp_enabled` is false at degree 1; mixed precision then comes from `torch.autocast`): FSDP2
 at one rank still copies every parameter into and out of its all-gather buffer twice a step and every gradient
 through its reduce-scatter buffer — about a third of a CPU step for Qwen2.5-0.5B, for nothing.
 
 A step:
-1. micro-batches of `micro_batch` rows: forward, per-token log-probabilities and entropies, the policy loss
-   (`losses.policy_loss`; one optimizer step per batch, so π_old = π_θ and the importance weights carry the
-   sampler/trainer mismatch), the k3 KL to the frozen initial policy when `kl_coef > 0`;
+1. micro-batches of at most `micro_batch` rows and, with `micro_batch_tokens` > 0, at most that many tokens
+   (`packing.micro_batches`: activation memory bounded by tokens, whatever the trajectories' lengths). Every rank
+   runs as many micro-batches as the busiest rank — the others add a one-token micro-batch that counts for
+   nothing — so the FSDP collectives stay in step. Per micro-batch: forward, per-token log-probabilities and
+   entropies, the policy loss (`losses.policy_loss`; one optimizer step per batch, so π_old = π_θ and the
+   importance weights carry the sampler/trainer mismatch), the k3 KL to the frozen initial policy when `kl_coef > 0`;
 2. for rows with hints: the teacher (EMA of the policy by default, frozen initial weights, or the live policy) runs
    without gradient on the hinted contexts; `distill.distill_loss` on the target turn's tokens, weight λ. Every
    rank runs the teacher on every micro-batch (a one-token stand-in when it has no hint) so the FSDP collectives
@@ -45,7 +49,7 @@ from shipyard.train.distill import DistillConfig, distill_loss
 from shipyard.train.losses import PolicyLossConfig, policy_loss, token_logprobs
 from shipyard.train.muon import Muon, muon_param_groups
 from shipyard.train.mx import convert_to_mxfp8
-from shipyard.train.packing import forward_kept, pack
+from shipyard.train.packing import balance, forward_kept, micro_batches, pack
 
 
 @dataclass
@@ -72,7 +76,8 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
-    micro_batch: int = 4
+    micro_batch: int = 4  # rows per micro-batch
+    micro_batch_tokens: int = 0  # tokens per micro-batch (0: no limit); a longer row runs alone
     mxfp8: bool = False
     compute_dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: FSDP2 mixed precision, fp32 master
     seed: int = 0
@@ -80,6 +85,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"micro_batch_tokens must be >= 0 (0: no token limit), got {self.micro_batch_tokens}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
 
@@ -121,6 +128,14 @@ def _reshard(module: nn.Module) -> None:
 def _dense(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     """[B, T] zeros with `values` (flattened, row-major) at the True positions of `where`; differentiable."""
     return values.new_zeros(where.shape).masked_scatter(where, values)
+
+
+def _idle_batch(pad_id: int, device: torch.device) -> Batch:
+    """One token of one failed sample (`sample_mask` 0): a forward and backward that change nothing, for a rank with
+    fewer micro-batches than another, whose FSDP all-gathers and reduce-scatters must still be matched."""
+    one = torch.ones(1, 1, dtype=torch.long, device=device)
+    zero = torch.zeros(1, 1, device=device)
+    return Batch(one * pad_id, one, zero, zero, zero, one * 0, torch.zeros(1, device=device), [], pad_id)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -192,10 +207,11 @@ class Trainer:
     def step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on `batch` (the same global batch on every rank); metrics for the whole batch."""
         start = time.perf_counter()
-        if batch.size % self.world:
-            raise ValueError(f"a batch of {batch.size} rows does not split over {self.world} ranks; make the batch "
-                             "size a multiple of the world size")
-        local = batch.rows(list(range(self.rank, batch.size, self.world))).to(self.device)
+        lengths = batch.attention_mask.sum(-1).tolist()
+        shares = balance(lengths, self.world)  # the same plan on every rank: no communication
+        plans = [micro_batches([lengths[i] for i in share], self.config.micro_batch, self.config.micro_batch_tokens)
+                 for share in shares]
+        local = batch.rows(shares[self.rank]).to(self.device)
         mask = local.loss_mask[:, 1:] * local.sample_mask[:, None]
         per_seq = self.config.policy.aggregation != "token_mean"
         hint_tokens = sum(h.end - h.start for h in local.hints if local.sample_mask[h.sample] > 0)
@@ -204,9 +220,10 @@ class Trainer:
             return {"skipped": 1.0, "tokens": 0.0, "version": float(self.version),
                     "seconds": time.perf_counter() - start}
         sums: dict[str, float] = {}
-        for index in range(0, local.size, self.config.micro_batch):
-            rows = list(range(index, min(index + self.config.micro_batch, local.size)))
+        for rows in plans[self.rank]:
             self._micro(local.rows(rows), den, dden, sums)
+        for _ in range(max(len(p) for p in plans) - len(plans[self.rank])):
+            self._micro(_idle_batch(self.pad_id, self.device), den, dden, sums)
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.optim.grad_clip)
         for opt in self.optimizers:

@@ -1,10 +1,10 @@
-"""Packing: bins, layout, and logits equal to the unpacked forward (dense and MoE)."""
+"""Packing: bins, layout, logits equal to the unpacked forward (dense and MoE), and the rank / micro-batch plans."""
 
 import pytest
 import torch
 
 from shipyard.models.resolve import tiny_model
-from shipyard.train.packing import first_fit_decreasing, forward_kept, pack
+from shipyard.train.packing import balance, first_fit_decreasing, forward_kept, micro_batches, pack
 
 
 def ragged(lengths, vocab=100, width=None, pad=0, seed=0):
@@ -25,6 +25,29 @@ def test_first_fit_decreasing_fills_rows_and_keeps_every_sequence():
     assert len(bins) == 4  # 9+1, 9, 5+4, 3
     with pytest.raises(ValueError, match="does not fit"):
         first_fit_decreasing([11], capacity=10)
+
+
+def test_balance_splits_by_tokens_and_keeps_every_row():
+    lengths = [900, 100, 120, 80, 500, 400, 60, 30]
+    parts = balance(lengths, 3)
+    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+    loads = [sum(lengths[i] for i in p) for p in parts]
+    assert max(loads) == 900 and sum(loads) == sum(lengths)  # the longest row alone is the best possible maximum
+    assert all(p == sorted(p) for p in parts)
+    assert balance(lengths, 3) == parts  # deterministic: every rank computes the same plan
+    assert balance([5, 5], 4) == [[0], [1], [], []]  # more ranks than rows: some ranks get none
+
+
+def test_micro_batches_bound_rows_and_tokens():
+    lengths = [300, 50, 700, 1500, 200, 90, 10, 400]
+    assert micro_batches(lengths, 3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    groups = micro_batches(lengths, 3, max_tokens=1000)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert [3] in groups  # longer than the budget: alone, never split
+    for g in groups:
+        assert len(g) <= 3
+        assert len(g) == 1 or sum(lengths[i] for i in g) <= 1000
+    assert len(groups) == 4  # 1500 alone; the other 7 rows need at least 3 micro-batches of ≤ 3 rows: FFD uses 3
 
 
 def test_pack_layout_round_trips_every_token():

@@ -16,12 +16,13 @@ from shipyard.models.resolve import tiny_model
 from shipyard.train.batch import Batch, Hint
 from shipyard.train.distill import DistillConfig
 from shipyard.train.losses import PolicyLossConfig, policy_loss, token_logprobs
-from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer
+from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer, _idle_batch
 
 
 def _trainer(**kw) -> Trainer:
     model, tok = tiny_model(seed=1)
-    config = TrainConfig(optim=OptimConfig(lr=1e-3, **kw.pop("optim", {})), micro_batch=2, **kw)
+    kw.setdefault("micro_batch", 2)
+    config = TrainConfig(optim=OptimConfig(lr=1e-3, **kw.pop("optim", {})), **kw)
     return Trainer(model.float(), config, pad_id=tok.pad_token_id,
                    header_ids=ChatFormat(tok, default_tools()).assistant_header_ids())
 
@@ -46,6 +47,27 @@ def test_step_optimizes_the_hand_computed_loss(episodes):
     after = trainer.full_state_dict()
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert "model.layers.0.self_attn.q_proj.weight" in changed and "model.embed_tokens.weight" in changed
+
+
+def test_token_budget_micro_batches_give_the_same_step(episodes):
+    lengths = sorted(len(t.token_ids()) for t in episodes)
+    tokens = lengths[-1] + lengths[0] - 1  # the longest trajectory runs alone, the others share micro-batches
+    rows, budget = _trainer(micro_batch=2), _trainer(micro_batch=8, micro_batch_tokens=tokens)
+    mr, mt = rows.train_step(episodes, ADV), budget.train_step(episodes, ADV)
+    # Same loss and gradient, summed over other groupings of the rows (so equal up to float summation order).
+    for key in ("policy_loss", "grad_norm", "entropy"):
+        assert mt[key] == pytest.approx(mr[key], rel=1e-5, abs=1e-7), key
+    assert mt["tokens"] == mr["tokens"]
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        TrainConfig(micro_batch_tokens=-1)
+
+
+def test_idle_micro_batch_changes_nothing(episodes):
+    trainer = _trainer()
+    sums: dict[str, float] = {}
+    trainer._micro(_idle_batch(trainer.pad_id, trainer.device), 1.0, 0.0, sums)
+    grads = [p.grad for p in trainer.model.parameters()]
+    assert all(g is None or not g.any() for g in grads) and sums["tokens"] == 0.0
 
 
 def test_failed_samples_count_for_nothing(episodes):
@@ -85,8 +107,10 @@ def _dist_worker(rank, world, episodes, out):
         metrics = trainer.train_step(episodes[:4], ADV[:4])
     state = trainer.full_state_dict()
     bf16 = _trainer(compute_dtype="bfloat16").train_step(episodes[:4], ADV[:4])  # FSDP2 mixed precision
+    # 3 rows over 2 ranks, one row per micro-batch: one rank runs an idle micro-batch to match the other's two.
+    uneven = _trainer(micro_batch=1).train_step(episodes[:3], ADV[:3])
     if rank == 0:
-        torch.save({"state": state, "metrics": metrics, "bf16": bf16}, out)
+        torch.save({"state": state, "metrics": metrics, "bf16": bf16, "uneven": uneven}, out)
 
 
 def test_two_ranks_train_like_one(episodes):
@@ -106,6 +130,9 @@ def test_two_ranks_train_like_one(episodes):
     assert two["bf16"]["policy_loss"] == pytest.approx(one_bf16["policy_loss"], rel=0.05, abs=1e-4)
     assert two["bf16"]["tokens"] == one_bf16["tokens"]
     assert two["bf16"]["grad_norm"] == pytest.approx(one_bf16["grad_norm"], rel=0.1)
+    one_uneven = _trainer(micro_batch=1).train_step(episodes[:3], ADV[:3])
+    for key in ("policy_loss", "grad_norm", "tokens"):
+        assert two["uneven"][key] == pytest.approx(one_uneven[key], rel=1e-4, abs=1e-6), key
     # Gradients are reduced in another order across ranks and each rank packs its own rows (other matmul shapes),
     # so they differ in the last float bits; Newton–Schulz runs in bfloat16 on normalized gradients, where a head
     # with a near-zero gradient amplifies such rounding: after two steps the updates agree to within 10 % in
