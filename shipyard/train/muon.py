@@ -26,8 +26,11 @@ orthogonalized there with no communication. A unit split across ranks gets an ow
 rows, chosen to balance the Newton–Schulz work over ranks (`plan_owners`); the other holders send their rows to it
 in one all-to-all for all split units of the step, the owner runs Newton–Schulz once, and a second all-to-all
 returns each holder its rows of the result. The local units are orthogonalized while the first all-to-all is in
-flight, and their updates applied while the second is. Every unit is computed by the same function on the same
-values whatever the world size, so 1, 2 and 4 ranks give bitwise-identical parameters. Parameters that are not
+flight — units of one shape in one batched Newton–Schulz call (a model's hundreds of attention heads become a few
+large matmuls) — and their updates applied, one call per parameter, while the second is. Every unit is computed
+by the same function on the same values whatever the world size, and on CPU a batched call gives each unit bitwise
+its unbatched result, so 1, 2 and 4 ranks give bitwise-identical parameters (on GPUs, batched and single matmuls
+may take different cuBLAS kernels: equal to rounding). Parameters that are not
 DTensors are whole on every rank (world size 1, or replicated): every unit is local.
 
 AdamW handles what is not a matrix of a linear map — embeddings, the output head, norms, biases —
@@ -49,19 +52,41 @@ from torch.distributed.tensor import DTensor, Shard
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
+NS_BATCH_ELEMENTS = 1 << 24  # units of one shape are orthogonalized together, up to this many elements per call
+
+
 def newton_schulz(g: Tensor, steps: int = 5, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
                   eps: float = 1e-7) -> Tensor:
-    """The orthogonalized unit (bfloat16), computed exactly as torch.optim.Muon does."""
+    """The orthogonalized unit (bfloat16) of `g` [r, c], or of each unit of a batch [B, r, c], each computed as
+    torch.optim.Muon does (on CPU a batch gives bitwise the per-unit results: tested)."""
     a, b, c = coefficients
-    x = g.bfloat16()
-    tall = g.size(0) > g.size(1)
+    x = g.bfloat16().reshape(-1, *g.shape[-2:])
+    tall = g.size(-2) > g.size(-1)
     if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
     for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.mT if tall else x).reshape(g.shape)
+
+
+def batched_newton_schulz(units: list[tuple[Tensor, dict]]) -> list[Tensor]:
+    """Newton–Schulz of every (unit, param group) pair. Units of one shape and the same settings go through one
+    batched call (chunks of at most `NS_BATCH_ELEMENTS` elements), so the hundreds of per-head units of a model
+    cost a few large matmuls rather than thousands of small ones (kernel launches, on a GPU)."""
+    out: dict[int, Tensor] = {}
+    buckets: dict[tuple, list[int]] = {}
+    for i, (u, group) in enumerate(units):
+        key = (tuple(u.shape), group["ns_steps"], tuple(group["ns_coefficients"]), group["eps"])
+        buckets.setdefault(key, []).append(i)
+    for (shape, steps, coefficients, eps), index in buckets.items():
+        per = max(1, NS_BATCH_ELEMENTS // math.prod(shape))
+        for s in range(0, len(index), per):
+            chunk = index[s:s + per]
+            o = newton_schulz(torch.stack([units[i][0] for i in chunk]), steps, coefficients, eps)
+            out.update(zip(chunk, o, strict=True))
+    return [out[i] for i in range(len(units))]
 
 
 def update_scale(rows: int, cols: int) -> float:
@@ -238,11 +263,13 @@ class Muon(torch.optim.Optimizer):
             inbox = torch.empty(sum(recv_sizes))
             handle = dist.all_to_all_single(inbox, out, recv_sizes, [sum(t.numel() for t in s) for s in send],
                                             group=pg, async_op=True)
-        results = {}
-        for w, unit in local:  # overlapped with the first all-to-all
+        # Whole units, batched by shape, while the first all-to-all is in flight.
+        units = []
+        for w, unit in local:
             _, group, lay, upd = work[w]
             a = unit * lay.unit_rows - lay.lo
-            results[(w, unit)] = self._ns(upd[a:a + lay.unit_rows], group)
+            units.append((upd[a:a + lay.unit_rows], group))
+        results = dict(zip(local, batched_newton_schulz(units), strict=True))
         if split:
             handle.wait()
             offsets = [sum(recv_sizes[:r]) for r in range(world)]
@@ -275,9 +302,13 @@ class Muon(torch.optim.Optimizer):
             inbox2 = torch.empty(sum(expect))
             out2 = torch.cat([t for s in back for t in s]) if any(back) else torch.empty(0)
             handle = dist.all_to_all_single(inbox2, out2, expect, back_sizes, group=pg, async_op=True)
-        for (w, unit), o in list(results.items()):  # local units' updates, overlapped with the second all-to-all
-            if len(work[w][2].holders(unit)) == 1:
-                self._apply(work[w], unit, o)
+        # Whole units' updates, overlapped with the second all-to-all: a parameter's whole units on this rank are
+        # consecutive rows, so each parameter gets one update over all of them.
+        by_param: dict[int, list[int]] = {}
+        for w, unit in local:
+            by_param.setdefault(w, []).append(unit)
+        for w, unit_list in by_param.items():
+            self._apply(work[w], unit_list[0], torch.cat([results[(w, u)] for u in unit_list]))
         if split:
             handle.wait()
             offsets = [sum(expect[:r]) for r in range(world)]

@@ -8,7 +8,8 @@ import pytest
 import torch
 from gloo_ranks import run_ranks
 
-from shipyard.train.muon import Muon, muon_param_groups, newton_schulz
+from shipyard.train import muon as muon_module
+from shipyard.train.muon import Muon, batched_newton_schulz, muon_param_groups, newton_schulz
 
 LR, WD = 0.02, 0.1
 
@@ -33,7 +34,7 @@ def _run(opt_cls, params, shapes, steps=4, **kw):
 
 
 def test_equals_torch_muon_on_plain_matrices():
-    shapes = [(48, 16), (16, 48), (32, 32)]  # tall, wide, square
+    shapes = [(48, 16), (16, 48), (32, 32), (48, 16), (32, 32)]  # tall, wide, square; equal shapes batch together
     ours = _run(Muon, [torch.nn.Parameter(t) for t in _init(shapes)], shapes)
     ref = _run(torch.optim.Muon, [torch.nn.Parameter(t) for t in _init(shapes)], shapes,
                adjust_lr_fn="match_rms_adamw")
@@ -45,6 +46,18 @@ def test_newton_schulz_orthogonalizes():
     g = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
     s = torch.linalg.svdvals(newton_schulz(g).float())
     assert float(s.min()) > 0.6 and float(s.max()) < 1.25
+
+
+def test_batched_newton_schulz_is_bitwise_the_per_unit_result(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    shapes = [(16, 40), (40, 16), (16, 40), (7, 9), (16, 40), (40, 16), (16, 40)]
+    groups = [{"ns_steps": 5, "ns_coefficients": muon_module.NS_COEFFICIENTS, "eps": 1e-7}] * len(shapes)
+    groups[3] = {**groups[3], "ns_steps": 3}
+    units = [(torch.randn(*s, generator=g), grp) for s, grp in zip(shapes, groups, strict=True)]
+    monkeypatch.setattr(muon_module, "NS_BATCH_ELEMENTS", 2 * 16 * 40)  # chunks of two units
+    out = batched_newton_schulz(units)
+    for (u, grp), o in zip(units, out, strict=True):
+        assert torch.equal(o, newton_schulz(u, grp["ns_steps"], grp["ns_coefficients"], grp["eps"]))
 
 
 def test_per_head_equals_heads_as_separate_parameters():
