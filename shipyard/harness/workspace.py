@@ -35,6 +35,11 @@ IGNORED_DIRS = frozenset({".git", "__pycache__", ".venv", "venv", "node_modules"
 
 Kind = Literal["file", "dir", "missing", "other"]
 
+# The most bytes of one file that crosses from a workspace to the host: `read_bytes` refuses larger files and
+# `diff()` reports them by name and size instead of copying them into the patch (host memory stays bounded
+# whatever a sandbox writes; see docs/security.md).
+MAX_FILE_BYTES = 16 << 20
+
 
 class PathError(ValueError):
     """A path a model asked for is outside the workspace or otherwise unusable; the message is for the model."""

@@ -1,0 +1,159 @@
+"""What every shipyard HTTP server (`env-server`, `serve`) puts between a network client and its handlers.
+
+Both servers listen on a port that any local user (and, bound beyond loopback, any host) can connect to, and
+both act with the operator's privileges, so neither trusts a client (docs/security.md):
+
+* **Authentication.** A bearer token, generated at start (256 bits from `secrets`) unless the operator gives one,
+  stored in a file only the operator can read (mode 0600, created with `O_EXCL | O_NOFOLLOW` in a 0700
+  directory, so another local user can neither read it nor plant a symlink in its place). Clients read it from
+  an environment variable or that file. Tokens are compared in constant time (`hmac.compare_digest`). Paths in
+  `open_paths` (health checks) need none.
+* **Body size.** A request body is counted as it streams in and refused with 413 past `max_body` bytes — before
+  the handler runs, so a client cannot make the server buffer gigabytes. A `Content-Length` over the limit is
+  refused without reading anything.
+* **One schema per body, clear errors.** FastAPI validates bodies with pydantic models; `install` replaces its
+  default 422 payload with one line per problem (`field: what is wrong`), in the same `{"error": {...}}`
+  envelope every other error uses.
+
+The guard is a plain ASGI middleware (no per-route decorators to forget): every route is protected unless listed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import secrets
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+TOKEN_BYTES = 32
+
+
+class TokenError(RuntimeError):
+    """No usable token where the operator said one would be."""
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(TOKEN_BYTES)
+
+
+def write_token(path: Path, token: str) -> Path:
+    """Store `token` at `path`, readable by this user alone. The directory is created 0700 when missing; an existing
+    file or symlink at `path` is replaced atomically (never followed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, (token + "\n").encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return path
+
+
+def read_token(env_var: str, default_file: Path | None) -> str | None:
+    """The token a client should send: `$ENV_VAR` if set, else the first line of `$ENV_VAR_FILE` or `default_file`
+    when it exists, else None."""
+    if os.environ.get(env_var):
+        return os.environ[env_var].strip()
+    file = os.environ.get(f"{env_var}_FILE") or default_file
+    if file is None or not Path(file).is_file():
+        return None
+    try:
+        text = Path(file).read_text().strip()
+    except OSError as e:
+        raise TokenError(f"cannot read the token file {file}: {e.strerror}; set ${env_var} instead") from None
+    return text.splitlines()[0] if text else None
+
+
+def _send_error(status: int, message: str, kind: str, headers: Iterable[tuple[bytes, bytes]] = ()):
+    body = json.dumps({"error": {"type": kind, "message": message, "code": status}}).encode()
+    start = {"type": "http.response.start", "status": status,
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                         *headers]}
+    return start, {"type": "http.response.body", "body": body}
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class Guard:
+    """ASGI middleware: bearer-token check (except `open_paths`) and a streaming body-size limit."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], *, token: str | None, max_body: int,
+                 open_paths: Iterable[str] = ("/health",)):
+        self.app, self.token, self.max_body = app, token, max_body
+        self.open_paths = frozenset(open_paths)
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or ())
+        if self.token is not None and scope["path"] not in self.open_paths:
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            scheme, _, value = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), self.token.encode()):
+                why = "missing" if not given else "wrong"
+                for event in _send_error(401, f"authentication {why}: send `Authorization: Bearer TOKEN` with the "
+                                         "token this server printed at start (or wrote to its token file)",
+                                         "Unauthorized", [(b"www-authenticate", b"Bearer")]):
+                    await send(event)
+                return
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            for event in _send_error(413, f"request body of {length.decode('latin-1')} bytes is over this server's "
+                                     f"limit of {self.max_body} bytes", "PayloadTooLarge"):
+                await send(event)
+            return
+        seen = 0
+        started = False
+
+        async def counted_receive() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise BodyTooLarge
+            return message
+
+        async def tracked_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except BodyTooLarge:
+            if started:
+                raise
+            for event in _send_error(413, f"request body is over this server's limit of {self.max_body} bytes",
+                                     "PayloadTooLarge"):
+                await send(event)
+
+
+def describe_validation(errors: Iterable[dict[str, Any]]) -> str:
+    """pydantic's error list as `field.sub: message` lines (the body itself is never echoed back)."""
+    lines = []
+    for err in errors:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        lines.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(lines)
+
+
+def install(app: Any, *, token: str | None, max_body: int, open_paths: Iterable[str] = ("/health",)) -> None:
+    """Guard a FastAPI app: the token/body-size middleware and the one-line 422 validation errors."""
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Any, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(status_code=422, content={"error": {
+            "type": "InvalidRequest", "code": 422, "message": f"invalid request: {describe_validation(exc.errors())}"}})
+
+    app.add_middleware(Guard, token=token, max_body=max_body, open_paths=tuple(open_paths))
