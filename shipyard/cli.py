@@ -37,9 +37,7 @@ class UserError(Exception):
 
 @contextmanager
 def user_errors():
-    from shipyard.models.openai import ServerUnreachable
-    from shipyard.models.replay import ReplayExhausted
-    from shipyard.models.resolve import ModelNotFound
+    from shipyard.models.errors import ModelNotFound, ReplayExhausted, ServerUnreachable
 
     try:
         yield

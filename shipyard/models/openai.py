@@ -21,10 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from shipyard.models.bundled import Status
 from shipyard.models.engine import Completion, GenerationRequest
-
-
-class ServerUnreachable(ConnectionError):
-    pass
+from shipyard.models.errors import ServerUnreachable
 
 
 class OpenAIEngine:

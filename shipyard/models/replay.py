@@ -18,11 +18,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from shipyard.models.engine import Completion, GenerationRequest
+from shipyard.models.errors import ReplayExhausted
 from shipyard.models.tokenizer import byte_tokenizer
-
-
-class ReplayExhausted(RuntimeError):
-    pass
 
 
 def load_replay(path: str | Path) -> list[str]:

@@ -21,13 +21,10 @@ from transformers.utils import logging as transformers_logging
 
 from shipyard.models.bundled import BUNDLED, Status, converted_dir
 from shipyard.models.engine import Engine
+from shipyard.models.errors import ModelNotFound
 
 TINY = "random:tiny"
 transformers_logging.disable_progress_bar()  # shipyard reports loading itself; tqdm bars would garble rich output
-
-
-class ModelNotFound(ValueError):
-    pass
 
 
 def default_dtype(device: str) -> torch.dtype:

@@ -1,0 +1,17 @@
+"""The model layer's user-facing errors, in a module that imports nothing heavy.
+
+The CLI catches these to print one clear line instead of a traceback; keeping them here means commands that never
+load a model (sandbox, tasks, env-server) do not import torch or transformers just to name them (~5 s per process).
+"""
+
+
+class ModelNotFound(ValueError):
+    """A `--model` value that names no bundled model, directory, file or hub id."""
+
+
+class ServerUnreachable(ConnectionError):
+    """An `openai:` server that does not answer."""
+
+
+class ReplayExhausted(RuntimeError):
+    """A `replay:` engine asked for more assistant messages than its file holds."""
