@@ -8,7 +8,8 @@ The sandbox (bubblewrap >= 0.9, for `--overlay`):
 * uid/gid 1000 inside ("agent"), mapped to an unprivileged host uid (see `shipyard.sandbox.host`).
 * Network: only the sandbox's own loopback; the host's 127.0.0.1 is another namespace, unreachable.
 * Filesystem: `/usr` (and the merged-usr links) read-only; a minimal private `/etc` (no host secrets); the
-  interpreter prefix read-only at its own path; private `/tmp`, `/dev` and `/proc`; the workspace at
+  Python runtime (base prefix and the virtual environment shipyard runs in) read-only at its own paths;
+  private `/tmp`, `/dev` and `/proc`; the workspace at
   `/workspace` is an overlay of a per-sandbox upper dir over the read-only snapshot, which is also visible,
   read-only, at `/snapshot` (the baseline for diffs).
 * Limits: rlimits set in the launcher's child before it execs bwrap (inherited by everything inside), plus a
@@ -71,13 +72,14 @@ def bwrap_argv(h: Host, layout: Layout, snapshot: Path, command: list[str], *, c
             argv += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
     for name in ("passwd", "group", "hosts", "hostname"):
         argv += ["--ro-bind", str(layout.etc / name), f"/etc/{name}"]
-    argv += ["--ro-bind", h.python_source, h.python_prefix]
+    for src, dest in h.binds:  # the Python runtime: base prefix and the virtual environment, at their own paths
+        argv += ["--ro-bind", src, dest]
     for src, dest in extra_ro_binds:
         argv += ["--ro-bind", src, dest]
     argv += ["--ro-bind", str(snapshot), SNAPSHOT,
              "--overlay-src", str(snapshot), "--overlay", str(layout.upper), str(layout.work), WORKSPACE,
              "--remount-ro", "/", "--chdir", cwd, "--clearenv"]
-    base_env = {"PATH": f"{h.python_prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/home/agent",
+    base_env = {"PATH": h.bin_path, "HOME": "/home/agent",
                 "USER": "agent", "LANG": "C.UTF-8", "TMPDIR": "/tmp"}
     for key, value in (base_env | (env or {})).items():
         argv += ["--setenv", key, value]

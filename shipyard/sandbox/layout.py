@@ -133,9 +133,32 @@ class Layout:
             shutil.rmtree(self.root, onerror=open_up)
 
 
-def shipyard_cgroups() -> list[Path]:
-    """Every sandbox cgroup on this host (v2, and the v1 memory, pids and cpuacct hierarchies)."""
-    return [p for sub in ("", "memory", "pids", "cpuacct") for p in (CGROUP_ROOT / sub).glob("shipyard-*-*")]
+def shipyard_cgroups(owner: int | None = None) -> list[Path]:
+    """The sandbox cgroups on this host (v2, and the v1 memory, pids and cpuacct hierarchies): every one, or those
+    of the sandboxes process `owner` started."""
+    pattern = f"shipyard-{owner}-*" if owner is not None else "shipyard-*-*"
+    return [p for sub in ("", "memory", "pids", "cpuacct") for p in (CGROUP_ROOT / sub).glob(pattern)]
+
+
+def leftovers(owner: int | None = None) -> list[str]:
+    """What the sandboxes that process `owner` (default: this one) started still hold on this host: cgroups, sandbox
+    dirs, mounts, live bwrap children. Empty once each of them is closed. Other processes' sandboxes (a second test
+    run, an environment server) are not looked at, so a check of it holds whatever else runs on the machine."""
+    owner = os.getpid() if owner is None else owner
+    found = [f"cgroup {g}" for g in shipyard_cgroups(owner)]
+    base = host().state_dir / "sandboxes"
+    for d in sorted(base.iterdir()) if base.is_dir() else []:
+        with contextlib.suppress(OSError, ValueError):
+            if int((d / "owner").read_text().split()[0]) == owner:
+                found.append(f"sandbox dir {d}")
+                found += [f"mount {m}" for m in mounted_under(d)]
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            name, fields = stat.read_text().rsplit(")", 1)
+            state, ppid = fields.split()[:2]
+            if int(ppid) == owner and name.endswith("(bwrap") and state != "Z":
+                found.append(f"bwrap process {stat.parent.name}")
+    return found
 
 
 def kill_members(groups: list[Path], wait: float) -> bool:

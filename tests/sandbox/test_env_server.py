@@ -6,7 +6,7 @@ import time
 
 import pytest
 import uvicorn
-from test_security import _problem, host_is_clean
+from test_security import _problem, nothing_left
 
 from shipyard.harness.tools import ToolContext
 from shipyard.harness.tools.edit import search_replace
@@ -36,7 +36,7 @@ def serve(config: ServerConfig):
     yield f"http://127.0.0.1:{port}", app.state.env
     srv.should_exit = True
     thread.join(timeout=30)
-    assert host_is_clean()  # shutdown closed every sandbox, pooled ones included, and every snapshot
+    assert nothing_left()  # shutdown closed every sandbox, pooled ones included, and every snapshot
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from test_security import _problem, host_is_clean
+from test_security import _problem, nothing_left
 
 from shipyard.sandbox.host import host
 from shipyard.sandbox.layout import recover_stale
@@ -30,7 +30,7 @@ def test_dead_session_restarts_over_the_same_files(snapshot):
         assert sb.restarts == 1
         assert sb.read_bytes("kept.txt") == b"still here"
         assert sb.run(["true"], timeout=10).exit_code == 0
-    assert host_is_clean()
+    assert nothing_left()
 
 
 def test_close_kills_background_jobs_and_cleans_up(snapshot):
@@ -40,7 +40,7 @@ def test_close_kills_background_jobs_and_cleans_up(snapshot):
     layout = sb.layout.root
     sb.close()
     assert not layout.exists()
-    assert host_is_clean()
+    assert nothing_left()
     with pytest.raises(RuntimeError, match="closed"):
         sb.kind(".")
 
@@ -96,14 +96,14 @@ def test_an_episode_becomes_a_snapshot(snapshot):
             again.write_bytes("new.txt", b"editable\n")
     finally:
         remove_snapshot(saved)
-    assert host_is_clean()
+    assert nothing_left()
 
 
 def test_sandboxes_of_a_crashed_process_are_recovered(snapshot):
     crash = (f"from shipyard.sandbox.sandbox import Sandbox; import os; sb = Sandbox({str(snapshot)!r}); "
-             "sb.run(['bash', '-c', 'sleep 1000 & echo started'], timeout=10); print(sb.id, flush=True); os._exit(1)")
+             "sb.run(['bash', '-c', 'sleep 1000 & echo started'], timeout=10); print(sb.id, os.getpid(), flush=True); os._exit(1)")
     out = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True, timeout=60)
-    sandbox_id = out.stdout.split()[-1]
+    sandbox_id, pid = out.stdout.split()[-2:]
     assert (host().state_dir / "sandboxes" / sandbox_id).exists()  # the crash left it behind
     assert sandbox_id in recover_stale(host())
-    assert host_is_clean()
+    assert nothing_left(int(pid))

@@ -13,7 +13,7 @@ import pytest
 
 from shipyard.sandbox.bwrap import Limits
 from shipyard.sandbox.host import host
-from shipyard.sandbox.layout import mounted_under, shipyard_cgroups
+from shipyard.sandbox.layout import leftovers
 from shipyard.sandbox.run import run_in_sandbox, sandbox_problem
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 
@@ -48,28 +48,20 @@ def sh(snapshot, script, timeout=30, **limits):
     return run_in_sandbox(snapshot, ["bash", "-c", script], timeout=timeout, limits=Limits(**limits))
 
 
-def host_is_clean():
+def nothing_left(owner: int | None = None) -> bool:
+    """Every sandbox this test process (or `owner`) started is gone (cgroups, dirs, mounts, processes). Only its
+    own are checked: other sandboxes on the host (a second test run, a server) are none of its business."""
     for _ in range(100):  # processes outside a cgroup die asynchronously after their namespace's init
-        if _clean():
+        if not leftovers(owner):
             return True
         time.sleep(0.02)
-    return False
-
-
-def _clean():
-    h = host()
-    # Zombies (bwrap's inner process, reaped by the host's init a moment later) hold no resources: not counted.
-    ps = subprocess.run(["ps", "-u", str(h.uid), "-o", "stat="], capture_output=True, text=True).stdout.split()
-    leftovers = [stat for stat in ps if not stat.startswith("Z")]
-    sandboxes = list((h.state_dir / "sandboxes").glob("*")) if (h.state_dir / "sandboxes").exists() else []
-    groups = shipyard_cgroups()
-    return (not leftovers or not h.drop_privileges) and not sandboxes and not groups and not mounted_under(h.state_dir)
+    raise AssertionError(f"left behind: {leftovers(owner)}")
 
 
 @pytest.fixture(autouse=True)
 def clean_host_after():
     yield
-    assert host_is_clean()
+    assert nothing_left()
 
 
 def test_host_loopback_server_unreachable(snapshot):
