@@ -122,3 +122,20 @@ def test_agent_in_sandbox_leaves_repo_untouched_and_writes_patch(repo, tmp_path)
     assert "agent" in traj["turns"][0]["calls"][1]["output"]
     check = subprocess.run(["git", "apply", "--check", str(out / "patch.diff")], cwd=repo, capture_output=True)
     assert check.returncode == 0, check.stderr
+
+
+def test_agent_in_sandbox_can_grep_and_lint(repo, tmp_path):
+    """From the venv shipyard is installed in, the sandboxed agent's grep (ripgrep) and read_lints (ruff) work."""
+    calls = [{"name": "grep", "arguments": {"pattern": "def to_roman"}},
+             {"name": "write_file", "arguments": {"path": "bad.py", "content": "import os\n"}},
+             {"name": "read_lints", "arguments": {"paths": ["bad.py"]}}]
+    replay = write_replay(tmp_path / "s.jsonl", ["".join(f"<tool_call>{json.dumps(c)}</tool_call>" for c in calls[:2]),
+                                                 f"<tool_call>{json.dumps(calls[2])}</tool_call>", "Done."])
+    out = tmp_path / "artifacts"
+    r = shipyard("agent", "look around", "--repo", str(repo), "--model", f"replay:{replay}", "--sandbox",
+                 "--artifacts", str(out))
+    assert r.returncode == 0, r.stderr
+    turns = json.loads((out / "trajectory.json").read_text())["turns"]
+    grep_call, lint_call = turns[0]["calls"][0], turns[1]["calls"][0]
+    assert grep_call["error"] is None and "pocketlib/roman.py:" in grep_call["output"], grep_call
+    assert lint_call["error"] is None and "bad.py:1:8: F401" in lint_call["output"], lint_call
