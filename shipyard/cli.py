@@ -190,6 +190,8 @@ def demo(
                           "see docs/benchmarks.md). Try --model qwen2.5-coder-1.5b, or watch a scripted episode with "
                           f"--model replay:{replay}[/]")
         console.print(f"[dim]workspace and trajectory kept in {work.parent}[/]")
+        if result.returncode != 0:  # the demo's outcome is the fix: an agent that did not fix the bug is a failure
+            raise typer.Exit(1)
 
 
 @app.command()
