@@ -7,8 +7,8 @@
 
     shipyard bench sandbox [-- --n 50]
 3. Burst: `--burst` sandboxes (create → `true` → destroy) at concurrency `--concurrency` through a real
-   `shipyard env-server` process on 127.0.0.1; failures seen by clients, then leaks on the host (live processes
-   of the sandbox uid, sandbox dirs, cgroups, host mounts).
+   `shipyard env-server` process on 127.0.0.1; failures seen by clients, then what the server's sandboxes left on
+   the host after it stopped (cgroups, sandbox dirs, mounts, bwrap processes: `layout.leftovers(server pid)`).
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from pathlib import Path
 
 from _common import finish, table
 
+from shipyard.httpguard import new_token
 from shipyard.sandbox.client import EnvClient
 from shipyard.sandbox.host import host
-from shipyard.sandbox.layout import mounted_under, shipyard_cgroups
+from shipyard.sandbox.layout import leftovers
 from shipyard.sandbox.run import run_in_sandbox
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
@@ -103,21 +104,16 @@ def main() -> None:
                        "tree_mb": args.tree_mb, "target_p50_ms": 15, "cgroup": h.cgroup})
 
 
-def leaks(uid: int) -> dict[str, int]:
-    ps = subprocess.run(["ps", "-u", str(uid), "-o", "stat="], capture_output=True, text=True).stdout.split()
-    return {"live_processes": sum(not st.startswith("Z") for st in ps),
-            "sandbox_dirs": len(list((host().state_dir / "sandboxes").glob("*"))),
-            "cgroups": len(shipyard_cgroups()),
-            "mounts_left": len(mounted_under(host().state_dir))}
-
-
-def start_server(*flags: str) -> tuple[subprocess.Popen, EnvClient]:
+def start_server(root: Path, *flags: str) -> tuple[subprocess.Popen, EnvClient]:
+    """A real `shipyard env-server` process that may snapshot directories under `root`, and a client with its token."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "shipyard.cli", "env-server", "--port", str(port), *flags],
+    token = new_token()
+    server = subprocess.Popen([sys.executable, "-m", "shipyard.cli", "env-server", "--port", str(port),
+                               "--allow-root", str(root), *flags], env={**os.environ, "SHIPYARD_ENV_TOKEN": token},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = EnvClient(f"http://127.0.0.1:{port}", retry_for=300)
+    client = EnvClient(f"http://127.0.0.1:{port}", retry_for=300, token=token)
     for _ in range(300):
         try:
             client.request("GET", "/health")
@@ -129,8 +125,8 @@ def start_server(*flags: str) -> tuple[subprocess.Popen, EnvClient]:
 
 def warm_latency(n: int) -> list[float]:
     """Create → first command through the server's HTTP API while the warm pool has a sandbox ready (ms)."""
-    server, client = start_server("--warm-pool", "2")
     repo = Path(tempfile.mkdtemp(prefix="shipyard-warm-"))
+    server, client = start_server(repo, "--warm-pool", "2")
     snap = client.snapshot(str(repo))
     samples = []
     for _ in range(n):
@@ -149,8 +145,8 @@ def warm_latency(n: int) -> list[float]:
 
 
 def run_burst(n: int, concurrency: int) -> dict:
-    server, client = start_server("--max-live", str(concurrency), "--max-starting", "4")
     repo = Path(tempfile.mkdtemp(prefix="shipyard-burst-"))
+    server, client = start_server(repo, "--max-live", str(concurrency), "--max-starting", "4")
     (repo / "main.py").write_text("print('hi')\n")
     snap = client.snapshot(str(repo))
     failures: list[str] = []
@@ -175,14 +171,17 @@ def run_burst(n: int, concurrency: int) -> dict:
     server.terminate()
     server.wait(timeout=120)
     shutil.rmtree(repo)
-    time.sleep(2)  # let the host's init reap the last zombies
+    for _ in range(100):  # processes outside a cgroup die asynchronously after their namespace's init
+        if not (left := leftovers(server.pid)):
+            break
+        time.sleep(0.05)
     return {"sandboxes": n, "failures": len(failures), "first_failures": failures[:3], "wall_s": round(wall, 1),
             "sandboxes_per_s": round(n / wall, 1), "episode_p50_ms": round(pct(durations, 50) * 1000),
             "episode_p99_ms": round(pct(durations, 99) * 1000),
             "server_start_p50_ms": metrics["start_latency_ms"]["p50"],
             "server_start_p99_ms": metrics["start_latency_ms"]["p99"],
             "rejected_503_then_retried": metrics["failures"].get("over_capacity", 0),
-            **leaks(host().uid)}
+            "left_behind": len(left), "first_left_behind": left[:3]}
 
 
 if __name__ == "__main__":

@@ -201,19 +201,50 @@ def serve(
     port: int = typer.Option(8000, min=1, max=65535),
     max_batch: int = typer.Option(8, "--max-batch", min=1, help="Most requests generated together."),
     device: str = typer.Option("cpu"),
+    max_tokens_limit: int = typer.Option(4096, "--max-tokens-limit", min=1,
+                                         help="Most tokens one completion may ask for; more is refused (400)."),
+    max_model_len: int | None = typer.Option(None, "--max-model-len", min=2,
+                                             help="Most prompt + completion tokens. Default: the model's context."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="SHIPYARD_API_KEY", show_envvar=True,
+                                       help="Require this bearer key on /v1/completions and /v1/models (prefer the "
+                                            "environment variable: a command line is visible to other users)."),
+    max_body_mb: int = typer.Option(8, "--max-body-mb", min=1, help="Largest completions request body."),
+    max_weights_mb: int = typer.Option(4096, "--max-weights-mb", min=1,
+                                       help="Largest weight push (POST /v1/weights); a 0.5B model in bf16 is ~1000."),
+    max_connections: int = typer.Option(256, "--max-connections", min=1, help="Open connections; beyond: 503."),
 ) -> None:
-    """Serve a model on an OpenAI-compatible /v1/completions endpoint (token ids + logprobs)."""
-    import uvicorn
+    """Serve a model on an OpenAI-compatible /v1/completions endpoint (token ids + logprobs).
 
+    Weight pushes (POST /v1/weights) need a bearer token: $SHIPYARD_SERVE_TOKEN (or the file in
+    $SHIPYARD_SERVE_TOKEN_FILE) if set, else a fresh one written to $SHIPYARD_HOME/serve/PORT.token (mode 0600),
+    where `shipyard.train.sync.push_http` finds it."""
+    from shipyard.httpguard import TokenError, new_token, read_token, write_token
     from shipyard.models.resolve import make_engine
-    from shipyard.models.server import create_app
+    from shipyard.models.server import TOKEN_ENV, ServeConfig, create_app, run, token_path
 
     with user_errors():
         if model.startswith("openai:"):
             raise UserError("serve needs a local model, not openai:")
+        try:
+            token = read_token(TOKEN_ENV, None)
+        except TokenError as e:
+            raise UserError(str(e)) from None
+        if token is None:
+            token = new_token()
+            try:
+                where = f"{write_token(token_path(port), token)} (mode 0600)"
+            except OSError as e:
+                raise UserError(f"cannot write the weights token to {token_path(port)}: {e.strerror}; set "
+                                f"${TOKEN_ENV} or $SHIPYARD_HOME") from None
+        else:
+            where = f"${TOKEN_ENV}" if os.environ.get(TOKEN_ENV) else f"${TOKEN_ENV}_FILE"
         engine = make_engine(model, device=device, status=_status)
-    console.print(f"serving [bold]{model}[/] on http://{host}:{port}/v1")
-    uvicorn.run(create_app(engine, model, max_batch=max_batch), host=host, port=port, log_level="warning")
+    config = ServeConfig(token=token, api_key=api_key or None, max_tokens=max_tokens_limit, max_model_len=max_model_len,
+                         max_batch=max_batch, max_body=max_body_mb << 20, max_weights_body=max_weights_mb << 20)
+    console.print(f"serving [bold]{model}[/] on http://{host}:{port}/v1"
+                  + (" (API key required)" if config.api_key else ""), soft_wrap=True)
+    console.print(f"weights token for POST /v1/weights: {where}", soft_wrap=True)
+    run(create_app(engine, model, config), host, port, max_connections=max_connections)
 
 
 sandbox_app = typer.Typer(no_args_is_help=True, help="Run commands in bubblewrap sandboxes.")
@@ -265,13 +296,30 @@ def env_server(
     max_queue: int = typer.Option(512, "--max-queue", min=0, help="Most starts waiting; beyond: 503 Retry-After."),
     idle_timeout: float = typer.Option(1800, "--idle-timeout", min=1, help="Seconds before an idle sandbox is reaped."),
     warm_pool: int = typer.Option(0, "--warm-pool", min=0, help="Started sandboxes kept ready per snapshot."),
+    allow_root: list[Path] | None = typer.Option(None, "--allow-root", help="A directory whose subtree clients may "
+                                                 "snapshot (repeatable). Default: the current directory."),
+    token_file: Path | None = typer.Option(None, "--token-file", help="Where to write the bearer token clients must "
+                                           "send (mode 0600). Default: $SHIPYARD_HOME/env-server/PORT.token."),
+    print_token: bool = typer.Option(False, "--print-token", help="Also print the token itself (it is a secret)."),
+    max_body_mb: int = typer.Option(64, "--max-body-mb", min=1, help="Largest request body (a file write's data)."),
+    max_snapshot_mb: int = typer.Option(2048, "--max-snapshot-mb", min=1, help="Most bytes one snapshot may copy."),
+    max_snapshot_files: int = typer.Option(200_000, "--max-snapshot-files", min=1, help="Most entries in a snapshot."),
+    keep_outward_links: bool = typer.Option(False, "--keep-outward-links", help="Copy symlinks that lead out of a "
+                                            "snapshot's tree (a .venv's bin/python) instead of refusing the tree."),
 ) -> None:
-    """Serve sandboxes over HTTP (create from snapshots, exec, files, diff, destroy; /metrics)."""
+    """Serve sandboxes over HTTP (create from snapshots, exec, files, diff, destroy; /metrics).
+
+    Every request but /health needs the bearer token: $SHIPYARD_ENV_TOKEN (or the file in $SHIPYARD_ENV_TOKEN_FILE)
+    if set, else a fresh one written to --token-file, where `EnvClient` on this host finds it."""
     import uvicorn
 
+    from shipyard.httpguard import TokenError, new_token, read_token, write_token
+    from shipyard.sandbox.client import TOKEN_ENV
+    from shipyard.sandbox.client import token_file as default_token_file
     from shipyard.sandbox.host import host
     from shipyard.sandbox.run import sandbox_problem
     from shipyard.sandbox.server import ServerConfig, create_app
+    from shipyard.sandbox.snapshot import CopyBounds
 
     with user_errors():
         problem = sandbox_problem()
@@ -279,10 +327,34 @@ def env_server(
             raise UserError(f"this host cannot start bubblewrap sandboxes: {problem}")
         for note in host().notes:
             console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
-    config = ServerConfig(max_live=max_live, max_starting=max_starting, max_queue=max_queue, idle_timeout=idle_timeout,
-                          warm_pool=warm_pool)
+        try:
+            token = read_token(TOKEN_ENV, None)
+        except TokenError as e:
+            raise UserError(str(e)) from None
+        given = token is not None
+        if given:
+            token_file = None
+        else:
+            token, token_file = new_token(), token_file or default_token_file(port)
+        config = ServerConfig(token=token, allowed_roots=tuple(allow_root or [Path.cwd()]), token_file=token_file,
+                              max_live=max_live, max_starting=max_starting, max_queue=max_queue,
+                              idle_timeout=idle_timeout, warm_pool=warm_pool, max_body=max_body_mb << 20,
+                              copy=CopyBounds(max_bytes=max_snapshot_mb << 20, max_files=max_snapshot_files,
+                                              keep_outward_links=keep_outward_links))
+        server_app = create_app(config)  # checks the config before the token is written anywhere
+        if given:
+            where = f"${TOKEN_ENV}" if os.environ.get(TOKEN_ENV) else f"${TOKEN_ENV}_FILE"
+        else:
+            try:
+                where = f"{write_token(token_file, token)} (mode 0600)"
+            except OSError as e:
+                raise UserError(f"cannot write the token to {token_file}: {e.strerror}; pass --token-file or set "
+                                f"${TOKEN_ENV}") from None
     console.print(f"environment server on http://{host_}:{port} (sandbox uid {host().uid}, cgroup {host().cgroup})")
-    uvicorn.run(create_app(config), host=host_, port=port, log_level="warning")
+    console.print(f"token: {where}" + (f" = {token}" if print_token else ""), soft_wrap=True)
+    console.print(f"clients may snapshot directories under: {', '.join(str(r) for r in server_app.state.env.roots)}",
+                  soft_wrap=True)
+    uvicorn.run(server_app, host=host_, port=port, log_level="warning")
 
 
 @app.command()

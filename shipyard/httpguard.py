@@ -24,7 +24,7 @@ import hmac
 import json
 import os
 import secrets
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,22 +82,31 @@ class BodyTooLarge(Exception):
 
 
 class Guard:
-    """ASGI middleware: bearer-token check (except `open_paths`) and a streaming body-size limit."""
+    """ASGI middleware: bearer-token check (except `open_paths`) and a streaming body-size limit.
+
+    `path_tokens` and `path_max_body` override `token` and `max_body` for exact paths (a token of None opens that
+    path): `serve` keeps its weights route on the operator's token with a large body limit, and its completions on an
+    optional API key with a small one, while every other path falls back to the defaults (deny by default)."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], *, token: str | None, max_body: int,
-                 open_paths: Iterable[str] = ("/health",)):
+                 open_paths: Iterable[str] = ("/health",), path_tokens: Mapping[str, str | None] | None = None,
+                 path_max_body: Mapping[str, int] | None = None):
         self.app, self.token, self.max_body = app, token, max_body
         self.open_paths = frozenset(open_paths)
+        self.path_tokens, self.path_max_body = dict(path_tokens or {}), dict(path_max_body or {})
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or ())
-        if self.token is not None and scope["path"] not in self.open_paths:
+        path = scope["path"]
+        token = self.path_tokens.get(path, self.token)
+        max_body = self.path_max_body.get(path, self.max_body)
+        if token is not None and path not in self.open_paths:
             given = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, value = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), self.token.encode()):
+            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
                 why = "missing" if not given else "wrong"
                 for event in _send_error(401, f"authentication {why}: send `Authorization: Bearer TOKEN` with the "
                                          "token this server printed at start (or wrote to its token file)",
@@ -105,25 +114,34 @@ class Guard:
                     await send(event)
                 return
         length = headers.get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+        if length is not None and (not length.isdigit() or int(length) > max_body):
             for event in _send_error(413, f"request body of {length.decode('latin-1')} bytes is over this server's "
-                                     f"limit of {self.max_body} bytes", "PayloadTooLarge"):
+                                     f"limit of {max_body} bytes", "PayloadTooLarge"):
                 await send(event)
             return
         seen = 0
-        started = False
+        started = refused = False
 
         async def counted_receive() -> dict[str, Any]:
-            nonlocal seen
+            nonlocal seen, refused
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_body:
+                if seen > max_body:
+                    # Answer 413 here: frameworks turn an exception from receive() into their own error (FastAPI: 400
+                    # "error parsing the body"), and whatever the app answers after this is dropped.
+                    if not started and not refused:
+                        refused = True
+                        for event in _send_error(413, f"request body is over this server's limit of {max_body} "
+                                                 "bytes", "PayloadTooLarge"):
+                            await send(event)
                     raise BodyTooLarge
             return message
 
         async def tracked_send(message: dict[str, Any]) -> None:
             nonlocal started
+            if refused:
+                return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
@@ -132,9 +150,6 @@ class Guard:
         except BodyTooLarge:
             if started:
                 raise
-            for event in _send_error(413, f"request body is over this server's limit of {self.max_body} bytes",
-                                     "PayloadTooLarge"):
-                await send(event)
 
 
 def describe_validation(errors: Iterable[dict[str, Any]]) -> str:
@@ -146,7 +161,9 @@ def describe_validation(errors: Iterable[dict[str, Any]]) -> str:
     return "; ".join(lines)
 
 
-def install(app: Any, *, token: str | None, max_body: int, open_paths: Iterable[str] = ("/health",)) -> None:
+def install(app: Any, *, token: str | None, max_body: int, open_paths: Iterable[str] = ("/health",),
+            path_tokens: Mapping[str, str | None] | None = None,
+            path_max_body: Mapping[str, int] | None = None) -> None:
     """Guard a FastAPI app: the token/body-size middleware and the one-line 422 validation errors."""
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
@@ -156,4 +173,5 @@ def install(app: Any, *, token: str | None, max_body: int, open_paths: Iterable[
         return JSONResponse(status_code=422, content={"error": {
             "type": "InvalidRequest", "code": 422, "message": f"invalid request: {describe_validation(exc.errors())}"}})
 
-    app.add_middleware(Guard, token=token, max_body=max_body, open_paths=tuple(open_paths))
+    app.add_middleware(Guard, token=token, max_body=max_body, open_paths=tuple(open_paths), path_tokens=path_tokens,
+                       path_max_body=path_max_body)

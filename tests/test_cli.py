@@ -83,7 +83,8 @@ def test_serve_and_agent_over_http(repo, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "shipyard.cli", "serve", "--model", "random:tiny", "--port",
-                               str(port)], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                               str(port)], env={**ENV, "SHIPYARD_SERVE_TOKEN": "t" * 32},  # no token file in ~/.cache
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         for _ in range(300):
             try:

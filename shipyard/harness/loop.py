@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shipyard.harness.parse import ParsedTurn, ToolCall, ToolCallParser
-from shipyard.harness.tools import Tool, ToolContext, ToolError, default_tools
+from shipyard.harness.tools import Tool, ToolContext, ToolError, default_tools, truncate_middle
+from shipyard.harness.tools.base import display_path
 from shipyard.harness.trajectory import CallRecord, Trajectory, Turn
 from shipyard.harness.wire import SYSTEM_PROMPT, ChatFormat
 from shipyard.harness.workspace import PathError, Workspace
@@ -80,8 +81,9 @@ class ToolExecutor:
             if call.error is None:
                 valid.append(call)
             else:
-                records[call.index] = CallRecord(call.index, call.name, call.arguments, f"error: {call.error}",
-                                                 call.error, 0.0, call.untagged)
+                error = self._clean(call.error)
+                records[call.index] = CallRecord(call.index, call.name, call.arguments, f"error: {error}", error,
+                                                 0.0, call.untagged)
         self.ctx.concurrent_terminals = sum(c.name == "run_terminal" for c in valid)
         for wave in self._waves(valid):
             if len(wave) == 1:
@@ -100,6 +102,8 @@ class ToolExecutor:
             path = self.ctx.workspace.resolve(call.arguments.get(tool.path_arg, ""))
         except PathError:
             return set(), set()  # refused before touching anything
+        except OSError:  # the workspace could not answer (a sandbox restarting): assume the call touches anything
+            return ({ANYWHERE}, {ANYWHERE}) if tool.mutates else ({ANYWHERE}, set())
         return (set(), {path}) if tool.mutates else ({path}, set())
 
     def _waves(self, calls: list[ToolCall]) -> list[list[ToolCall]]:
@@ -119,8 +123,14 @@ class ToolExecutor:
             message = str(e) if isinstance(e, ToolError | PathError) else f"{type(e).__name__}: {e}"
             error = f"tool call #{call.index + 1} ({call.name}) failed: {message}"
             output = f"error: {error}"
-        return CallRecord(call.index, call.name, call.arguments, output, error, time.perf_counter() - start,
-                          call.untagged)
+        error = None if error is None else self._clean(error)
+        return CallRecord(call.index, call.name, call.arguments, self._clean(output), error,
+                          time.perf_counter() - start, call.untagged)
+
+    def _clean(self, text: str) -> str:
+        """What goes back to the model is bounded, valid UTF-8 text whatever a tool or an error message held (a lone
+        surrogate from a file name or a JSON argument would make the tokenizer raise and end the episode)."""
+        return truncate_middle(text, 2 * self.ctx.max_output_bytes)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -135,7 +145,8 @@ def workspace_overview(workspace: Workspace, max_entries: int) -> str:
         return ""
     paths = workspace.files(max_entries)
     more = "\n… and more (use list_dir or glob)" if len(paths) > max_entries else ""
-    return "\n\nFiles in the workspace:\n" + "\n".join(paths[:max_entries]) + more
+    shown = (display_path(p) for p in paths[:max_entries])  # JSON-quoted if odd (newlines, undecodable bytes)
+    return "\n\nFiles in the workspace:\n" + "\n".join(shown) + more
 
 
 class Agent:

@@ -11,7 +11,10 @@ calls. Two body forms are accepted, because open models are trained on both:
 
 Every block becomes a `ToolCall`; a block that cannot be used carries an `error` addressed to the model: which
 call (1-based, in turn order), what is wrong, and the list of tools or the expected signature. Arguments are
-validated against the tool's JSON-Schema (missing, unexpected and mistyped arguments are all reported).
+validated against the tool's JSON-Schema (missing, unexpected and mistyped arguments are all reported). JSON
+that Python's decoder refuses beyond syntax (integers of more than 4300 digits, nesting deeper than the recursion
+limit) is reported the same way, and a number given for an `integer` argument reaches the tool as an `int`
+(JSON Schema counts `2.0` and `1e300` as integers; Python's `range` does not).
 
 Deliberate harness decision (training and production must parse identically, so this is a setting that
 both read from one config and that every trajectory records): by default only tagged blocks are calls. A turn
@@ -39,6 +42,7 @@ from shipyard.harness.tools.base import Tool
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_RE = re.compile(r"<function=([^>\s]*)>(.*?)(</function>|\Z)", re.DOTALL)
 PARAM_RE = re.compile(r"<parameter=([^>\s]*)>(.*?)</parameter>", re.DOTALL)
+MAX_NEAR_MISS_TRIES = 256  # '{' positions tried as the start of a bare JSON call
 
 
 @dataclass
@@ -133,8 +137,16 @@ class ToolCallParser:
             name, args = None, None
             error = ('its body must be a JSON object {"name": <tool>, "arguments": {…}} or a '
                      "<function=NAME><parameter=KEY>VALUE</parameter></function> block")
+        if error is None and _lone_surrogate([name, args]):
+            name, args, error = None, None, ("a string holds a lone surrogate escape (such as \\ud800), which is not "
+                                             "text; write plain UTF-8")
         if error is None:
             error = self._validate(name, args)
+        if error is None and args:
+            props = self.tools[name].parameters.get("properties", {})
+            for key, value in args.items():
+                if props.get(key, {}).get("type") == "integer" and isinstance(value, float):
+                    args[key] = int(value)  # integral: validation passed
         return ToolCall(index, name, args, raw, f"{label}{f' ({name})' if name else ''}: {error}" if error else None)
 
     def _parse_json(self, body: str) -> tuple[str | None, dict | None, str | None]:
@@ -142,6 +154,8 @@ class ToolCallParser:
             obj, end = json.JSONDecoder().raw_decode(body)
         except json.JSONDecodeError as e:
             return None, None, f"invalid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+        except (ValueError, RecursionError) as e:
+            return None, None, _unreadable(e)
         if body[end:].strip():
             return None, None, f"unexpected text after the JSON object: {body[end:].strip()[:60]!r}"
         if not isinstance(obj, dict):
@@ -157,6 +171,8 @@ class ToolCallParser:
                 args = json.loads(args)
             except json.JSONDecodeError:
                 return name, None, "'arguments' is a string that is not valid JSON; give it as a JSON object"
+            except (ValueError, RecursionError) as e:
+                return name, None, _unreadable(e)
         if not isinstance(args, dict):
             return name, None, f"'arguments' must be a JSON object, not {type(args).__name__}"
         return name, args, None
@@ -186,26 +202,31 @@ class ToolCallParser:
     def _validate(self, name: str | None, args: dict | None) -> str | None:
         if name not in self.tools:
             return f"unknown tool '{name}'. Available tools: {', '.join(self.tools)}."
-        errors = sorted(self._validators[name].iter_errors(args), key=lambda e: list(e.path))
-        if not errors:
-            return None
-        problems = []
-        for e in errors:
-            where = "arguments" + "".join(f"[{p!r}]" for p in e.path)
-            problems.append(f"{where}: {e.message}")
+        try:
+            errors = sorted(self._validators[name].iter_errors(args), key=lambda e: list(e.path))
+            if not errors:
+                return None
+            problems = []
+            for e in errors[:10]:
+                where = "arguments" + "".join(f"[{p!r}]" for p in e.path)
+                message = e.message if len(e.message) <= 300 else f"{e.message[:200]}…{e.message[-80:]}"
+                problems.append(f"{where[:200]}: {message}")
+        except RecursionError:
+            return f"the arguments are nested too deeply. Expected {signature(self.tools[name])}."
         return f"invalid arguments — {'; '.join(problems)}. Expected {signature(self.tools[name])}."
 
     def _near_misses(self, content: str) -> list[ToolCall]:
         """Calls written outside <tool_call> tags: reported, never executed (see module docstring)."""
         found: list[str] = []
-        decoder, pos = json.JSONDecoder(), content.find("{")
-        while pos != -1 and len(found) < 16:
+        decoder, pos, tries = json.JSONDecoder(), content.find("{"), 0
+        while pos != -1 and len(found) < 16 and tries < MAX_NEAR_MISS_TRIES:
+            tries += 1
             try:
                 obj, end = decoder.raw_decode(content, pos)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON, or JSON Python will not decode (5000-digit numbers)
                 pos = content.find("{", pos + 1)
                 continue
-            if isinstance(obj, dict) and obj.get("name") in self.tools:
+            if isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"] in self.tools:
                 found.append(content[pos:end])
             pos = content.find("{", end)
         found += [m.group(0) for m in FUNCTION_RE.finditer(content)]
@@ -220,10 +241,34 @@ class ToolCallParser:
                 for i, raw in enumerate(found)]
 
 
+def _lone_surrogate(value: Any) -> bool:
+    """Whether a decoded JSON value holds a lone surrogate anywhere (JSON's `\\ud800` decodes to one; no file name,
+    process argument, tokenizer or terminal takes it)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            stack += item
+    return False
+
+
+def _unreadable(e: Exception) -> str:
+    if isinstance(e, RecursionError):
+        return "the JSON is nested too deeply"
+    return f"a value in the JSON cannot be used ({str(e)[:120]}); numbers must have at most 4300 digits"
+
+
 def _coerce(value: str, schema_type: str) -> Any:
     if schema_type == "string":
         return value
     try:
         return json.loads(value)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError, as is a 5000-digit integer
         return value  # left as text; schema validation then reports the type mismatch precisely

@@ -12,16 +12,23 @@ sampler drew from *before* top-p truncation, i.e. `log_softmax(logits / temperat
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+MIN_TEMPERATURE = 1e-4  # below this (but 0, greedy) logits / temperature overflows float32 to inf
+MAX_SEED = 2**63 - 1  # seeds are in [0, MAX_SEED]; torch.Generator.manual_seed takes up to 2**64 - 1, so seed + k fits
+
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How to sample one completion. Invalid values raise ValueError here, at construction, so that no engine starts a
+    batch with a request that would fail halfway (and take its batch-mates down with it)."""
+
     max_tokens: int = 1024
     temperature: float = 1.0
     top_p: float = 1.0
@@ -32,16 +39,24 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+                             f"got {self.temperature}")
+        if not 0 < self.top_p <= 1:  # also false for NaN
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
 
 
 @dataclass
 class GenerationRequest:
+    """One completion to sample. `cancelled`, when given, is polled between decode steps (so it must be cheap and
+    thread-safe, e.g. an Event's `is_set`): once it returns True the engine stops this sequence and returns what it
+    has with finish_reason "abort" — how a server stops the work of a client that has gone, or of its own shutdown."""
+
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    cancelled: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -51,7 +66,7 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     text: str
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "abort"]  # abort: stopped by `GenerationRequest.cancelled`
     prompt_tokens: int
     policy_version: int = 0
     seconds: float = 0.0
@@ -69,7 +84,9 @@ class Engine(Protocol):
         ...
 
     def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Load new policy weights (a full or partial state dict) and tag later completions with `version`."""
+        """Load new policy weights (a full or partial state dict) and tag later completions with `version`.
+        All or nothing: on any error (unknown name, shape, dtype, a non-finite value) no weight and not the version
+        has changed."""
         ...
 
     def close(self) -> None: ...

@@ -15,6 +15,14 @@ long context into a fraction of a second).
 
 Determinism: with a `seed`, a row's sampling uses its own `torch.Generator`, so the same request gives the
 same completion.
+
+Cancellation: a request's `cancelled` callback is polled before each of its decode steps; a cancelled row stops
+(finish_reason "abort") and the batch ends as soon as every row has stopped, so a server stops spending compute on
+a client that has gone, and can shut down between two steps.
+
+Weight updates are all-or-nothing: every tensor is checked (known name, shape, a floating dtype for a floating
+weight, every value finite) before the first one is copied, so a refused push leaves the model and its
+`policy_version` exactly as they were — samples are never labelled with a version they were not drawn from.
 """
 
 from __future__ import annotations
@@ -50,6 +58,18 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
     return token, float(logp[token])
 
 
+def weight_problem(value: torch.Tensor, target: torch.Tensor) -> str | None:
+    """Why `value` cannot replace `target` (a model weight), or None."""
+    if value.shape != target.shape:
+        return f"has shape {tuple(value.shape)}, the model expects {tuple(target.shape)}"
+    if target.is_floating_point() != value.is_floating_point() or value.is_complex():
+        return f"has dtype {value.dtype}, the model's is {target.dtype}"
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        bad = int((~torch.isfinite(value)).sum())
+        return f"has {bad} values that are not finite (NaN or infinite)"
+    return None
+
+
 class LocalEngine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str = "local",
                  max_batch: int = 8, prefix_cache: bool = True):
@@ -60,6 +80,8 @@ class LocalEngine:
         self.prefix_cache = prefix_cache
         self.policy_version = 0
         self.device = next(model.parameters()).device
+        # The most prompt + completion tokens a sequence may have (None: the config does not say).
+        self.max_model_len: int | None = getattr(model.config, "max_position_embeddings", None)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad if pad is not None else 0)
         self._lock = threading.Lock()
@@ -69,8 +91,12 @@ class LocalEngine:
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         out: list[Completion] = []
         with self._lock, torch.inference_mode():
-            for i in range(0, len(requests), self.max_batch):
-                out += self._generate_batch(requests[i:i + self.max_batch])
+            try:
+                for i in range(0, len(requests), self.max_batch):
+                    out += self._generate_batch(requests[i:i + self.max_batch])
+            except BaseException:
+                self._cached_ids, self._cache = [], None  # a failed step may have left the prefix cache half-grown
+                raise
         return out
 
     def _prefill(self, reqs: list[GenerationRequest]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, list[int]]:
@@ -121,6 +147,8 @@ class LocalEngine:
         for _ in range(max_steps):
             step = []
             for row, r in enumerate(reqs):
+                if finish[row] is None and r.cancelled is not None and r.cancelled():
+                    finish[row] = "abort"
                 if finish[row] is not None:
                     step.append(self.pad_id)
                     continue
@@ -165,12 +193,14 @@ class LocalEngine:
         own = self.model.state_dict()
         unknown = sorted(set(tensors) - set(own))
         if unknown:
-            raise KeyError(f"update_weights got tensors the model does not have: {unknown[:5]}")
+            raise KeyError(f"update_weights got tensors the model does not have: {unknown[:5]}; nothing was loaded")
+        for key, value in tensors.items():  # everything is checked before anything is copied: all or nothing
+            problem = weight_problem(value, own[key])
+            if problem:
+                raise ValueError(f"update_weights: {key} {problem}; nothing was loaded, the model stays at "
+                                 f"version {self.policy_version}")
         with self._lock, torch.no_grad():
             for key, value in tensors.items():
-                if own[key].shape != value.shape:
-                    raise ValueError(f"update_weights: {key} has shape {tuple(value.shape)}, "
-                                     f"the model expects {tuple(own[key].shape)}")
                 own[key].copy_(value)
             self.policy_version = version
             self._cached_ids, self._cache = [], None

@@ -8,6 +8,10 @@ choice's `token_ids` when the server returns them (shipyard, vLLM with `return_t
 Each request of a batch is its own HTTP call, sent concurrently, so the server's continuous batching sees all
 of them at once. For vLLM, start the server with `--logprobs-mode processed_logprobs` so its logprobs follow
 shipyard's convention (after temperature, before top-p).
+
+A server started with an API key (`shipyard serve --api-key`, vLLM's `--api-key`) gets it as a bearer token: the
+`api_key` argument, else $SHIPYARD_API_KEY (or the file named by $SHIPYARD_API_KEY_FILE). Not $OPENAI_API_KEY: a
+real OpenAI key should never go to whatever listens on a local port.
 """
 
 from __future__ import annotations
@@ -19,30 +23,51 @@ import httpx
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from shipyard.httpguard import read_token
 from shipyard.models.bundled import Status
 from shipyard.models.engine import Completion, GenerationRequest
 from shipyard.models.errors import ServerUnreachable
 
+API_KEY_ENV = "SHIPYARD_API_KEY"  # the key for a server started with an API key (`shipyard serve --api-key`)
+
+
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _error_message(resp: httpx.Response) -> str:
+    """The message of an OpenAI-style error body (`{"error": {"message": ...}}`), else the start of the body."""
+    try:
+        return str(resp.json()["error"]["message"])[:1000]
+    except (ValueError, KeyError, TypeError):
+        return resp.text[:500]
+
 
 class OpenAIEngine:
     def __init__(self, base_url: str, model: str, tokenizer: PreTrainedTokenizerBase, timeout: float = 600.0,
-                 max_concurrency: int = 64):
+                 max_concurrency: int = 64, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.name = f"openai:{self.base_url}#{model}"
         self.tokenizer = tokenizer
         self.policy_version = 0
-        self.client = httpx.Client(base_url=self.base_url, timeout=timeout)
+        api_key = api_key or read_token(API_KEY_ENV, None)
+        self.client = httpx.Client(base_url=self.base_url, timeout=timeout, headers=_auth(api_key))
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="shipyard-http")
 
     @classmethod
-    def connect(cls, base_url: str, tokenizer: str | None = None, status: Status = lambda _: None) -> OpenAIEngine:
+    def connect(cls, base_url: str, tokenizer: str | None = None, status: Status = lambda _: None,
+                api_key: str | None = None) -> OpenAIEngine:
         """Ask the server which model it serves (GET /models) and load the matching tokenizer."""
         from shipyard.models.resolve import load_tokenizer
 
         base_url = base_url.rstrip("/")
+        api_key = api_key or read_token(API_KEY_ENV, None)
         try:
-            resp = httpx.get(f"{base_url}/models", timeout=10)
+            resp = httpx.get(f"{base_url}/models", timeout=10, headers=_auth(api_key))
+            if resp.status_code == 401:
+                raise ServerUnreachable(f"{base_url} needs an API key ({'a wrong one was' if api_key else 'none was'} "
+                                        f"sent): set ${API_KEY_ENV} to the key the server was started with")
             resp.raise_for_status()
             model = resp.json()["data"][0]["id"]
         except httpx.HTTPError as e:
@@ -53,7 +78,7 @@ class OpenAIEngine:
         except (KeyError, IndexError, ValueError) as e:
             raise ServerUnreachable(f"{base_url}/models did not list a model; is this an OpenAI-compatible API?") from e
         status(f"connected to {base_url} serving {model}")
-        return cls(base_url, model, load_tokenizer(tokenizer or model, status))
+        return cls(base_url, model, load_tokenizer(tokenizer or model, status), api_key=api_key)
 
     def _one(self, req: GenerationRequest) -> Completion:
         sp = req.sampling
@@ -66,7 +91,7 @@ class OpenAIEngine:
         except httpx.TransportError as e:
             raise ServerUnreachable(f"lost the server at {self.base_url}: {type(e).__name__}: {e}") from e
         if resp.status_code != 200:
-            raise RuntimeError(f"{self.base_url}/completions answered {resp.status_code}: {resp.text[:500]}")
+            raise RuntimeError(f"{self.base_url}/completions answered {resp.status_code}: {_error_message(resp)}")
         body = resp.json()
         choice = body["choices"][0]
         logprobs = choice.get("logprobs") or {}

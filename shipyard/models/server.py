@@ -10,48 +10,125 @@ the trainer's push. Completions report the `policy_version` they were sampled wi
 
 Concurrent requests are batched: a worker thread takes whatever is queued (up to `max_batch`, after waiting
 `batch_window` seconds for stragglers) and runs it as one `engine.generate` call.
+
+Any client on the port is untrusted (docs/security.md), so:
+
+* **Authentication** (`shipyard.httpguard`): `/v1/weights` — and every path not listed below — needs the operator's
+  token (generated at start unless given); `/v1/completions` and `/v1/models` need `api_key` only when one is set
+  (like vLLM's `--api-key`); `/health` is open.
+* **Bounded work.** Bodies are size-limited (small for completions, `max_weights_body` for weights). `max_tokens`
+  is refused over `max_tokens` or when prompt + max_tokens exceeds the model's context (vLLM's rule: refuse, never
+  clamp silently — a client must know what it gets), and a request holds at most `max_sequences` sequences.
+  The engine batches statically (a running batch admits no one), so these caps bound every other client's wait.
+  A full queue answers 503.
+* **Isolation.** Every field is validated by one pydantic schema (and the vocabulary / context checks) before
+  anything is queued; if `engine.generate` still raises for a batch, each request is retried alone, so only the
+  faulty one fails.
+* **Cancellation.** A client that disconnects has its queued requests dropped and its running ones stopped at the
+  next decode step (`GenerationRequest.cancelled`). On SIGTERM (`run`) every generation stops between two steps,
+  in-flight clients get 503, and the process exits within about a second.
+* **Weights** are decoded and checked completely before any tensor changes (`decode`, `update_weights` are
+  all-or-nothing), one push at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
 import uuid
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Request
+import uvicorn
+from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shipyard.models.engine import Completion, Engine, GenerationRequest, SamplingParams
+from shipyard import httpguard
+from shipyard.models.engine import MAX_SEED, MIN_TEMPERATURE, Completion, Engine, GenerationRequest, SamplingParams
+from shipyard.models.local import LocalEngine
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "SHIPYARD_SERVE_TOKEN"  # the weights token; or a file named by $SHIPYARD_SERVE_TOKEN_FILE
+
+
+def token_path(port: int) -> Path:
+    """Where `shipyard serve --port PORT` writes the token it generated (0600), and where pushers look for it."""
+    from shipyard.models.bundled import shipyard_home
+
+    return shipyard_home() / "serve" / f"{port}.token"
+
+
+@dataclass
+class ServeConfig:
+    token: str | None = None  # bearer token for /v1/weights (and /docs etc.); None: one is generated (app.state.token)
+    api_key: str | None = None  # when set, /v1/completions and /v1/models need it
+    max_tokens: int = 4096  # most tokens one completion may ask for
+    max_model_len: int | None = None  # most prompt + completion tokens; None: the engine's context length
+    max_batch: int = 8
+    batch_window: float = 0.01  # seconds the worker waits for stragglers before starting a batch
+    max_sequences: int = 64  # prompts × n in one request
+    max_queue: int = 1024  # sequences waiting for the worker; beyond: 503
+    max_body: int = 8 << 20  # bytes of a completions (or any non-weights) request body
+    max_weights_body: int = 4 << 30  # bytes of a weight payload (a 0.5B model in bf16 is ~1 GB)
+
+
+Stop = Annotated[str, StringConstraints(min_length=1, max_length=512)]
 
 
 class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    model: str | None = None
+    model: str | None = Field(None, max_length=1000)
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=64)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop: Stop | list[Stop] | None = Field(None, max_length=16)
+    stop_token_ids: list[int] | None = Field(None, max_length=256)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     logprobs: int | None = Field(None, ge=0, le=1)
     return_tokens_as_token_ids: bool = False
     stream: bool = False
 
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if 0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return v
+
+
+class ShuttingDown(RuntimeError):
+    pass
+
+
+class Overloaded(RuntimeError):
+    pass
+
+
+class Gone(RuntimeError):
+    """The request's client disconnected before its turn came."""
+
 
 class Batcher:
-    """Collects requests from many HTTP handlers into `engine.generate` batches on one worker thread."""
+    """Collects requests from many HTTP handlers into `engine.generate` batches on one worker thread.
 
-    def __init__(self, engine: Engine, max_batch: int = 8, batch_window: float = 0.01):
-        self.engine, self.max_batch, self.batch_window = engine, max_batch, batch_window
+    `stopping` is a plain attribute so a signal handler can set it: then queued requests fail with `ShuttingDown` and
+    the requests `create_app` makes report themselves cancelled, so the running batch ends at its next step."""
+
+    def __init__(self, engine: Engine, max_batch: int = 8, batch_window: float = 0.01, max_queue: int = 1024):
+        self.engine, self.max_batch, self.batch_window, self.max_queue = engine, max_batch, batch_window, max_queue
+        self.stopping = False
         self.queue: queue.Queue[tuple[GenerationRequest, Future] | None] = queue.Queue()
         self.thread = threading.Thread(target=self._work, name="shipyard-batcher", daemon=True)
         self.thread.start()
@@ -69,32 +146,74 @@ class Batcher:
                     self.queue.put(None)
                     break
                 batch.append(nxt)
+            live = []
+            for req, fut in batch:
+                if not fut.set_running_or_notify_cancel():
+                    continue  # its client left while it waited
+                if self.stopping:
+                    fut.set_exception(ShuttingDown("the server is shutting down"))
+                elif req.cancelled is not None and req.cancelled():
+                    fut.set_exception(Gone("the client has gone"))
+                else:
+                    live.append((req, fut))
+            if live:
+                self._run(live)
+        while True:  # closed: fail whatever is left
             try:
-                results = self.engine.generate([req for req, _ in batch])
-            except Exception as e:  # the error belongs to every request of the batch
-                for _, fut in batch:
-                    fut.set_exception(e)
-                continue
-            for (_, fut), result in zip(batch, results, strict=True):
-                fut.set_result(result)
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(ShuttingDown("the server is shutting down"))
 
-    async def submit(self, req: GenerationRequest) -> Completion:
-        fut: Future = Future()
-        self.queue.put((req, fut))
-        return await asyncio.wrap_future(fut)
+    def _run(self, batch: list[tuple[GenerationRequest, Future]]) -> None:
+        """Generate a batch; if the engine raises, retry each request alone so only the faulty one fails."""
+        try:
+            results = self.engine.generate([req for req, _ in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"the engine returned {len(results)} completions for {len(batch)} requests")
+        except Exception as e:
+            if len(batch) == 1:
+                batch[0][1].set_exception(e)
+                return
+            log.warning("a batch of %d failed (%s: %s); retrying its requests one by one", len(batch),
+                        type(e).__name__, e)
+            for item in batch:
+                self._run([item])
+            return
+        for (_, fut), result in zip(batch, results, strict=True):
+            fut.set_result(result)
+
+    def submit(self, requests: list[GenerationRequest]) -> list[asyncio.Future]:
+        """Queue requests (from the event loop's thread); their futures. Raises `ShuttingDown` or `Overloaded`."""
+        if self.stopping:
+            raise ShuttingDown("the server is shutting down")
+        if self.queue.qsize() + len(requests) > self.max_queue:
+            raise Overloaded(f"{self.queue.qsize()} sequences are waiting (limit {self.max_queue})")
+        futures = []
+        for req in requests:
+            fut: Future = Future()
+            self.queue.put((req, fut))
+            futures.append(asyncio.wrap_future(fut))
+        return futures
 
     def close(self) -> None:
+        self.stopping = True
         self.queue.put(None)
-        self.thread.join(timeout=60)
+        self.thread.join(timeout=1)
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": "invalid_request_error",
-                                                               "code": status}})
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, headers=headers, content={"error": {
+        "message": message, "type": "invalid_request_error" if status < 500 else "server_error", "code": status}})
 
 
-def create_app(engine: Engine, served_name: str, max_batch: int = 8) -> FastAPI:
-    batcher = Batcher(engine, max_batch=max_batch)
+def create_app(engine: Engine, served_name: str, config: ServeConfig | None = None) -> FastAPI:
+    config = config or ServeConfig()
+    batcher = Batcher(engine, max_batch=config.max_batch, batch_window=config.batch_window,
+                      max_queue=config.max_queue)
+    context = config.max_model_len or (engine.max_model_len if isinstance(engine, LocalEngine) else None)
+    weights_lock = asyncio.Lock()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -102,10 +221,19 @@ def create_app(engine: Engine, served_name: str, max_batch: int = 8) -> FastAPI:
         batcher.close()
 
     app = FastAPI(title="shipyard model server", lifespan=lifespan)
+    app.state.batcher = batcher
+    app.state.token = config.token or httpguard.new_token()
+    open_to_key = {"/v1/completions": config.api_key, "/v1/models": config.api_key}
+    httpguard.install(app, token=app.state.token, max_body=config.max_body, open_paths=("/health",),
+                      path_tokens=open_to_key, path_max_body={"/v1/weights": config.max_weights_body})
 
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail))
+    @app.exception_handler(StarletteHTTPException)  # FastAPI's and the router's own (404, 405)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:  # logged by uvicorn; no traceback sent
+        return _error(500, f"internal error ({type(exc).__name__}); see the server's log")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -117,53 +245,134 @@ def create_app(engine: Engine, served_name: str, max_batch: int = 8) -> FastAPI:
 
     @app.post("/v1/weights")
     async def weights(request: Request) -> dict[str, Any]:
-        from shipyard.train.sync import decode
-
-        body = await request.body()
-        start = time.perf_counter()
-        try:
-            version, tensors = decode(body)
-            await asyncio.to_thread(engine.update_weights, version, tensors)
-        except (ValueError, KeyError) as e:
-            raise HTTPException(400, str(e).strip('"')) from None
-        return {"version": version, "tensors": len(tensors), "bytes": len(body),
+        async with weights_lock:  # one payload in memory at a time
+            body = await request.body()
+            start = time.perf_counter()
+            try:
+                version, count = await asyncio.to_thread(_load_weights, engine, body)
+            except (ValueError, KeyError) as e:
+                raise HTTPException(400, str(e.args[0]) if isinstance(e, KeyError) else str(e)) from None
+        return {"version": version, "tensors": count, "bytes": len(body),
                 "seconds": round(time.perf_counter() - start, 4)}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> dict[str, Any]:
+    async def completions(body: CompletionRequest, request: Request) -> Any:
         if body.stream:
             raise HTTPException(400, "streaming is not supported by shipyard serve; set stream=false")
         if body.model not in (None, served_name):
             raise HTTPException(404, f"model '{body.model}' is not served here; this server serves '{served_name}'")
-        prompts = _prompts(engine, body.prompt)
+        single = isinstance(body.prompt, str) or all(isinstance(t, int) for t in body.prompt)
+        sequences = (1 if single else len(body.prompt)) * body.n
+        if sequences > config.max_sequences:  # checked before tokenizing anything
+            raise HTTPException(400, f"this request asks for {sequences} sequences (prompts × n); this server's limit "
+                                     f"is {config.max_sequences} per request: split it")
+        prompts = await asyncio.to_thread(_prompts, engine, body.prompt)
+        _check_limits(engine, body, prompts, config, context)
+        gone = threading.Event()
+        cancelled = lambda: gone.is_set() or batcher.stopping  # noqa: E731
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         stop_ids = tuple(body.stop_token_ids or ()) or _default_stop_ids(engine)
         requests = []
         for p in prompts:
             for k in range(body.n):
-                seed = None if body.seed is None else body.seed + k
-                requests.append(GenerationRequest(p, SamplingParams(body.max_tokens, body.temperature, body.top_p,
-                                                                    stops, stop_ids, seed)))
-        results = await asyncio.gather(*(batcher.submit(r) for r in requests))
-        tok = engine.tokenizer
-        choices = []
-        for i, c in enumerate(results):
-            choice: dict[str, Any] = {"index": i, "text": c.text, "finish_reason": c.finish_reason,
-                                      "token_ids": c.token_ids, "logprobs": None}
-            if body.logprobs is not None:
-                tokens = ([f"token_id:{t}" for t in c.token_ids] if body.return_tokens_as_token_ids
-                          else tok.convert_ids_to_tokens(c.token_ids))
-                choice["logprobs"] = {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": None,
-                                      "text_offset": None}
-            choices.append(choice)
-        prompt_tokens = sum(len(p) for p in prompts) * body.n
-        completion_tokens = sum(len(c.token_ids) for c in results)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": served_name, "choices": choices, "policy_version": engine.policy_version,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
+                seed = None if body.seed is None else (body.seed + k) % (MAX_SEED + 1)  # choice k: seed + k
+                try:
+                    sampling = SamplingParams(body.max_tokens, body.temperature, body.top_p, stops, stop_ids, seed)
+                except ValueError as e:
+                    raise HTTPException(400, str(e)) from None
+                requests.append(GenerationRequest(p, sampling, cancelled))
+        try:
+            futures = batcher.submit(requests)
+        except ShuttingDown:
+            raise HTTPException(503, "the server is shutting down; send the request to another server") from None
+        except Overloaded as e:
+            raise HTTPException(503, f"the server is overloaded ({e}); retry later", {"Retry-After": "1"}) from None
+        results = await _until_disconnected(request, futures, gone)
+        if results is None:
+            return Response(status_code=499)  # the client has gone; nobody reads this
+        if any(c.finish_reason == "abort" for c in results):
+            raise HTTPException(503, "the server is shutting down and stopped this generation; retry elsewhere")
+        return _response(engine, served_name, body, prompts, results)
 
     return app
+
+
+async def _until_disconnected(request: Request, futures: list[asyncio.Future],
+                              gone: threading.Event) -> list[Completion] | None:
+    """The completions, or None when the client disconnected first; either way no generation of this request
+    outlives the handler (queued ones are cancelled, running ones see `gone` at their next step)."""
+    gathered = asyncio.gather(*futures)
+
+    async def disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnect())
+    try:
+        await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not gathered.done():
+            return None
+        try:
+            return gathered.result()
+        except (ShuttingDown, Gone):
+            raise HTTPException(503, "the server is shutting down; send the request to another server") from None
+        except ValueError as e:
+            raise HTTPException(400, f"the engine refused this request: {e}") from None
+        except Exception as e:
+            log.exception("generation failed")
+            raise HTTPException(500, f"generation failed ({type(e).__name__}: {e})") from None
+    finally:
+        watcher.cancel()
+        gone.set()  # the client left, or the handler ended (a failed sequence's siblings need not run on)
+        gathered.cancel()  # queued sequences never start
+
+
+def _load_weights(engine: Engine, body: bytes) -> tuple[int, int]:
+    from shipyard.train.sync import decode
+
+    version, tensors = decode(body)
+    engine.update_weights(version, tensors)
+    return version, len(tensors)
+
+
+def _check_limits(engine: Engine, body: CompletionRequest, prompts: list[list[int]], config: ServeConfig,
+                  context: int | None) -> None:
+    if body.max_tokens > config.max_tokens:
+        raise HTTPException(400, f"max_tokens={body.max_tokens} is over this server's limit of {config.max_tokens} "
+                                 "(shipyard serve --max-tokens-limit); ask for fewer")
+    if context is not None:
+        longest = max(len(p) for p in prompts)
+        if longest + body.max_tokens > context:
+            raise HTTPException(400, f"a prompt of {longest} tokens plus max_tokens={body.max_tokens} is over the "
+                                     f"model's context of {context} tokens; shorten the prompt or ask for at most "
+                                     f"{max(0, context - longest)} tokens")
+    vocab = len(engine.tokenizer)
+    bad = [t for t in body.stop_token_ids or () if not 0 <= t < vocab]
+    if bad:
+        raise HTTPException(400, f"stop_token_ids out of range [0, {vocab}): {bad[:5]}")
+
+
+def _response(engine: Engine, served_name: str, body: CompletionRequest, prompts: list[list[int]],
+              results: list[Completion]) -> dict[str, Any]:
+    tok = engine.tokenizer
+    choices = []
+    for i, c in enumerate(results):
+        choice: dict[str, Any] = {"index": i, "text": c.text, "finish_reason": c.finish_reason,
+                                  "token_ids": c.token_ids, "logprobs": None, "policy_version": c.policy_version}
+        if body.logprobs is not None:
+            tokens = ([f"token_id:{t}" for t in c.token_ids] if body.return_tokens_as_token_ids
+                      else tok.convert_ids_to_tokens(c.token_ids))
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": None,
+                                  "text_offset": None}
+        choices.append(choice)
+    prompt_tokens = sum(len(p) for p in prompts) * body.n
+    completion_tokens = sum(len(c.token_ids) for c in results)
+    # The version the samples were drawn with (the oldest, should a weight push land between two batches), not
+    # the engine's version now.
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": served_name, "choices": choices, "policy_version": min(c.policy_version for c in results),
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
 
 
 def _default_stop_ids(engine: Engine) -> tuple[int, ...]:
@@ -189,3 +398,23 @@ def _prompts(engine: Engine, prompt: str | list[int] | list[str] | list[list[int
             raise HTTPException(400, f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         out.append(ids)
     return out
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with SIGTERM/SIGINT first telling the batcher to stop (so the in-flight generations end at their next
+    decode step and uvicorn's wait for open connections is short)."""
+
+    def __init__(self, config: uvicorn.Config, batcher: Batcher):
+        super().__init__(config)
+        self.batcher = batcher
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.batcher.stopping = True  # a plain store: safe in a signal handler
+        super().handle_exit(sig, frame)
+
+
+def run(app: FastAPI, host: str, port: int, *, max_connections: int = 256, graceful_seconds: float = 1.0) -> None:
+    """Serve `app` (from `create_app`) until SIGTERM/SIGINT; then exit within about `graceful_seconds`."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", limit_concurrency=max_connections,
+                            timeout_graceful_shutdown=graceful_seconds)
+    _Server(config, app.state.batcher).run()

@@ -28,7 +28,7 @@ import os
 import resource
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from shipyard.sandbox.host import CGROUP_ROOT, Host
@@ -47,6 +47,13 @@ class Limits:
     file_size_mb: int = 2048
     open_files: int = 4096
     disk_mb: int = 4096  # the upper dir: everything written to /workspace (see shipyard.sandbox.layout)
+
+    def __post_init__(self) -> None:
+        # 0 or -1 would mean "unlimited" to setrlimit, cgroups or tmpfs: refuse them here, for every caller.
+        bad = {f.name: getattr(self, f.name) for f in fields(self)
+               if type(getattr(self, f.name)) is not int or getattr(self, f.name) < 1}
+        if bad:
+            raise ValueError(f"sandbox limits must be whole numbers >= 1, got {bad}")
 
 
 def _usr_links() -> list[str]:
@@ -104,29 +111,37 @@ class Cgroups:
         self.name = f"shipyard-{os.getpid()}-{uuid.uuid4().hex[:12]}"  # owner pid: see layout.recover_stale
         self.dirs: list[Path] = []
         self.cpu_file: Path | None = None
+        try:
+            self._create(limits)
+        except BaseException:  # a limit the kernel refused: remove what was made, then report
+            for d in reversed(self.dirs):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+            raise
+
+    def _mkdir(self, d: Path) -> Path:
+        d.mkdir()
+        self.dirs.append(d)
+        return d
+
+    def _create(self, limits: Limits) -> None:
         memory, pids = limits.memory_mb * 1024 * 1024, limits.pids
         if self.version == "v2":
-            d = CGROUP_ROOT / self.name
-            d.mkdir()
+            d = self._mkdir(CGROUP_ROOT / self.name)
             (d / "memory.max").write_text(str(memory))
             (d / "memory.swap.max").write_text("0")
             (d / "pids.max").write_text(str(pids))
-            self.dirs = [d]
             self.cpu_file = d / "cpu.stat"
         elif self.version == "v1":
-            mem, pid = CGROUP_ROOT / "memory" / self.name, CGROUP_ROOT / "pids" / self.name
-            mem.mkdir()
-            pid.mkdir()
+            mem = self._mkdir(CGROUP_ROOT / "memory" / self.name)
+            pid = self._mkdir(CGROUP_ROOT / "pids" / self.name)
             (mem / "memory.limit_in_bytes").write_text(str(memory))
             with contextlib.suppress(OSError):  # absent without swap accounting
                 (mem / "memory.memsw.limit_in_bytes").write_text(str(memory))
             (pid / "pids.max").write_text(str(pids))
-            self.dirs = [mem, pid]
             acct = CGROUP_ROOT / "cpuacct"
             if (acct / "cpuacct.usage").exists() and os.access(acct, os.W_OK):
-                (acct / self.name).mkdir()
-                self.dirs.append(acct / self.name)
-                self.cpu_file = acct / self.name / "cpuacct.usage"
+                self.cpu_file = self._mkdir(acct / self.name) / "cpuacct.usage"
 
     def join(self) -> None:
         """Called in the child between fork and exec."""

@@ -4,16 +4,45 @@
 `/sandboxes/{id}/call`, so tools run against a remote sandbox exactly as against a local one. Over-capacity
 answers (503) are retried after their `Retry-After` until `retry_for` seconds have passed; connection failures
 are retried briefly, then reported as `EnvServerUnreachable` with what to do.
+
+Authentication: every request carries the server's bearer token. The client takes it from its `token` argument,
+else `$SHIPYARD_ENV_TOKEN`, else the file `$SHIPYARD_ENV_TOKEN_FILE`, else the file `shipyard env-server --port PORT`
+writes by default (`token_file(PORT)`: `$SHIPYARD_HOME/env-server/PORT.token`, `SHIPYARD_HOME` defaulting to
+`~/.cache/shipyard`; mode 0600, so only the server's user — and clients running as that user — can read it). One
+file per port, so servers on one host never overwrite each other's token. While none is found the client looks
+again before each request (a server started next to it writes its file a moment later). A 401 becomes an
+`EnvServerError` saying where the token was looked for.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from shipyard.httpguard import read_token
+from shipyard.models.bundled import shipyard_home
 from shipyard.sandbox.sandbox import SessionWorkspace
+
+TOKEN_ENV = "SHIPYARD_ENV_TOKEN"
+
+
+def token_file(port: int) -> Path:
+    """Where `shipyard env-server --port PORT` writes its token unless told otherwise, and where clients look last."""
+    return shipyard_home() / "env-server" / f"{port}.token"
+
+
+def _token_source(given: str | None, default: Path) -> str:
+    if given:
+        return "the token passed to EnvClient"
+    if os.environ.get(TOKEN_ENV):
+        return f"${TOKEN_ENV}"
+    if os.environ.get(f"{TOKEN_ENV}_FILE"):
+        return f"${TOKEN_ENV}_FILE ({os.environ[f'{TOKEN_ENV}_FILE']})"
+    return str(default)
 
 
 class EnvServerUnreachable(ConnectionError):
@@ -25,14 +54,35 @@ class EnvServerError(RuntimeError):
 
 
 class EnvClient:
-    def __init__(self, base_url: str, timeout: float = 60.0, retry_for: float = 120.0):
+    def __init__(self, base_url: str, timeout: float = 60.0, retry_for: float = 120.0, *, token: str | None = None):
         self.base_url = base_url.rstrip("/")
+        url = httpx.URL(self.base_url)
+        self.default_token_file = token_file(url.port or (443 if url.scheme == "https" else 80))
+        self.given_token = token
+        self.token: str | None = None
         self.http = httpx.Client(base_url=self.base_url, timeout=timeout)
         self.retry_for = retry_for
+        self._find_token()
+
+    def _find_token(self) -> None:
+        """Look for the token (again, while none was found: a server starting next to us writes it a moment later)."""
+        self.token = self.given_token or read_token(TOKEN_ENV, self.default_token_file)
+        self.token_source = _token_source(self.given_token, self.default_token_file)
+        if self.token:
+            self.http.headers["Authorization"] = f"Bearer {self.token}"
+
+    def _unauthorized(self) -> str:
+        where = (f"the token from {self.token_source} is not this server's" if self.token else
+                 f"no token was found (looked at ${TOKEN_ENV}, ${TOKEN_ENV}_FILE and {self.default_token_file})")
+        return (f"{where}: set ${TOKEN_ENV} (or ${TOKEN_ENV}_FILE) to the token the server wrote at start — by "
+                f"default to {self.default_token_file} of the user running `shipyard env-server`, or where its "
+                "--token-file said")
 
     def request(self, method: str, path: str, json: dict | None = None, timeout: float | None = None) -> Any:
         deadline = time.monotonic() + self.retry_for
         connect_failures = 0
+        if not self.token:
+            self._find_token()
         while True:
             try:
                 resp = self.http.request(method, path, json=json, timeout=timeout or self.http.timeout)
@@ -47,9 +97,15 @@ class EnvClient:
             if resp.status_code == 503 and time.monotonic() < deadline:
                 time.sleep(float(resp.headers.get("Retry-After", "1")))
                 continue
-            body = resp.json()
-            if resp.status_code != 200:
-                message = body.get("error", {}).get("message", resp.text)
+            try:
+                body = resp.json()
+            except ValueError:
+                body = None
+            if resp.status_code != 200 or not isinstance(body, dict):
+                error = body.get("error") if isinstance(body, dict) else None
+                message = error.get("message", resp.text) if isinstance(error, dict) else resp.text[:2000]
+                if resp.status_code == 401:
+                    message = f"{message}; {self._unauthorized()}"
                 raise EnvServerError(f"{method} {path} → {resp.status_code}: {message}")
             return body
 

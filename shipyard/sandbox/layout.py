@@ -97,6 +97,15 @@ class Layout:
         _recover_once(h.state_dir)
         layout = cls(h.state_dir / "sandboxes" / sandbox_id, quota=h.disk_quota)
         layout.etc.mkdir(parents=True)
+        try:
+            layout._populate(h, disk_mb)
+        except BaseException:  # a failed mount or write leaves no dir or mount behind
+            layout.remove()
+            raise
+        return layout
+
+    def _populate(self, h: Host, disk_mb: int) -> None:
+        layout = self
         os.chmod(layout.root.parent, 0o755)
         (layout.root / "owner").write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
         layout.fs.mkdir()
@@ -113,7 +122,6 @@ class Layout:
             d.mkdir()
             if h.drop_privileges:
                 os.chown(d, h.uid, h.gid)
-        return layout
 
     def remove(self) -> None:
         """Unmount the quota tmpfs and delete the sandbox's dirs. overlayfs leaves `work/work` with mode 000, which

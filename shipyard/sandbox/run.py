@@ -17,7 +17,11 @@ def run_in_sandbox(snapshot: Path, command: list[str], *, timeout: float, limits
     h = host()
     limits = limits or Limits()
     layout = Layout.create(h, uuid.uuid4().hex[:12], limits.disk_mb)
-    cgroups = Cgroups(h, limits)
+    try:
+        cgroups = Cgroups(h, limits)
+    except BaseException:
+        layout.remove()
+        raise
     try:
         argv = bwrap_argv(h, layout, snapshot, command, cwd=cwd, env=env)
         return run_process(argv, timeout=timeout, cwd="/", env={}, max_output=max_output,
@@ -34,7 +38,8 @@ def sandbox_problem() -> str | None:
     from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 
     try:
-        snapshot = make_snapshot(tempfile.mkdtemp(prefix="shipyard-probe-"), host())
+        with tempfile.TemporaryDirectory(prefix="shipyard-probe-") as empty:
+            snapshot = make_snapshot(empty, host())
         try:
             probe = run_in_sandbox(snapshot, ["true"], timeout=30)
         finally:

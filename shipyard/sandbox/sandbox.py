@@ -6,6 +6,14 @@ request to that session, so tools run unchanged against it. If the session dies 
 is restarted over the same upper dir — files survive, background jobs do not — and the call in flight fails
 with `SessionRestarted`, which tools report to the model like any other OS error.
 
+The channel is hostile ground: the sandbox's code runs as the session's uid. It travels on two pipes that only
+the session holds (bwrap's stdio is /dev/null), the session is non-dumpable, and every line is sealed with a
+per-session key (see `shipyard.sandbox.session`). The host's reader still trusts nothing it reads: it takes
+lines of at most `MAX_LINE_BYTES` (longer ones are dropped as they stream by), and a line that is not a
+sealed, well-formed reply to a call in flight is counted in `ignored_lines` and otherwise ignored — the reader
+never dies of its input, so one bad line cannot stall every later call. Requests over the limit are refused
+before they are sent. So host memory per call is bounded by the line limit, whatever the sandbox writes.
+
 Closing a sandbox kills every process in it (through its cgroup where the host has one, else through the
 pid namespace dying with bwrap), then removes its cgroups and its upper dir.
 """
@@ -14,17 +22,22 @@ from __future__ import annotations
 
 import base64
 import compileall
+import contextlib
+import errno
 import hashlib
 import itertools
 import json
+import os
+import secrets
 import shutil
 import subprocess
 import threading
 import uuid
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import shipyard
 from shipyard.harness.process import ExecResult, Job, kill_group
@@ -32,6 +45,7 @@ from shipyard.harness.workspace import Entry, Kind, PathError
 from shipyard.sandbox.bwrap import WORKSPACE, Cgroups, Limits, bwrap_argv, preexec
 from shipyard.sandbox.host import Host, host
 from shipyard.sandbox.layout import Layout
+from shipyard.sandbox.session import MAX_LINE_BYTES, channel_keys, read_lines, seal, unseal
 from shipyard.sandbox.snapshot import snapshot_episode
 
 SOURCE_MOUNT = "/opt/shipyard"
@@ -39,6 +53,43 @@ SOURCE_MOUNT = "/opt/shipyard"
 
 class SessionRestarted(OSError):
     """The exec session died during a call; it was restarted over the same files (background jobs are gone)."""
+
+
+RESTARTED = "the sandbox's exec session died; it was restarted over the same files (background jobs were lost)"
+
+
+@dataclass
+class _Channel:
+    """The host's end of one session process: its request pipe, the per-session keys, its calls in flight.
+    Each session has its own, so a dead session's reader can only fail the calls that were sent to it."""
+
+    requests: BinaryIO
+    request_key: bytes
+    reply_key: bytes
+    pending: dict[int, Future] = field(default_factory=dict)
+    write_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.requests.close()
+
+
+def parse_reply(line: bytes | None, key: bytes) -> dict[str, Any] | None:
+    """A line from the reply pipe → a reply envelope, or None for anything the session did not send."""
+    payload = unseal(key, line) if line is not None else None
+    if payload is None:
+        return None
+    try:
+        reply = json.loads(payload)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(reply, dict) or type(reply.get("id")) is not int:
+        return None
+    error = reply.get("error")
+    if "result" not in reply and not (isinstance(error, dict) and isinstance(error.get("type"), str)
+                                      and isinstance(error.get("message"), str)):
+        return None
+    return reply
 
 
 @cache
@@ -122,7 +173,7 @@ class SessionWorkspace:
                    lambda: bool(self._call("job_running", id=job_id)), lambda: self._call("job_stop", id=job_id))
 
     def diff(self) -> str:
-        return self._call("diff", wait=600)
+        return base64.b64decode(self._call("diff", wait=600)).decode()
 
 
 class Sandbox(SessionWorkspace):
@@ -132,7 +183,11 @@ class Sandbox(SessionWorkspace):
         self.limits = limits or Limits()
         self.id = sandbox_id or uuid.uuid4().hex[:12]
         self.layout = Layout.create(self.h, self.id, self.limits.disk_mb)
-        self.cgroups = Cgroups(self.h, self.limits)
+        try:
+            self.cgroups = Cgroups(self.h, self.limits)
+        except BaseException:  # a sandbox that fails to start leaves nothing behind
+            self.layout.remove()
+            raise
         self._ids = itertools.count(1)
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
@@ -140,67 +195,126 @@ class Sandbox(SessionWorkspace):
         self._proc: subprocess.Popen | None = None
         self._closed = False
         self.restarts = 0
-        self._start()
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
 
     # Session process ----------------------------------------------------------------------------------------
+    _channel: _Channel | None = None
+    ignored_lines = 0  # lines on the reply pipe that were not a sealed reply to a call in flight
+
     def _start(self) -> None:
+        """Start a session and wait for its first answer; raise RuntimeError if it does not give one."""
+        if self._channel is not None:
+            self._channel.close()
+        request_read, request_write = os.pipe()
+        reply_read, reply_write = os.pipe()
         python = f"{self.h.python_prefix}/bin/python3"
-        code = f"import sys; sys.path.insert(0, {SOURCE_MOUNT!r}); from shipyard.sandbox.session import main; main()"
+        code = (f"import sys; sys.path.insert(0, {SOURCE_MOUNT!r}); from shipyard.sandbox.session import main; "
+                f"main({request_read}, {reply_write})")
         argv = bwrap_argv(self.h, self.layout, self.snapshot, [python, "-I", "-S", "-c", code],
                           extra_ro_binds=((str(shipyard_source(self.h)), SOURCE_MOUNT),))
-        self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                      cwd="/", env={}, start_new_session=True,
-                                      preexec_fn=preexec(self.h, self.limits, self.cgroups))
-        # Each session process has its own table of calls in flight, so a dead session's reader can only fail
-        # the calls that were sent to it, never those already sent to its replacement.
-        self._pending = {}
-        threading.Thread(target=self._read, args=(self._proc, self._pending), daemon=True).start()
-        self._call("ping", wait=30)
+        try:
+            # The protocol pipes are extra descriptors: bwrap's init (pid 1) keeps only stdio, here /dev/null.
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, pass_fds=(request_read, reply_write), cwd="/", env={},
+                                    start_new_session=True, preexec_fn=preexec(self.h, self.limits, self.cgroups))
+        except BaseException:
+            os.close(request_write)
+            os.close(reply_read)
+            raise
+        finally:
+            os.close(request_read)
+            os.close(reply_write)
+        secret = secrets.token_bytes(32)
+        channel = _Channel(os.fdopen(request_write, "wb"), *channel_keys(secret))
+        self._proc, self._channel, self._pending = proc, channel, channel.pending
+        threading.Thread(target=self._read, args=(reply_read, channel), daemon=True).start()
+        try:
+            with channel.write_lock:  # the first line, before anything else runs in the sandbox
+                channel.requests.write(secret.hex().encode() + b"\n")
+                channel.requests.flush()
+            self._unwrap(self._send(channel, "ping", 30, {}))
+        except (OSError, ValueError) as e:
+            kill_group(proc.pid)
+            proc.wait()
+            channel.close()
+            problem = "it exited before answering" if isinstance(e, SessionRestarted) else f"{type(e).__name__}: {e}"
+            raise RuntimeError(f"the exec session of sandbox {self.id} did not start ({problem}); "
+                               "check that this host can start sandboxes: `shipyard sandbox exec --repo DIR -- "
+                               "true`") from None
 
-    def _read(self, proc: subprocess.Popen, pending: dict[int, Future]) -> None:
-        for line in proc.stdout:
-            reply = json.loads(line)
+    def _read(self, fd: int, channel: _Channel) -> None:
+        """The reply pipe's reader: every sealed reply goes to its call; anything else is counted, never fatal."""
+        try:
+            for line in read_lines(fd, MAX_LINE_BYTES):
+                reply = parse_reply(line, channel.reply_key)
+                with self._lock:
+                    fut = channel.pending.pop(reply["id"], None) if reply is not None else None
+                    if fut is None:
+                        self.ignored_lines += 1
+                if fut is not None:
+                    fut.set_result(reply)
+        finally:
+            os.close(fd)
+            with self._lock:  # the session is gone: fail everything still waiting on it
+                failed = list(channel.pending.values())
+                channel.pending.clear()
+            for fut in failed:
+                fut.set_exception(SessionRestarted(RESTARTED))
+
+    def _send(self, channel: _Channel, method: str, wait: float, params: dict[str, Any]) -> dict[str, Any]:
+        """Send one request to `channel`'s session and wait for its reply envelope (no restart here)."""
+        req_id = next(self._ids)
+        line = seal(channel.request_key, json.dumps({"id": req_id, "method": method, "params": params}).encode())
+        if len(line) > MAX_LINE_BYTES:
+            raise OSError(errno.EFBIG, f"the {method} request is {len(line)} bytes, more than the {MAX_LINE_BYTES} "
+                                       "that may be sent to a sandbox at once; send less (e.g. a large file in parts)")
+        fut: Future = Future()
+        with self._lock:
+            channel.pending[req_id] = fut
+        try:
+            with channel.write_lock:
+                channel.requests.write(line)
+                channel.requests.flush()
+        except (OSError, ValueError):  # the session is gone (broken pipe), or its pipe was closed
             with self._lock:
-                fut = pending.pop(reply["id"], None)
-            if fut is not None:
-                fut.set_result(reply)
-        with self._lock:  # the session is gone: fail everything still waiting on it
-            failed = list(pending.values())
-            pending.clear()
-        for fut in failed:
-            fut.set_exception(SessionRestarted("the sandbox's exec session died; it was restarted over the same "
-                                               "files (background jobs were lost)"))
+                channel.pending.pop(req_id, None)
+            raise SessionRestarted(RESTARTED) from None
+        try:
+            return fut.result(timeout=wait)
+        except TimeoutError:
+            with self._lock:
+                channel.pending.pop(req_id, None)
+            raise TimeoutError(errno.ETIMEDOUT, f"the sandbox's exec session did not answer {method} within "
+                                                f"{wait:g} s") from None
 
     def _call(self, method: str, wait: float = 120, **params: Any) -> Any:
         if self._closed:
             raise RuntimeError(f"sandbox {self.id} is closed")
         if self._proc.poll() is not None:  # died between calls: restart before sending anything
             self._restart()
-        req_id = next(self._ids)
-        fut: Future = Future()
-        with self._lock:
-            pending = self._pending
-            pending[req_id] = fut
+        channel = self._channel
         try:
-            self._proc.stdin.write(json.dumps({"id": req_id, "method": method, "params": params}).encode() + b"\n")
-            self._proc.stdin.flush()
-        except (BrokenPipeError, ValueError):
-            with self._lock:
-                pending.pop(req_id, None)
-            self._restart()
-            raise SessionRestarted("the sandbox's exec session died; it was restarted over the same files "
-                                   "(background jobs were lost)") from None
-        try:
-            reply = fut.result(timeout=wait)
+            reply = self._send(channel, method, wait, params)
         except SessionRestarted:
-            self._restart()
+            self._restart(channel)
             raise
         return self._unwrap(reply)
 
-    def _restart(self) -> None:
+    def _restart(self, dead: _Channel | None = None) -> None:
+        """Start a new session if the current one has exited, or if its channel `dead` reached its end (bwrap may
+        outlive its session by a moment: it is put down here)."""
         with self._restart_lock:  # parallel calls that failed together restart the session once
-            if self._closed or (self._proc is not None and self._proc.poll() is None):
+            if self._closed or (dead is not None and dead is not self._channel):
                 return
+            if dead is None and self._proc is not None and self._proc.poll() is None:
+                return
+            if self._proc is not None:
+                kill_group(self._proc.pid)
+                self._proc.wait()
             self.cgroups.kill_all()
             self.restarts += 1
             self._start()
@@ -216,6 +330,8 @@ class Sandbox(SessionWorkspace):
         if self._proc is not None:
             kill_group(self._proc.pid)
             self._proc.wait()
+        if self._channel is not None:
+            self._channel.close()
         self.cgroups.remove()
         self.layout.remove()
 

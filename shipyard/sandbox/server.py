@@ -1,13 +1,28 @@
 """The environment server (`shipyard env-server`): sandboxes over HTTP, for rollout workers and the CLI.
 
-API (JSON):
-- `POST /snapshots {"path": DIR, "name"?: ID}` → `{"id"}`: snapshot a directory on the server's host.
+API (JSON; every endpoint but `/health` needs `Authorization: Bearer TOKEN`):
+- `POST /snapshots {"path": DIR, "name"?: ID}` → `{"id"}`: snapshot a directory on the server's host that lies under
+  one of the roots the operator allowed.
 - `POST /sandboxes {"snapshot": ID, "limits"?: {...}}` → `{"id", "start_ms"}`: a fresh sandbox over a snapshot.
 - `POST /sandboxes/{id}/call {"method", "params", "wait"?}` → the exec session's reply envelope
   (`{"result"}` or `{"error": {"type", "message"}}`): every `Workspace` operation, exactly as `Sandbox` sends it.
 - `POST /sandboxes/{id}/snapshot {"name"?: ID}` → `{"id"}`: the sandbox's workspace as it is now, as a new
   snapshot (fork rollouts from a shared prefix, resume a task).
 - `DELETE /sandboxes/{id}`, `DELETE /snapshots/{id}`; `GET /metrics`; `GET /health`.
+Errors are `{"error": {"type", "message"}}`: 401, 403 (outside the allowed roots), 404, 409 (name taken), 413, 422
+(the reason: a body, name, limit or tree refused), 429 (too many snapshots), 503 + `Retry-After` (over capacity).
+
+Security model (docs/security.md). The server acts with its operator's privileges (often root) and any local user
+can reach its port, so a client must prove the token, and the token buys only what the operator allowed:
+* A bearer token (`shipyard.httpguard`), generated at start unless given, in a 0600 file `EnvClient` reads.
+* A snapshot source must resolve under `allowed_roots` (checked again on the opened directory); the copy never
+  follows a link, is bounded, and refuses special files and links out of the tree (`shipyard.sandbox.snapshot`).
+  Names and ids are one path component (`check_name`), never paths.
+* One pydantic schema per body (unknown keys rejected), at most `max_body` bytes; limits within the operator's
+  `min_limits`..`max_limits`.
+* Sandbox calls have their own threads — one per live sandbox (`max_live` + a few) plus a shared pool for parallel
+  calls, at most `max_calls_per_sandbox` each — so one sandbox's long runs cannot take another's. Starts, copies
+  and control work (destroy, delete, reap) have their own executors; `/health` and `/metrics` run on the loop.
 
 Warm pool: for every snapshot the server keeps `warm_pool` sandboxes started (refilled in the background as they
 are taken), so a create that finds one returns in about a millisecond instead of paying bwrap and the session's
@@ -16,69 +31,130 @@ start. Pooled sandboxes count towards `max_live`; creates with custom limits alw
 Admission control — bursty RL load must be shed, never hang: at most `max_starting` sandboxes start at once
 (starting is the CPU-heavy part), at most `max_live` exist, and at most `max_queue` requests wait for a start slot.
 Past that the answer is `503` with `Retry-After`, which `EnvClient` honours. Sandboxes idle for `idle_timeout`
-seconds are reaped. Shutting the server down closes every sandbox (processes, cgroups, upper dirs) and every
-snapshot it made.
+seconds (no call in flight) are reaped. Shutting the server down closes every sandbox (processes, cgroups, upper
+dirs) and every snapshot it made.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import queue
 import threading
 import time
 import uuid
 from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, create_model
 
+from shipyard import httpguard
 from shipyard.harness.workspace import PathError
 from shipyard.sandbox.bwrap import Limits
 from shipyard.sandbox.host import host
 from shipyard.sandbox.sandbox import Sandbox
-from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
+from shipyard.sandbox.snapshot import (
+    CopyBounds,
+    SnapshotRefused,
+    check_name,
+    make_snapshot,
+    remove_snapshot,
+    snapshot_episode,
+)
+
+MAX_WAIT = 86400.0  # the longest a call may wait for its reply (seconds)
 
 
 @dataclass
 class ServerConfig:
+    token: str = ""  # the bearer token clients send (httpguard.new_token()); required
+    allowed_roots: tuple[Path, ...] = ()  # snapshot sources must lie under one of these (none by default)
+    token_file: Path | None = None  # where clients on this host find the token (named in errors; the CLI writes it)
     max_live: int = 256
     max_starting: int = 8
     max_queue: int = 512
     idle_timeout: float = 1800.0
     retry_after: int = 1
     warm_pool: int = 0  # started sandboxes kept ready per snapshot
+    max_snapshots: int = 256  # snapshots held (or being copied) at once
+    max_body: int = 64 << 20  # bytes in one request body (a `write_bytes` call carries its file, base64)
+    copy: CopyBounds = field(default_factory=CopyBounds)  # every snapshot copy; outward links refused by default
+    min_limits: Limits = field(default_factory=lambda: Limits(memory_mb=64, pids=64, cpu_seconds=1, file_size_mb=1,
+                                                              open_files=64, disk_mb=1))
+    max_limits: Limits = field(default_factory=lambda: Limits(memory_mb=65536, pids=4096, cpu_seconds=86400,
+                                                              file_size_mb=16384, open_files=65536, disk_mb=65536))
+    max_calls_per_sandbox: int = 8  # calls of one sandbox in flight at once; more wait their turn
+    extra_call_threads: int = 32  # threads shared by sandboxes' second and later parallel calls
+    control_threads: int = 8  # destroy, delete, reap
+    copy_threads: int = 2  # snapshot copies at once
+
+
+def _check_config(config: ServerConfig) -> tuple[Path, ...]:
+    """The allowed roots as real paths; ValueError for a config the server must not run with."""
+    if len(config.token or "") < 16:
+        raise ValueError("the environment server needs a bearer token of at least 16 characters "
+                         "(ServerConfig.token; shipyard.httpguard.new_token() makes one)")
+    roots = []
+    for root in config.allowed_roots:
+        real = Path(os.path.realpath(root))
+        if not real.is_dir():
+            raise ValueError(f"allowed root {root} is not a directory")
+        for own, what in ((host().state_dir, "the sandbox state directory"), (config.token_file, "its token file")):
+            if own is not None and Path(os.path.realpath(own)).is_relative_to(real):
+                raise ValueError(f"allowed root {root} contains {what} ({own}): clients could snapshot the server's "
+                                 "own secrets and other clients' sandboxes; allow a narrower directory")
+        roots.append(real)
+    return tuple(roots)
+
+
+Name = Annotated[str, AfterValidator(check_name)]
+SandboxId = Annotated[str, AfterValidator(functools.partial(check_name, what="sandbox id"))]
+SnapshotId = Annotated[str, AfterValidator(functools.partial(check_name, what="snapshot id"))]
+Strict = ConfigDict(extra="forbid")  # request bodies: one schema each, unknown keys rejected
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+
+LimitsRequest = create_model("LimitsRequest", __config__=Strict,
+                             **{f.name: (PositiveInt | None, None) for f in fields(Limits)})
 
 
 class SnapshotRequest(BaseModel):
-    path: str
-    name: str | None = None
+    model_config = Strict
+    path: str = Field(min_length=1, max_length=4096)
+    name: Name | None = None
 
 
 class SandboxRequest(BaseModel):
-    snapshot: str
-    limits: dict[str, int] | None = None
+    model_config = Strict
+    snapshot: SnapshotId
+    limits: LimitsRequest | None = None
 
 
 class EpisodeSnapshotRequest(BaseModel):
-    name: str | None = None
+    model_config = Strict
+    name: Name | None = None
 
 
 class CallRequest(BaseModel):
-    method: str
+    model_config = Strict
+    method: str = Field(min_length=1, max_length=64)
     params: dict[str, Any] = {}
-    wait: float = 120.0
+    wait: float = Field(120.0, gt=0, le=MAX_WAIT, allow_inf_nan=False)
 
 
 @dataclass
 class Live:
     sandbox: Sandbox
     last_used: float
+    slots: asyncio.Semaphore  # calls in flight for this sandbox
+    first: asyncio.Lock = field(default_factory=asyncio.Lock)  # holds this sandbox's thread in the calls pool
+    busy: int = 0
 
 
 class Overloaded(Exception):
@@ -87,8 +163,10 @@ class Overloaded(Exception):
 
 class EnvServer:
     def __init__(self, config: ServerConfig):
+        self.roots = _check_config(config)
         self.config = config
         self.snapshots: dict[str, Path] = {}
+        self.reserved: set[str] = set()  # snapshot names being copied
         self.live: dict[str, Live] = {}
         self.lock = threading.Lock()
         self.start_slots = threading.BoundedSemaphore(config.max_starting)
@@ -99,6 +177,11 @@ class EnvServer:
         self.start_times: deque[float] = deque(maxlen=2000)
         self.pool: dict[str, deque[Sandbox]] = {}
         self.warm_hits = 0
+        self.calls = ThreadPoolExecutor(config.max_live + 8, "shipyard-call")
+        self.extra_calls = ThreadPoolExecutor(config.extra_call_threads, "shipyard-call-extra")
+        self.starter = ThreadPoolExecutor(config.max_starting, "shipyard-start")
+        self.copier = ThreadPoolExecutor(config.copy_threads, "shipyard-copy")
+        self.control = ThreadPoolExecutor(config.control_threads, "shipyard-control")
         self.refills: queue.Queue[str | None] = queue.Queue()
         self.refiller = threading.Thread(target=self._refill_loop, name="shipyard-warm-pool", daemon=True)
         self.refiller.start()
@@ -129,11 +212,43 @@ class EnvServer:
                     sandbox.close()
                     break
 
+    def source(self, raw: str) -> Path:
+        """The real directory a snapshot request names, if the operator allowed it."""
+        if "\x00" in raw:
+            raise HTTPException(422, "path must not contain a NUL character")
+        if not os.path.isabs(raw):
+            raise HTTPException(422, f"path {raw!r} must be absolute (a directory on the server's host)")
+        real = Path(os.path.realpath(raw))
+        if not any(real.is_relative_to(root) for root in self.roots):
+            allowed = ", ".join(map(str, self.roots)) or "none"
+            raise HTTPException(403, f"{raw} (resolved: {real}) is outside the directories this server may snapshot "
+                                f"(allowed roots: {allowed}); the operator allows more with "
+                                "`shipyard env-server --allow-root DIR`")
+        if not real.is_dir():
+            raise HTTPException(400, f"{raw} is not a directory on the server's host")
+        return real
+
+    def reserve(self, name: str | None) -> str:
+        snap_id = name or uuid.uuid4().hex[:12]
+        with self.lock:
+            if snap_id in self.snapshots or snap_id in self.reserved:
+                raise HTTPException(409, f"snapshot '{snap_id}' exists; choose another name or delete it first")
+            if len(self.snapshots) + len(self.reserved) >= self.config.max_snapshots:
+                raise HTTPException(429, f"{self.config.max_snapshots} snapshots exist (this server's maximum); "
+                                    "delete some with DELETE /snapshots/{id}")
+            self.reserved.add(snap_id)
+        return snap_id
+
     def add_snapshot(self, snapshot_id: str, path: Path) -> None:
         with self.lock:
+            self.reserved.discard(snapshot_id)
             self.snapshots[snapshot_id] = path
         if self.config.warm_pool:
             self.refills.put(snapshot_id)
+
+    def release(self, snapshot_id: str) -> None:
+        with self.lock:
+            self.reserved.discard(snapshot_id)
 
     def remove_snapshot(self, snapshot_id: str) -> Path | None:
         with self.lock:
@@ -141,28 +256,32 @@ class EnvServer:
             pooled = list(self.pool.pop(snapshot_id, ()))
         for sandbox in pooled:
             sandbox.close()
+        if path is not None:
+            remove_snapshot(path)
         return path
 
-    def create(self, snapshot_id: str, limits: dict[str, int] | None) -> tuple[str, float]:
-        snapshot = self.snapshots.get(snapshot_id)
-        if snapshot is None:
-            raise HTTPException(404, f"no snapshot '{snapshot_id}'; create one with POST /snapshots")
-        known = {f.name for f in fields(Limits)}
-        if limits and set(limits) - known:
-            raise HTTPException(422, f"unknown limits {sorted(set(limits) - known)}; known: {sorted(known)}")
-        if not limits:
-            with self.lock:
-                warm = self.pool.get(snapshot_id)
-                sandbox = warm.popleft() if warm else None
-                if sandbox is not None:
-                    self.live[sandbox.id] = Live(sandbox, time.monotonic())
-                    self.starts += 1
-                    self.warm_hits += 1
-                    self.start_times.append(time.monotonic())
-            if sandbox is not None:
-                self.refills.put(snapshot_id)
-                return sandbox.id, 0.0
+    def limits(self, req: BaseModel | None) -> Limits | None:
+        """The request's limits (defaults for those not given), or None for none; 422 outside the operator's range."""
+        given = {k: v for k, v in (req.model_dump() if req else {}).items() if v is not None}
+        lo, hi = asdict(self.config.min_limits), asdict(self.config.max_limits)
+        bad = [f"limits.{k}: {v} is outside this server's range {lo[k]}..{hi[k]}" for k, v in given.items()
+               if not lo[k] <= v <= hi[k]]
+        if bad:
+            raise HTTPException(422, "invalid request: " + "; ".join(bad))
+        return Limits(**given) if given else None
+
+    def admit(self, snapshot_id: str, limits: Limits | None) -> tuple[Path, Live | None]:
+        """A warm sandbox if one fits, else a place in the start queue (or Overloaded)."""
         with self.lock:
+            snapshot = self.snapshots.get(snapshot_id)
+            if snapshot is None:
+                raise HTTPException(404, f"no snapshot '{snapshot_id}'; create one with POST /snapshots")
+            warm = self.pool.get(snapshot_id) if limits is None else None
+            if warm:
+                live = self._register(warm.popleft())
+                self.warm_hits += 1
+                self.refills.put(snapshot_id)
+                return snapshot, live
             if len(self.live) + self.pooled() + self.waiting >= self.config.max_live:
                 self.failures["over_capacity"] += 1
                 raise Overloaded(f"{len(self.live)} sandboxes live (max {self.config.max_live})")
@@ -170,23 +289,34 @@ class EnvServer:
                 self.failures["queue_full"] += 1
                 raise Overloaded(f"{self.waiting} sandbox starts queued (max {self.config.max_queue})")
             self.waiting += 1
+        return snapshot, None
+
+    def _register(self, sandbox: Sandbox) -> Live:
+        """Under the lock: a started sandbox becomes live."""
+        live = Live(sandbox, time.monotonic(), asyncio.Semaphore(self.config.max_calls_per_sandbox))
+        self.live[sandbox.id] = live
+        self.starts += 1
+        self.start_times.append(time.monotonic())
+        return live
+
+    def start(self, snapshot: Path, limits: Limits | None) -> tuple[str, float]:
+        """In a starter thread, after `admit` queued it: start a sandbox."""
         try:
             with self.start_slots:
                 start = time.perf_counter()
                 try:
-                    sandbox = Sandbox(snapshot, Limits(**(limits or {})))
+                    sandbox = Sandbox(snapshot, limits)
                 except Exception as e:
                     self.failures[f"start:{type(e).__name__}"] += 1
-                    raise
+                    raise HTTPException(500, f"the sandbox could not start ({type(e).__name__}: {e}); the server's "
+                                        "host may be out of memory or processes — retry, or check GET /health") from e
                 ms = (time.perf_counter() - start) * 1000
         finally:
             with self.lock:
                 self.waiting -= 1
         with self.lock:
-            self.live[sandbox.id] = Live(sandbox, time.monotonic())
-            self.starts += 1
+            self._register(sandbox)
             self.latencies.append(ms)
-            self.start_times.append(time.monotonic())
         return sandbox.id, ms
 
     def get(self, sandbox_id: str) -> Live:
@@ -207,7 +337,7 @@ class EnvServer:
     def reap(self) -> int:
         now = time.monotonic()
         with self.lock:
-            idle = [k for k, v in self.live.items() if now - v.last_used > self.config.idle_timeout]
+            idle = [k for k, v in self.live.items() if not v.busy and now - v.last_used > self.config.idle_timeout]
             victims = [self.live.pop(k) for k in idle]
         for v in victims:
             v.sandbox.close()
@@ -225,6 +355,7 @@ class EnvServer:
                 "warm_pool": self.pooled(), "warm_hits": self.warm_hits,
                 "starts_per_s": round(recent / 10, 2), "start_latency_ms": {"p50": pick(0.5), "p99": pick(0.99)},
                 "failures": dict(self.failures), "snapshots": len(self.snapshots),
+                "calls_in_flight": sum(v.busy for v in list(self.live.values())),
                 "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count(),
                 "memory_used_mb": (kb("MemTotal") - kb("MemAvailable")) // 1024,
                 "memory_total_mb": kb("MemTotal") // 1024}
@@ -240,17 +371,27 @@ class EnvServer:
             sandbox.close()
         for path in snapshots:
             remove_snapshot(path)
+        for pool in (self.calls, self.extra_calls, self.starter, self.copier, self.control):
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
-def create_app(config: ServerConfig | None = None) -> FastAPI:
-    env = EnvServer(config or ServerConfig())
+def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, headers=headers,
+                        content={"error": {"type": kind, "message": message, "code": status}})
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    env = EnvServer(config)
+
+    async def run(pool: ThreadPoolExecutor, fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         async def reaper() -> None:
             while True:
                 await asyncio.sleep(max(1.0, min(60.0, env.config.idle_timeout / 4)))
-                await asyncio.to_thread(env.reap)
+                await run(env.control, env.reap)
 
         task = asyncio.create_task(reaper())
         yield
@@ -259,16 +400,24 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
 
     app = FastAPI(title="shipyard environment server", lifespan=lifespan)
     app.state.env = env
+    httpguard.install(app, token=config.token, max_body=config.max_body)
 
     @app.exception_handler(Overloaded)
     async def overloaded(_, exc: Overloaded) -> JSONResponse:
-        return JSONResponse(status_code=503, headers={"Retry-After": str(env.config.retry_after)},
-                            content={"error": {"type": "Overloaded", "message": f"over capacity: {exc}; retry later"}})
+        return _error(503, "Overloaded", f"over capacity: {exc}; retry later", {"Retry-After": str(config.retry_after)})
 
     @app.exception_handler(HTTPException)
     async def http_error(_, exc: HTTPException) -> JSONResponse:
-        return JSONResponse(status_code=exc.status_code, content={"error": {"type": "HTTPError",
-                                                                             "message": str(exc.detail)}})
+        kind = "InvalidRequest" if exc.status_code == 422 else "HTTPError"
+        return _error(exc.status_code, kind, str(exc.detail))
+
+    @app.exception_handler(SnapshotRefused)
+    async def refused(_, exc: SnapshotRefused) -> JSONResponse:
+        return _error(422, "SnapshotRefused", str(exc))
+
+    @app.exception_handler(Exception)
+    async def internal(_, exc: Exception) -> JSONResponse:
+        return _error(500, "InternalError", f"the server failed: {type(exc).__name__}: {exc}")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -279,54 +428,73 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
     async def metrics() -> dict[str, Any]:
         return env.metrics()
 
-    @app.post("/snapshots")
-    async def snapshot(req: SnapshotRequest) -> dict[str, str]:
-        if not Path(req.path).is_dir():
-            raise HTTPException(400, f"{req.path} is not a directory on the server's host")
-        snap_id = req.name or uuid.uuid4().hex[:12]
-        if snap_id in env.snapshots:
-            raise HTTPException(409, f"snapshot '{snap_id}' exists")
-        env.add_snapshot(snap_id, await asyncio.to_thread(make_snapshot, req.path, host(), snap_id))
+    async def new_snapshot(name: str | None, make, *args, **kwargs) -> dict[str, str]:
+        """Reserve the name, copy on a copier thread (`make(*args, name, **kwargs)`), register the snapshot."""
+        snap_id = env.reserve(name)
+        try:
+            path = await run(env.copier, make, *args, snap_id, **kwargs)
+        except BaseException as e:
+            env.release(snap_id)
+            if isinstance(e, PermissionError):  # the directory changed between the check and the copy
+                raise HTTPException(403, str(e)) from None
+            if isinstance(e, FileExistsError):  # made by another process sharing the state dir
+                raise HTTPException(409, str(e)) from None
+            if isinstance(e, OSError):
+                raise HTTPException(422, f"cannot snapshot: {e}") from None
+            raise
+        env.add_snapshot(snap_id, path)
         return {"id": snap_id}
 
+    @app.post("/snapshots")
+    async def snapshot(req: SnapshotRequest) -> dict[str, str]:
+        return await new_snapshot(req.name, make_snapshot, env.source(req.path), host(), bounds=config.copy,
+                                  within=env.roots)
+
     @app.delete("/snapshots/{snap_id}")
-    async def delete_snapshot(snap_id: str) -> dict[str, bool]:
-        path = await asyncio.to_thread(env.remove_snapshot, snap_id)
-        if path is None:
+    async def delete_snapshot(snap_id: SnapshotId) -> dict[str, bool]:
+        if await run(env.control, env.remove_snapshot, snap_id) is None:
             raise HTTPException(404, f"no snapshot '{snap_id}'")
-        await asyncio.to_thread(remove_snapshot, path)
         return {"deleted": True}
 
     @app.post("/sandboxes")
     async def create(req: SandboxRequest) -> dict[str, Any]:
-        sandbox_id, ms = await asyncio.to_thread(env.create, req.snapshot, req.limits)
+        limits = env.limits(req.limits)
+        snapshot, warm = env.admit(req.snapshot, limits)
+        if warm is not None:
+            return {"id": warm.sandbox.id, "start_ms": 0.0}
+        sandbox_id, ms = await run(env.starter, env.start, snapshot, limits)
         return {"id": sandbox_id, "start_ms": round(ms, 2)}
 
     @app.post("/sandboxes/{sandbox_id}/call")
-    async def call(sandbox_id: str, req: CallRequest) -> dict[str, Any]:
+    async def call(sandbox_id: SandboxId, req: CallRequest) -> dict[str, Any]:
         live = env.get(sandbox_id)
+        live.busy += 1
         try:
-            result = await asyncio.to_thread(live.sandbox._call, req.method, req.wait, **req.params)
+            async with live.slots:
+                if not live.first.locked():
+                    async with live.first:
+                        result = await run(env.calls, live.sandbox._call, req.method, req.wait, **req.params)
+                else:
+                    result = await run(env.extra_calls, live.sandbox._call, req.method, req.wait, **req.params)
         except PathError as e:
             return {"error": {"type": "PathError", "message": str(e)}}
         except OSError as e:  # SessionRestarted included: the model hears about it like any OS error
             return {"error": {"type": "OSError", "errno": e.errno, "message": str(e)}}
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
             return {"error": {"type": "Error", "message": f"{type(e).__name__}: {e}"}}
+        finally:
+            live.busy -= 1
+            live.last_used = time.monotonic()
         return {"result": result}
 
     @app.post("/sandboxes/{sandbox_id}/snapshot")
-    async def save_snapshot(sandbox_id: str, req: EpisodeSnapshotRequest) -> dict[str, str]:
-        live = env.get(sandbox_id)
-        snap_id = req.name or uuid.uuid4().hex[:12]
-        if snap_id in env.snapshots:
-            raise HTTPException(409, f"snapshot '{snap_id}' exists")
-        env.add_snapshot(snap_id, await asyncio.to_thread(live.sandbox.save_snapshot, snap_id))
-        return {"id": snap_id}
+    async def save_snapshot(sandbox_id: SandboxId, req: EpisodeSnapshotRequest) -> dict[str, str]:
+        sb = env.get(sandbox_id).sandbox
+        return await new_snapshot(req.name, snapshot_episode, sb.snapshot, sb.layout.upper, sb.h, bounds=config.copy)
 
     @app.delete("/sandboxes/{sandbox_id}")
-    async def destroy(sandbox_id: str) -> dict[str, bool]:
-        await asyncio.to_thread(env.destroy, sandbox_id)
+    async def destroy(sandbox_id: SandboxId) -> dict[str, bool]:
+        await run(env.control, env.destroy, sandbox_id)
         return {"destroyed": True}
 
     return app

@@ -1,13 +1,36 @@
-"""The exec session: a small server inside each sandbox, speaking JSON lines over stdin/stdout.
+"""The exec session: a small server inside each sandbox, speaking sealed JSON lines over two private pipes.
 
 It serves the `Workspace` operations of a `LocalWorkspace` rooted at `/workspace` (baseline `/snapshot`), so
 the tools run inside the sandbox exactly the code they run on a local directory — one implementation, two
 transports. Requests are handled concurrently (parallel tool calls of one turn); each response carries its
-request's id. Bytes travel base64-encoded. Errors come back typed (`PathError`, `OSError`, `Error`) with the
-message meant for the model; the client re-raises them as the same exceptions.
+request's id. Bytes travel base64-encoded (file contents, command output, the diff). Errors come back typed
+(`PathError`, `OSError`, `Error`) with the message meant for the model; the client re-raises them as the same
+exceptions.
 
 Request:  {"id": 7, "method": "read_bytes", "params": {"path": "a.py"}}
 Response: {"id": 7, "result": ...}  or  {"id": 7, "error": {"type": "PathError", "message": "..."}}
+
+**Why the channel needs protecting.** Everything the session starts runs as the same uid, in the same user and
+pid namespaces, so sandboxed code can name the session's file descriptors — `/proc/PID/fd/N`, `pidfd_getfd`,
+ptrace — and those of bwrap's init (pid 1). Through the reply pipe it could forge the answer to a call in
+flight (the grader's test `run`: the reward), kill the host's reader with one line of garbage, or grow host
+memory with one endless line; through the request pipe it could steal or inject requests. Hence:
+
+* **Private pipes.** The protocol runs on two pipes passed to bwrap as extra descriptors (numbers in `main`'s
+  arguments); bwrap's stdio is /dev/null. bwrap's init closes every descriptor but stdio, so pid 1 holds no end
+  of them, and the session marks them close-on-exec, so no process it starts inherits one.
+* **A non-dumpable session.** `main` first calls `prctl(PR_SET_DUMPABLE, 0)`. The kernel then refuses
+  `/proc/PID/fd`, `/proc/PID/mem`, `pidfd_getfd` and ptrace to every process without `CAP_SYS_PTRACE` in the
+  session's user namespace — and nothing in the sandbox has a capability (`--cap-drop ALL`, uid 1000 there).
+  The session refuses to serve if the call fails. Processes it starts become dumpable again at their `exec`,
+  by which time the protocol descriptors are closed in them.
+* **Sealed lines.** Every line in either direction is `HMAC-SHA256(key, json) json`, keyed per session and per
+  direction from a random secret the host writes as the first line, before anything else runs in the sandbox;
+  it lives only in the two processes' memory. A line that does not verify is ignored, so even a descriptor
+  that leaked some other way could not forge a reply or inject a request.
+* **Bounded lines.** Both sides read with `read_lines`: a line over `MAX_LINE_BYTES` (room for base64 of a
+  `MAX_FILE_BYTES` file plus envelope) is dropped as it streams by, never accumulated. The session never sends
+  a longer reply: a result over the limit becomes an `OSError` (EFBIG) saying what to ask for instead.
 
 This module must import nothing outside the standard library and `shipyard.harness.{workspace,process}`:
 inside the sandbox only the interpreter's stdlib and shipyard's own source are guaranteed.
@@ -16,16 +39,88 @@ inside the sandbox only the interpreter's stdlib and shipyard's own source are g
 from __future__ import annotations
 
 import base64
+import ctypes
 import dataclasses
+import errno
+import hashlib
+import hmac
 import json
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shipyard.harness.process import Job
-from shipyard.harness.workspace import LocalWorkspace, PathError
+from shipyard.harness.workspace import MAX_FILE_BYTES, LocalWorkspace, PathError
+
+# The longest line either side reads or sends: base64 of a MAX_FILE_BYTES file (4/3 of it) plus envelope, with
+# room to spare. A reply that would be longer is refused by the session; a line that is longer is dropped.
+MAX_LINE_BYTES = 32 << 20
+TAG_LEN = 64  # hex HMAC-SHA256
+PR_SET_DUMPABLE, PR_GET_DUMPABLE = 4, 3
+
+
+def channel_keys(secret: bytes) -> tuple[bytes, bytes]:
+    """(request key, reply key): one per direction, so a line can never be replayed the other way."""
+    return (hmac.new(secret, b"shipyard request", hashlib.sha256).digest(),
+            hmac.new(secret, b"shipyard reply", hashlib.sha256).digest())
+
+
+def seal(key: bytes, payload: bytes) -> bytes:
+    return hmac.new(key, payload, hashlib.sha256).hexdigest().encode() + b" " + payload + b"\n"
+
+
+def unseal(key: bytes, line: bytes) -> bytes | None:
+    """The payload of a line sealed with `key`, or None for anything else."""
+    if len(line) <= TAG_LEN + 1 or line[TAG_LEN:TAG_LEN + 1] != b" ":
+        return None
+    payload = line[TAG_LEN + 1:]
+    expected = hmac.new(key, payload, hashlib.sha256).hexdigest().encode()
+    return payload if hmac.compare_digest(line[:TAG_LEN], expected) else None
+
+
+def read_lines(fd: int, limit: int = MAX_LINE_BYTES) -> Iterator[bytes | None]:
+    """Lines from `fd` (without their newline) until end of file or a read error. A line longer than `limit`
+    is skipped as it streams by and yields None once: it costs a counter, never more than `limit` bytes."""
+    buf = bytearray()
+    skipping = False
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except OSError:
+            return
+        if not chunk:
+            return  # a last line without its newline is incomplete: dropped
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            if end < 0:
+                if not skipping:
+                    buf += chunk[start:]
+                    if len(buf) > limit:
+                        skipping = True
+                        buf.clear()
+                        yield None
+                break
+            if skipping:
+                skipping = False
+            else:
+                buf += chunk[start:end]
+                line = bytes(buf) if len(buf) <= limit else None
+                buf.clear()
+                yield line
+            start = end + 1
+
+
+def make_undumpable() -> None:
+    """Put this process's descriptors, memory and ptrace out of reach of same-uid processes without
+    CAP_SYS_PTRACE (see the module docstring); raise if the kernel did not take it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0 or libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed: the exec session will not serve "
+                                          "with its channel reachable from the sandbox")
 
 
 class Session:
@@ -45,7 +140,12 @@ class Session:
             case "kind":
                 return ws.kind(p["path"])
             case "read_bytes":
-                return base64.b64encode(ws.read_bytes(p["path"])).decode()
+                data = ws.read_bytes(p["path"])
+                if len(data) > MAX_FILE_BYTES:  # whatever the workspace let through, nothing bigger crosses
+                    raise OSError(errno.EFBIG, f"{p['path']} is {len(data)} bytes, more than the {MAX_FILE_BYTES} "
+                                               "a read may return; read part of it in the shell (e.g. `head -c "
+                                               "100000 FILE` or `sed -n 1,200p FILE`)")
+                return base64.b64encode(data).decode()
             case "write_bytes":
                 return ws.write_bytes(p["path"], base64.b64decode(p["data"]))
             case "delete":
@@ -68,36 +168,77 @@ class Session:
                 return self.jobs[p["id"]].running()
             case "job_stop":
                 return self.jobs[p["id"]].stop()
-            case "diff":
-                return ws.diff()
+            case "diff":  # base64: JSON escapes could make a bounded patch several times its size on the wire
+                return base64.b64encode(ws.diff().encode()).decode()
         raise ValueError(f"unknown method {method!r}")
 
 
-def main(root: str = "/workspace", baseline: str = "/snapshot") -> None:
-    out = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)  # stray prints must never corrupt the protocol stream
+def encode_reply(req_id: int, method: str, outcome: dict[str, Any]) -> bytes:
+    """One reply's JSON, or, when it would not fit on a line, an EFBIG error saying so."""
+    data = json.dumps({"id": req_id, **outcome}).encode()
+    if len(data) + TAG_LEN + 2 <= MAX_LINE_BYTES:
+        return data
+    message = (f"the result of {method} is {len(data)} bytes, more than the {MAX_LINE_BYTES} that may cross from "
+               "the sandbox to the host; ask for less (e.g. read part of a large file with `head -c` or `sed -n`)")
+    return json.dumps({"id": req_id, "error": {"type": "OSError", "errno": errno.EFBIG, "message": message}}).encode()
+
+
+def parse_request(payload: bytes) -> dict[str, Any] | None:
+    try:
+        req = json.loads(payload)
+    except ValueError:
+        return None
+    if (not isinstance(req, dict) or type(req.get("id")) is not int or not isinstance(req.get("method"), str)
+            or not isinstance(req.get("params", {}), dict)):
+        return None
+    return req
+
+
+def main(request_fd: int, reply_fd: int, root: str = "/workspace", baseline: str = "/snapshot") -> None:
+    make_undumpable()  # before anything else: nothing else runs in the sandbox yet
+    for fd in (request_fd, reply_fd):
+        os.set_inheritable(fd, False)
+    out = os.fdopen(reply_fd, "wb")
+    os.dup2(2, 1)  # stray prints go where stderr goes (/dev/null), never onto the channel
+    lines = read_lines(request_fd)
+    try:
+        secret = bytes.fromhex((next(lines, None) or b"").decode())
+    except ValueError:
+        secret = b""
+    if len(secret) < 16:
+        sys.exit("the first line from the host must be the channel secret: at least 16 random bytes, in hex")
+    request_key, reply_key = channel_keys(secret)
     session = Session(root, baseline)
     lock = threading.Lock()
 
     def handle(req: dict[str, Any]) -> None:
+        req_id, method = req["id"], req["method"]
         try:
-            reply = {"id": req["id"], "result": session.call(req["method"], req.get("params", {}))}
+            outcome: dict[str, Any] = {"result": session.call(method, req.get("params", {}))}
         except PathError as e:
-            reply = {"id": req["id"], "error": {"type": "PathError", "message": str(e)}}
-        except OSError as e:
-            reply = {"id": req["id"], "error": {"type": "OSError", "errno": e.errno, "message": str(e)}}
+            outcome = {"error": {"type": "PathError", "message": str(e)}}
+        except OSError as e:  # without its "[Errno N]" prefix, which the host's OSError(errno, message) adds back
+            message = str(e) if e.strerror is None else e.strerror + (f": {e.filename!r}" if e.filename else "")
+            outcome = {"error": {"type": "OSError", "errno": e.errno, "message": message}}
         except Exception as e:  # a bug here must reach the caller, not kill the session
-            reply = {"id": req["id"], "error": {"type": "Error", "message": f"{type(e).__name__}: {e}"}}
-        data = json.dumps(reply).encode() + b"\n"
+            outcome = {"error": {"type": "Error", "message": f"{type(e).__name__}: {e}"}}
+        try:
+            data = encode_reply(req_id, method, outcome)
+        except (TypeError, ValueError) as e:
+            data = encode_reply(req_id, method, {"error": {"type": "Error", "message": f"unencodable result: {e}"}})
+        data = seal(reply_key, data)
         with lock:
             out.write(data)
+            out.flush()
 
     with ThreadPoolExecutor(max_workers=64) as pool:
-        for line in sys.stdin.buffer:
-            if line.strip():
-                pool.submit(handle, json.loads(line))
+        for line in lines:
+            payload = unseal(request_key, line) if line is not None else None
+            req = parse_request(payload) if payload is not None else None
+            if req is not None:  # anything else did not come from the host: ignored
+                pool.submit(handle, req)
     session.ws.close()
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]), int(sys.argv[2]))

@@ -3,7 +3,8 @@
 A payload is one safetensors file (bytes), so the same object goes to an engine in this process
 (`push_to_engine`) or over HTTP to `shipyard serve` (`POST /v1/weights`, `push_http`) — a transport the Ray
 backend can reuse by shipping the bytes through its object store. Its `__metadata__` holds `version`, `format`
-and, for MXFP8, the original shape of each quantized tensor.
+and, for MXFP8, the original shape of each quantized tensor. `decode` checks a payload's structure completely (it may
+come from the network) and the engine refuses non-finite values, both before any weight changes.
 
 - `bf16`: every tensor in bfloat16 (2 bytes per value).
 - `mxfp8`: the matrices the trainer runs in MXFP8 (its `MXLinear` and `MXEmbedding` layers: by default every
@@ -32,7 +33,7 @@ from safetensors.torch import save as st_save
 from torch import nn
 
 from shipyard.models.engine import Engine
-from shipyard.train.mx import MXEmbedding, MXLinear, MXTensor, dequantize, quantize
+from shipyard.train.mx import BLOCK, MXEmbedding, MXLinear, MXTensor, dequantize, quantize
 
 Format = Literal["bf16", "mxfp8"]
 
@@ -88,23 +89,63 @@ def metadata(payload: bytes) -> dict[str, str]:
     return json.loads(payload[8:8 + size]).get("__metadata__", {})
 
 
+class PayloadError(ValueError):
+    """A weight payload that is not what `encode` produces; the message says what is wrong with it."""
+
+
 def decode(payload: bytes, dtype: torch.dtype = torch.bfloat16) -> tuple[int, dict[str, torch.Tensor]]:
-    """(version, tensors in `dtype`) from a payload; MXFP8 tensors dequantized exactly as the trainer does."""
+    """(version, tensors in `dtype`) from a payload; MXFP8 tensors dequantized exactly as the trainer does.
+
+    The payload may come from the network: its structure is checked completely (version, dtypes, MXFP8 part shapes,
+    aliases) and anything else raises `PayloadError` naming the tensor. Values are not checked here: the engine's
+    `update_weights` refuses non-finite values before it changes anything."""
     try:
         meta = metadata(payload)
         raw = st_load(payload)
         version, shapes = int(meta["version"]), json.loads(meta.get("mx_shapes", "{}"))
+        aliases = json.loads(meta.get("aliases", "{}"))
     except Exception as e:  # a truncated or foreign body: say what it should be
-        raise ValueError(f"not a shipyard weight payload ({type(e).__name__}: {e}); send the bytes "
-                         "shipyard.train.sync.encode produces") from e
-    tensors = {name: t.to(dtype) for name, t in raw.items() if not name.endswith((".mx_elements", ".mx_scales"))}
+        raise PayloadError(f"not a shipyard weight payload ({type(e).__name__}: {e}); send the bytes "
+                           "shipyard.train.sync.encode produces") from e
+    if not 0 <= version <= 2**63 - 1:
+        raise PayloadError(f"payload version {version} is not in [0, 2**63 - 1]")
+    if not isinstance(shapes, dict) or not isinstance(aliases, dict):
+        raise PayloadError("payload metadata: mx_shapes and aliases must be JSON objects")
+    tensors = {}
+    for name, t in raw.items():
+        if name.endswith((".mx_elements", ".mx_scales")):
+            if name.rsplit(".", 1)[0] not in shapes:
+                raise PayloadError(f"payload tensor {name} is an MXFP8 part without an entry in mx_shapes")
+            continue
+        if not t.is_floating_point():
+            raise PayloadError(f"payload tensor {name} has dtype {t.dtype}; plain tensors must be floating point "
+                               "(encode writes bfloat16)")
+        tensors[name] = t.to(dtype)
     for name, shape in shapes.items():
-        mx = MXTensor(raw[f"{name}.mx_elements"].view(torch.float8_e4m3fn),
-                      raw[f"{name}.mx_scales"].view(torch.float8_e8m0fnu), tuple(shape))
-        tensors[name] = dequantize(mx, dtype)
-    for alias, name in json.loads(meta.get("aliases", "{}")).items():
+        tensors[name] = dequantize(_mx_parts(raw, name, shape), dtype)
+    for alias, name in aliases.items():
+        if not isinstance(name, str) or name not in tensors:
+            raise PayloadError(f"payload alias {alias} names {name!r}, which the payload does not hold")
         tensors[alias] = tensors[name]
     return version, tensors
+
+
+def _mx_parts(raw: dict[str, torch.Tensor], name: str, shape: object) -> MXTensor:
+    """The checked MXFP8 parts of tensor `name` (the shapes `quantize` gives for `shape`)."""
+    if not (isinstance(shape, list) and shape and all(isinstance(d, int) and 0 < d < 2**40 for d in shape)):
+        raise PayloadError(f"payload mx_shapes[{name}] = {shape!r} is not a shape")
+    width = -(-shape[-1] // BLOCK) * BLOCK
+    want = {"mx_elements": (*shape[:-1], width), "mx_scales": (*shape[:-1], width // BLOCK)}
+    parts = {}
+    for part, part_shape in want.items():
+        t = raw.get(f"{name}.{part}")
+        if t is None or t.dtype != torch.uint8 or tuple(t.shape) != part_shape:
+            got = "missing" if t is None else f"{t.dtype} {tuple(t.shape)}"
+            raise PayloadError(f"payload tensor {name}.{part} is {got}; for shape {tuple(shape)} it must be uint8 "
+                               f"{part_shape}")
+        parts[part] = t
+    return MXTensor(parts["mx_elements"].view(torch.float8_e4m3fn), parts["mx_scales"].view(torch.float8_e8m0fnu),
+                    tuple(shape))
 
 
 def push_to_engine(engine: Engine, payload: bytes, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -114,21 +155,43 @@ def push_to_engine(engine: Engine, payload: bytes, dtype: torch.dtype = torch.bf
     return version
 
 
-def push_http(base_url: str, payload: bytes, timeout: float = 600) -> dict:
-    """POST a payload to `shipyard serve` (`BASE_URL/v1/weights`); the server's reply."""
+def push_http(base_url: str, payload: bytes, timeout: float = 600, token: str | None = None) -> dict:
+    """POST a payload to `shipyard serve` (`BASE_URL/v1/weights`); the server's reply. The bearer token is `token`,
+    else $SHIPYARD_SERVE_TOKEN, else the file $SHIPYARD_SERVE_TOKEN_FILE, else — for a server on this machine — the
+    file `shipyard serve --port PORT` wrote ($SHIPYARD_HOME/serve/PORT.token)."""
+    from shipyard.httpguard import read_token
+    from shipyard.models.server import TOKEN_ENV, token_path
+
     url = base_url.rstrip("/").removesuffix("/v1") + "/v1/weights"
+    parsed = httpx.URL(url)
+    # The token file of a server on this machine, never sent to another host.
+    local = parsed.host in ("127.0.0.1", "localhost", "::1") and parsed.port is not None
+    if token is None:
+        token = read_token(TOKEN_ENV, token_path(parsed.port) if local else None)
+    headers = {"content-type": "application/octet-stream"}
+    if token:
+        headers["authorization"] = f"Bearer {token}"
     try:
-        r = httpx.post(url, content=payload, timeout=timeout,
-                       headers={"content-type": "application/octet-stream"})
+        r = httpx.post(url, content=payload, timeout=timeout, headers=headers)
     except httpx.HTTPError as e:
         raise ConnectionError(f"could not push weights to {url}: {e}; is `shipyard serve` running there?") from e
+    if r.status_code == 401:
+        raise RuntimeError(f"{url} refused the weights (401): the token is {'wrong' if token else 'missing'}; pass the "
+                           f"one `shipyard serve` wrote to its token file, in ${TOKEN_ENV} or ${TOKEN_ENV}_FILE")
     if r.status_code != 200:
-        raise RuntimeError(f"{url} refused the weights ({r.status_code}): {r.text[:500]}")
+        raise RuntimeError(f"{url} refused the weights ({r.status_code}): {_error_message(r)}")
     return r.json()
 
 
+def _error_message(r: httpx.Response) -> str:
+    try:
+        return str(r.json()["error"]["message"])[:1000]
+    except (ValueError, KeyError, TypeError):
+        return r.text[:500]
+
+
 def sync(tensors: dict[str, torch.Tensor], version: int, *, fmt: Format = "bf16", mx_names: set[str] | None = None,
-         engine: Engine | None = None, url: str | None = None) -> SyncStats:
+         engine: Engine | None = None, url: str | None = None, token: str | None = None) -> SyncStats:
     """Encode once and push to an in-process engine or a server; bytes and seconds recorded."""
     if (engine is None) == (url is None):
         raise ValueError("push to exactly one target: an engine in this process or a server url")
@@ -138,5 +201,5 @@ def sync(tensors: dict[str, torch.Tensor], version: int, *, fmt: Format = "bf16"
     if engine is not None:
         push_to_engine(engine, payload)
     else:
-        push_http(url, payload)
+        push_http(url, payload, token=token)
     return SyncStats(version, fmt, len(payload), len(tensors), t1 - t0, time.perf_counter() - t1)

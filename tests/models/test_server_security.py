@@ -1,0 +1,493 @@
+"""`shipyard serve` against hostile and careless clients (docs/security.md): a real uvicorn server on 127.0.0.1, the
+tiny random model, and for shutdown the real `shipyard serve` process.
+
+What must hold: no request can hold the server (max_tokens capped, a gone client's generation stops), one bad request
+never fails the requests batched with it, SIGTERM stops the server within 2 s even mid-generation, a weight push is
+all-or-nothing and authenticated, and every body is size-limited and validated with a clear 4xx."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from shipyard.models.engine import GenerationRequest, SamplingParams
+from shipyard.models.local import LocalEngine
+from shipyard.models.openai import OpenAIEngine
+from shipyard.models.resolve import TINY, load_hf, tiny_model
+from shipyard.models.server import ServeConfig, create_app
+from shipyard.train.sync import encode, push_http
+
+TOKEN = "test-weights-token"
+CAP = 2048  # the test server's max_tokens limit: seconds of generation for the tiny model on CPU
+POISON = 7  # a prompt holding this id makes RecordingEngine.generate raise, as a faulty engine would
+
+
+class RecordingEngine(LocalEngine):
+    """A LocalEngine that records every generate call (prompts, completions, when it ended) and fails any batch that
+    holds a poisoned prompt."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: list[dict] = []
+
+    def generate(self, requests):
+        call = {"prompts": [r.prompt_ids for r in requests], "start": time.monotonic()}
+        self.calls.append(call)
+        if any(POISON in r.prompt_ids for r in requests):
+            call["end"] = time.monotonic()
+            raise ValueError("poisoned prompt")
+        call["results"] = super().generate(requests)
+        call["end"] = time.monotonic()
+        return call["results"]
+
+    def calls_with(self, prompt: list[int]) -> list[dict]:
+        return [c for c in self.calls if prompt in c["prompts"]]
+
+
+def ids(text: str) -> list[int]:
+    return list(text.encode())  # the tiny model's byte tokenizer: byte b is token b
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.fixture(scope="module")
+def served(serve_app):
+    model, tok = load_hf(TINY, dtype=torch.float32)
+    engine = RecordingEngine(model, tok, max_batch=8)
+    config = ServeConfig(token=TOKEN, max_tokens=CAP, max_model_len=4096, max_batch=8)
+    return engine, serve_app(create_app(engine, TINY, config))
+
+
+def complete(url: str, timeout: float = 30, **body) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"temperature": 0, **body}, timeout=timeout)
+
+
+# --- no request can hold the server -------------------------------------------------------------------------------
+
+def test_max_tokens_over_the_cap_or_context_is_refused(served):
+    _, url = served
+    for max_tokens in (10**9, CAP + 1):
+        start = time.monotonic()
+        r = complete(url, prompt="hi", max_tokens=max_tokens, timeout=10)
+        assert r.status_code == 400 and time.monotonic() - start < 5
+        assert f"max_tokens={max_tokens}" in r.json()["error"]["message"] and str(CAP) in r.json()["error"]["message"]
+    r = complete(url, prompt=[65] * 3500, max_tokens=CAP)  # 3500 + 2048 tokens > the 4096-token context
+    assert r.status_code == 400 and "4096" in r.json()["error"]["message"]
+    assert complete(url, prompt="hi", max_tokens=3).status_code == 200
+
+
+def test_short_request_is_answered_while_a_huge_one_is_asked(served):
+    _, url = served
+    with ThreadPoolExecutor(1) as pool:
+        huge = pool.submit(complete, url, prompt="long", max_tokens=10**9, timeout=60)
+        time.sleep(0.3)
+        start = time.monotonic()
+        short = complete(url, prompt="short", max_tokens=4, timeout=5)
+        assert short.status_code == 200 and time.monotonic() - start < 5
+        assert huge.result().status_code == 400
+
+
+def test_short_request_waits_at_most_one_running_generation(served):
+    """The engine batches statically (a running batch admits no one), so the max_tokens limit bounds every other
+    client's wait: measure the short request's latency behind a 512-token one."""
+    engine, url = served
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(complete, url, prompt="long wait", max_tokens=512, timeout=60)
+        assert wait_for(lambda: engine.calls_with(ids("long wait")), 10)
+        start = time.monotonic()
+        short = complete(url, prompt="short", max_tokens=4, timeout=30)
+        waited = time.monotonic() - start
+        assert short.status_code == 200 and long.result().status_code == 200
+    call = engine.calls_with(ids("long wait"))[0]
+    print(f"\nshort request behind a 512-token generation ({call['end'] - call['start']:.2f} s): {waited:.2f} s")
+    assert waited < (call["end"] - call["start"]) + 2
+
+
+def test_disconnected_client_cancels_its_generation(served):
+    engine, url = served
+    with pytest.raises(httpx.ReadTimeout):
+        complete(url, prompt="gone while running", max_tokens=CAP, timeout=0.5)
+    left = time.monotonic()
+    assert wait_for(lambda: any("end" in c for c in engine.calls_with(ids("gone while running"))), 3), \
+        "the generation kept running after its client left"
+    call = engine.calls_with(ids("gone while running"))[0]
+    assert call["end"] - left < 1.0
+    assert call["results"][0].finish_reason == "abort" and len(call["results"][0].token_ids) < CAP
+
+
+def test_disconnected_client_leaves_the_queue(served):
+    engine, url = served
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(complete, url, prompt="keeps the worker busy", max_tokens=1024, timeout=60)
+        assert wait_for(lambda: engine.calls_with(ids("keeps the worker busy")), 10)
+        with pytest.raises(httpx.ReadTimeout):
+            complete(url, prompt="gone while queued", max_tokens=CAP, timeout=0.3)
+        assert running.result().status_code == 200
+    time.sleep(0.3)
+    assert not engine.calls_with(ids("gone while queued")), "a request whose client left was still generated"
+
+
+# --- one bad request never fails its batch-mates ------------------------------------------------------------------
+
+def _batched_pair(engine, url, bad: dict, good_prompt: str) -> tuple[httpx.Response, httpx.Response]:
+    """Send `bad` and a good request while the worker is busy, so that both wait in the queue and are taken as one
+    batch (asserted by the caller where the bad one reaches the engine)."""
+    with ThreadPoolExecutor(3) as pool:
+        occupy = f"occupy the worker before {good_prompt}"
+        pool.submit(complete, url, prompt=occupy, max_tokens=400)
+        assert wait_for(lambda: engine.calls_with(ids(occupy)), 10)
+        bad_r = pool.submit(complete, url, max_tokens=8, **bad)
+        good_r = pool.submit(complete, url, prompt=good_prompt, max_tokens=8, seed=1, temperature=0.9)
+        return bad_r.result(), good_r.result()
+
+
+@pytest.mark.parametrize("bad", [{"seed": 2**64}, {"seed": -1}, {"temperature": 1e-45}],
+                         ids=["seed-over-range", "negative-seed", "denormal-temperature"])
+def test_bad_sampling_request_does_not_fail_its_batch_mate(served, bad):
+    engine, url = served
+    good_prompt = f"good mate {bad}"
+    bad_r, good_r = _batched_pair(engine, url, {"prompt": "bad mate", "temperature": 1.0, **bad}, good_prompt)
+    assert good_r.status_code == 200, good_r.text
+    assert bad_r.status_code in (400, 422) and "error" in bad_r.json()
+
+
+def test_engine_failure_fails_only_the_request_that_caused_it(served):
+    engine, url = served
+    bad_r, good_r = _batched_pair(engine, url, {"prompt": [POISON, 65, 66]}, "good mate of a poisoned prompt")
+    together = engine.calls_with([POISON, 65, 66])[0]
+    assert ids("good mate of a poisoned prompt") in together["prompts"], "the two requests were not batched together"
+    assert good_r.status_code == 200, good_r.text
+    assert bad_r.status_code == 400 and "poisoned prompt" in bad_r.json()["error"]["message"]
+
+
+# --- every body validated with a clear 4xx -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("temperature", math.nan, "temperature"), ("temperature", math.inf, "temperature"),
+    ("temperature", -1, "temperature"), ("top_p", math.nan, "top_p"), ("top_p", 0, "top_p"),
+    ("seed", 2**64, "seed"), ("seed", -5, "seed"), ("n", 0, "n"), ("n", 10**6, "n"), ("logprobs", 5, "logprobs"),
+    ("stop_token_ids", [10**12], "stop_token_ids"), ("stop_token_ids", [-1], "stop_token_ids"),
+    ("stop", ["x" * 100_000], "stop"), ("prompt", [[]], "prompt"), ("max_tokens", 0, "max_tokens"),
+])
+def test_invalid_fields_get_a_clear_4xx(served, field, value, needle):
+    _, url = served
+    body = {"prompt": "hi", "max_tokens": 2, field: value}
+    r = httpx.post(f"{url}/v1/completions", content=json.dumps(body), timeout=30,  # json.dumps writes NaN, Infinity
+                   headers={"content-type": "application/json"})
+    assert r.status_code in (400, 422), r.text
+    error = r.json()["error"]
+    assert needle in error["message"] and error["code"] == r.status_code and error["type"]
+
+
+def test_too_many_sequences_in_one_request_is_refused(served):
+    _, url = served
+    r = complete(url, prompt=[[65]] * 100, n=64, max_tokens=1)
+    assert r.status_code == 400 and "sequences" in r.json()["error"]["message"]
+
+
+def test_oversized_completion_body_gets_413(served):
+    _, url = served
+    body = b'{"prompt": "hi", "max_tokens": 1' + b" " * (9 << 20) + b"}"
+    r = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit counts the streamed bytes
+        yield b'{"prompt": "hi", "max_tokens": 1'
+        for _ in range(9):
+            yield b" " * (1 << 20)
+        yield b"}"
+
+    r = httpx.post(f"{url}/v1/completions", content=chunks(), headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413
+
+
+# --- weights: authenticated, validated, all-or-nothing --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def weights_server(serve_app):
+    model, tok = tiny_model(seed=1)
+    engine = LocalEngine(model.float(), tok)
+    return engine, serve_app(create_app(engine, "tiny", ServeConfig(token=TOKEN, max_weights_body=1 << 20)))
+
+
+def snapshot(engine: LocalEngine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+
+
+def assert_unchanged(engine: LocalEngine, before: dict[str, torch.Tensor], version: int) -> None:
+    assert engine.policy_version == version
+    after = engine.model.state_dict()
+    changed = [k for k, v in before.items() if not ((v == after[k]) | (v.isnan() & after[k].isnan())).all()]
+    assert not changed, f"tensors changed by a refused push: {changed[:5]}"
+
+
+def test_weights_need_the_token(weights_server):
+    engine, url = weights_server
+    payload = encode(tiny_model(seed=2)[0].state_dict(), 11)
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": TOKEN}):
+        for path in ("/v1/weights", "/v1/weights/", "//v1/weights", "/v1/%77eights"):
+            r = httpx.post(f"{url}{path}", content=payload, headers=headers, timeout=30)
+            assert r.status_code == 401, (path, headers, r.status_code)
+    assert engine.policy_version != 11
+    with pytest.raises(RuntimeError, match="401"):
+        push_http(url, payload, token="wrong")
+    assert push_http(url, payload, token=TOKEN)["version"] == 11 and engine.policy_version == 11
+    assert httpx.get(f"{url}/health").status_code == 200  # health needs no token
+    for path in ("/docs", "/openapi.json", "/anything"):  # every other path: the weights token (deny by default)
+        assert httpx.get(f"{url}{path}").status_code == 401
+    r = httpx.get(f"{url}/nothing-here", headers={"authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+
+
+def test_bad_shape_push_changes_no_tensor_and_not_the_version(weights_server):
+    engine, url = weights_server
+    before, version = snapshot(engine), engine.policy_version
+    state = {k: v + 1 for k, v in tiny_model(seed=3)[0].state_dict().items()}
+    state["model.norm.weight"] = torch.ones(3)  # sorts after most names: the others would be copied first
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    with pytest.raises(RuntimeError, match="400.*model.norm.weight.*shape"):
+        push_http(url, encode(state, version + 1), token=TOKEN)
+    assert_unchanged(engine, before, version)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_push_is_rejected_naming_the_tensor(weights_server, value):
+    engine, url = weights_server
+    before, version = snapshot(engine), engine.policy_version
+    state = dict(tiny_model(seed=4)[0].state_dict())
+    state["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"].clone()
+    state["model.layers.1.mlp.down_proj.weight"][3, 5] = value
+    with pytest.raises(RuntimeError, match="400.*model.layers.1.mlp.down_proj.weight.*finite"):
+        push_http(url, encode(state, version + 1), token=TOKEN)
+    assert_unchanged(engine, before, version)
+
+
+def test_non_finite_mxfp8_push_is_rejected(weights_server):
+    from shipyard.train.sync import mx_weight_names
+
+    engine, url = weights_server
+    before, version = snapshot(engine), engine.policy_version
+    model = tiny_model(seed=5)[0]
+    from safetensors.torch import load, save
+
+    from shipyard.train.sync import metadata
+    payload = encode(model.state_dict(), version + 1, "mxfp8", mx_weight_names(model))
+    raw = dict(load(payload))
+    raw["model.layers.0.mlp.up_proj.weight.mx_scales"] = torch.full_like(
+        raw["model.layers.0.mlp.up_proj.weight.mx_scales"], 0xFF)  # E8M0 NaN
+    with pytest.raises(RuntimeError, match="400.*model.layers.0.mlp.up_proj.weight.*finite"):
+        push_http(url, save(raw, metadata=metadata(payload)), token=TOKEN)
+    assert_unchanged(engine, before, version)
+
+
+@pytest.mark.parametrize("change", ["unknown-name", "int-dtype", "mx-shape-lie", "alias-to-nothing", "version"])
+def test_malformed_payloads_get_400_and_change_nothing(weights_server, change):
+    from safetensors.torch import load, save
+
+    from shipyard.train.sync import metadata, mx_weight_names
+
+    engine, url = weights_server
+    before, version = snapshot(engine), engine.policy_version
+    model = tiny_model(seed=6)[0]
+    payload = encode(model.state_dict(), version + 1, "mxfp8", mx_weight_names(model))
+    raw, meta = dict(load(payload)), metadata(payload)
+    if change == "unknown-name":
+        raw["model.layers.9.nope.weight"] = torch.zeros(2, 2, dtype=torch.bfloat16)
+    elif change == "int-dtype":
+        raw["model.norm.weight"] = torch.ones(64, dtype=torch.int32)
+    elif change == "mx-shape-lie":
+        meta["mx_shapes"] = json.dumps({**json.loads(meta["mx_shapes"]), "model.layers.0.mlp.up_proj.weight": [7, 9]})
+    elif change == "alias-to-nothing":
+        meta["aliases"] = json.dumps({"lm_head.weight": "missing.weight"})
+    else:
+        meta["version"] = "-3"
+    r = httpx.post(f"{url}/v1/weights", content=save(raw, metadata=meta), timeout=30,
+                   headers={"authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 400, r.text
+    assert_unchanged(engine, before, version)
+
+
+def test_oversized_weights_body_gets_413_only_after_authentication(weights_server):
+    _, url = weights_server
+    body = b"\0" * (2 << 20)  # over the test server's 1 MiB weights limit
+    assert httpx.post(f"{url}/v1/weights", content=body, timeout=30).status_code == 401
+    r = httpx.post(f"{url}/v1/weights", content=body, headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert r.status_code == 413
+
+
+class SlowToReturnEngine(LocalEngine):
+    """A LocalEngine that lingers after each batch (outside the engine lock), as a busy server thread might: a weight
+    push can land between the sampling and the response."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.generated = threading.Event()
+
+    def generate(self, requests):
+        out = super().generate(requests)
+        self.generated.set()
+        time.sleep(0.5)
+        return out
+
+
+@pytest.fixture(scope="module")
+def small_server(serve_app):
+    model, tok = tiny_model(seed=7)
+    engine = SlowToReturnEngine(model.float(), tok, max_batch=1)
+    return engine, serve_app(create_app(engine, TINY, ServeConfig(token=TOKEN, max_batch=1, max_queue=1)))
+
+
+def test_completion_is_labelled_with_the_version_that_sampled_it(small_server):
+    engine, url = small_server
+    engine.generated.clear()
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(complete, url, prompt="which version", max_tokens=8)
+        assert engine.generated.wait(10)
+        push_http(url, encode(tiny_model(seed=8)[0].state_dict(), 5), token=TOKEN)
+        body = reply.result().json()
+    assert engine.policy_version == 5
+    assert body["policy_version"] == 0 and body["choices"][0]["policy_version"] == 0
+
+
+def test_full_queue_answers_503(small_server):
+    engine, url = small_server
+    engine.generated.clear()
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(complete, url, prompt="running", max_tokens=64)
+        time.sleep(0.2)  # taken by the worker: the queue is empty again
+        queued = pool.submit(complete, url, prompt="queued", max_tokens=8)
+        time.sleep(0.2)
+        r = complete(url, prompt="one too many", max_tokens=8)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and "overloaded" in r.json()["error"]["message"]
+        assert running.result().status_code == 200 and queued.result().status_code == 200
+
+
+# --- optional API key for completions -------------------------------------------------------------------------------
+
+def test_api_key_protects_completions_when_set(serve_app, monkeypatch):
+    model, tok = load_hf(TINY, dtype=torch.float32)
+    url = serve_app(create_app(LocalEngine(model, tok), TINY, ServeConfig(token=TOKEN, api_key="k3y")))
+    assert complete(url, prompt="hi", max_tokens=1).status_code == 401
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                   headers={"authorization": "Bearer k3y"})
+    assert r.status_code == 200
+    assert httpx.get(f"{url}/health").status_code == 200
+    r = httpx.post(f"{url}/v1/weights", content=b"x", headers={"authorization": "Bearer k3y"})
+    assert r.status_code == 401  # the API key is not the weights token
+    monkeypatch.delenv("SHIPYARD_API_KEY", raising=False)
+    with pytest.raises(Exception, match="SHIPYARD_API_KEY"):
+        OpenAIEngine.connect(f"{url}/v1")
+    monkeypatch.setenv("SHIPYARD_API_KEY", "k3y")
+    client = OpenAIEngine.connect(f"{url}/v1")
+    out = client.generate([GenerationRequest(ids("hi"), SamplingParams(max_tokens=3, temperature=0))])[0]
+    assert len(out.token_ids) == 3
+    client.close()
+
+
+# --- the real `shipyard serve` process ------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cli_server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("serve-home")
+    port = _free_port()
+    log = (home / "serve.log").open("wb")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "SHIPYARD_HOME": str(home), "COLUMNS": "200"}
+    env.pop("SHIPYARD_SERVE_TOKEN", None)
+    env.pop("SHIPYARD_SERVE_TOKEN_FILE", None)
+    proc = subprocess.Popen([sys.executable, "-m", "shipyard.cli", "serve", "--model", TINY, "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_for(lambda: _healthy(url) or proc.poll() is not None, 120) and proc.poll() is None, \
+            (home / "serve.log").read_text()
+        yield proc, url, home
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_cli_serve_writes_a_private_token_file_and_prints_where(cli_server):
+    _, url, home = cli_server
+    port = url.rsplit(":", 1)[1]
+    token_file = home / "serve" / f"{port}.token"
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    assert str(token_file) in " ".join((home / "serve.log").read_text().split())
+    token = token_file.read_text().strip()
+    assert len(token) >= 40 and token not in (home / "serve.log").read_text()
+    assert httpx.post(f"{url}/v1/weights", content=b"garbage").status_code == 401
+    r = httpx.post(f"{url}/v1/weights", content=b"garbage", headers={"authorization": f"Bearer {token}"})
+    assert r.status_code == 400 and "not a shipyard weight payload" in r.json()["error"]["message"]
+
+
+def test_cli_serve_exits_within_2s_of_sigterm_mid_generation(cli_server):
+    proc, url, _ = cli_server
+    reply: dict = {}
+
+    def long_request():
+        try:
+            reply["status"] = complete(url, prompt="a long one", max_tokens=4000, timeout=60).status_code
+        except httpx.TransportError as e:
+            reply["status"] = type(e).__name__
+
+    client = threading.Thread(target=long_request)
+    client.start()
+    time.sleep(1.5)  # the generation is under way (4000 tokens take about a minute)
+    assert "status" not in reply
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        pytest.fail("shipyard serve was still running 2 s after SIGTERM")
+    print(f"\nexited {time.monotonic() - sent:.2f} s after SIGTERM; the in-flight client got {reply.get('status')}")
+    client.join(timeout=5)
+    assert reply["status"] in (503, "RemoteProtocolError", "ReadError")
+
+
+def test_token_file_helpers_are_used_by_push_http(weights_server, tmp_path, monkeypatch):
+    from shipyard.httpguard import write_token
+
+    engine, url = weights_server
+    payload = encode(tiny_model(seed=2)[0].state_dict(), 21)
+    monkeypatch.delenv("SHIPYARD_SERVE_TOKEN", raising=False)
+    monkeypatch.setenv("SHIPYARD_SERVE_TOKEN_FILE", str(write_token(tmp_path / "t" / "token", TOKEN)))
+    assert push_http(url, payload)["version"] == 21
+    monkeypatch.setenv("SHIPYARD_SERVE_TOKEN", "wrong")
+    with pytest.raises(RuntimeError, match="401.*SHIPYARD_SERVE_TOKEN"):
+        push_http(url, payload)
+    assert engine.policy_version == 21

@@ -1,0 +1,246 @@
+"""The exec session's channel to the host, attacked from inside the sandbox, and the host's memory per reply.
+
+Sandboxed code runs as the same uid, in the same pid namespace, as the exec session (and as bwrap's init, pid 1),
+so it can name their file descriptors (`/proc/PID/fd/N`, `pidfd_getfd`). Through the session's reply pipe it
+could forge the reply to a pending call (a grader's `run`: the reward), kill the host's reader with one line of
+garbage, or grow host memory with one endless line. These tests run the attack for real and check that nothing
+is reachable and the host side stays answered, with its memory bounded.
+"""
+
+import errno
+import json
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+from test_security import _problem, nothing_left
+
+from shipyard.harness.workspace import MAX_FILE_BYTES, PathError
+from shipyard.sandbox.host import host
+from shipyard.sandbox.sandbox import Sandbox, _Channel
+from shipyard.sandbox.session import MAX_LINE_BYTES, channel_keys, encode_reply
+from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
+
+pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+
+# Inside the sandbox: every pipe or socket another process holds, reached through /proc/PID/fd (open) and through
+# pidfd_getfd, and the session's memory (/proc/PID/mem, ptrace); into each pipe that opens for writing, a forged
+# reply for every plausible pending id, a 100 MB line and a line of garbage. Prints what it reached and what
+# refused it.
+ATTACK = r'''
+import base64, ctypes, json, os, signal
+
+libc = ctypes.CDLL(None, use_errno=True)
+me = os.getpid()
+own = set()
+for n in os.listdir("/proc/self/fd"):
+    try:
+        own.add(os.readlink(f"/proc/self/fd/{n}"))
+    except OSError:
+        pass
+reached, refused = [], []
+
+def foreign(target):
+    return target.startswith(("pipe:", "socket:")) and target not in own
+
+for pid in sorted(int(p) for p in os.listdir("/proc") if p.isdigit()):
+    if pid == me:
+        continue
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError as e:
+        refused.append(f"listdir /proc/{pid}/fd: {e.strerror}")
+        fds = []
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError as e:
+            refused.append(f"readlink /proc/{pid}/fd/{fd}: {e.strerror}")
+            continue
+        if not foreign(target):
+            continue
+        for mode in (os.O_WRONLY, os.O_RDONLY):
+            try:
+                reached.append((f"open /proc/{pid}/fd/{fd} {target} mode {mode}",
+                                os.open(f"/proc/{pid}/fd/{fd}", mode | os.O_NONBLOCK), mode))
+            except OSError as e:
+                refused.append(f"open /proc/{pid}/fd/{fd} ({target}): {e.strerror}")
+    try:
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        continue
+    if b"shipyard.sandbox.session" in cmdline and b"bwrap" not in cmdline.split(b"\0")[0]:  # not bwrap's init
+        for name in ("mem", "environ"):  # its memory holds the channel's key
+            try:
+                os.close(os.open(f"/proc/{pid}/{name}", os.O_RDONLY))
+                reached.append((f"open /proc/{pid}/{name}", None, os.O_RDONLY))
+            except OSError as e:
+                refused.append(f"open /proc/{pid}/{name}: {e.strerror}")
+        if libc.ptrace(16, pid, 0, 0) == 0:  # PTRACE_ATTACH
+            reached.append((f"ptrace {pid}", None, os.O_RDONLY))
+        else:
+            refused.append(f"ptrace {pid}: {os.strerror(ctypes.get_errno())}")
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        continue
+    for n in range(64):
+        got = libc.syscall(438, pidfd, n, 0)  # pidfd_getfd
+        if got < 0:
+            if ctypes.get_errno() != 9:  # EBADF: no such descriptor
+                refused.append(f"pidfd_getfd {pid}/{n}: {os.strerror(ctypes.get_errno())}")
+            continue
+        target = os.readlink(f"/proc/self/fd/{got}")
+        if foreign(target):
+            reached.append((f"pidfd_getfd {pid}/{n} {target}", got, os.O_RDWR))
+        else:
+            os.close(got)
+
+forged = {"output": base64.b64encode(b"FORGED").decode(), "exit_code": 0, "timed_out": False, "seconds": 0.0,
+          "dropped_bytes": 0}
+
+def alarm(*_):
+    raise TimeoutError
+
+signal.signal(signal.SIGALRM, alarm)
+for desc, fd, mode in reached:
+    if mode == os.O_RDONLY:
+        continue
+    os.set_blocking(fd, True)
+    try:
+        signal.alarm(10)
+        for i in range(1, 64):
+            os.write(fd, json.dumps({"id": i, "result": forged}).encode() + b"\n")
+        chunk = b"x" * (1 << 20)
+        for _ in range(100):
+            os.write(fd, chunk)
+        os.write(fd, b"\nnot json at all\n")
+        signal.alarm(0)
+    except (OSError, TimeoutError) as e:
+        signal.alarm(0)
+        refused.append(f"write {desc}: {type(e).__name__}")
+print(json.dumps({"reached": [d for d, _, _ in reached], "refused": refused}))
+'''
+
+
+@pytest.fixture
+def snapshot(tmp_path):
+    src = tmp_path / "repo"
+    src.mkdir()
+    (src / "app.py").write_text("print('hello')\n")
+    snap = make_snapshot(src, host())
+    yield snap
+    remove_snapshot(snap)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def test_sandboxed_code_cannot_reach_or_forge_the_session_channel(snapshot):
+    with Sandbox(snapshot) as sb:
+        sb.write_bytes("attack.py", ATTACK.encode())
+        before = peak_rss_mb()
+        r = sb.run(["python3", "attack.py"], timeout=60)
+        assert b"FORGED" not in r.output, "a reply forged inside the sandbox was taken for the session's"
+        report = json.loads(r.output)
+        assert r.exit_code == 0
+        assert report["reached"] == [], f"sandboxed code reached the channel: {report['reached']}"
+        session_pid = next(line.split()[1].rstrip(":") for line in report["refused"] if line.startswith("ptrace "))
+        assert any(line.startswith(f"pidfd_getfd {session_pid}/") for line in report["refused"])
+        start = time.monotonic()
+        assert sb.run(["echo", "still answered"], timeout=10).output == b"still answered\n"
+        assert time.monotonic() - start < 5
+        assert sb.restarts == 0
+        assert peak_rss_mb() - before < 64
+    assert nothing_left()
+
+
+def test_reading_a_huge_file_is_refused_with_bounded_host_memory(snapshot):
+    with Sandbox(snapshot) as sb:
+        assert sb.run(["truncate", "-s", "200M", "big.bin"], timeout=10).exit_code == 0
+        before = peak_rss_mb()
+        start = time.monotonic()
+        with pytest.raises((OSError, PathError), match=f"{200 << 20} bytes, more than the {MAX_FILE_BYTES}"):
+            sb.read_bytes("big.bin")  # refused by the workspace, else by the session (its reply cap)
+        assert time.monotonic() - start < 10
+        assert peak_rss_mb() - before < 64, "reading a 200 MB file cost the host its size several times over"
+        assert sb.read_bytes("app.py") == b"print('hello')\n"  # the session is fine
+    assert nothing_left()
+
+
+def test_the_session_never_sends_a_reply_over_the_line_limit():
+    """Whatever a method returns (a listing of a million long names, say), the reply on the wire fits a line."""
+    reply = json.loads(encode_reply(7, "glob", {"result": ["x" * 200] * (MAX_LINE_BYTES // 200)}))
+    assert reply["id"] == 7 and reply["error"]["errno"] == errno.EFBIG
+    assert f"more than the {MAX_LINE_BYTES} that may cross from the sandbox to the host" in reply["error"]["message"]
+    assert json.loads(encode_reply(8, "ping", {"result": "pong"})) == {"id": 8, "result": "pong"}
+
+
+# A writer process on the reply pipe: garbage, a forged reply (bad seal) for the pending id, a line four times the
+# limit, a sealed reply for an id nobody waits for, then the genuine sealed reply.
+WRITER = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[3])
+from shipyard.sandbox.session import seal
+key, pending = bytes.fromhex(sys.argv[1]), int(sys.argv[2])
+out = os.fdopen(1, "wb")
+out.write(b"not json at all\n" + b"\x00\xff" * 1000 + b"\n")
+out.write(b"0" * 64 + b" " + json.dumps({"id": pending, "result": "forged"}).encode() + b"\n")
+out.write(json.dumps({"id": pending, "result": "forged, unsealed"}).encode() + b"\n")
+chunk = b"x" * (1 << 20)
+for _ in range(int(sys.argv[4])):
+    out.write(chunk)
+out.write(b"\n")
+out.write(seal(key, json.dumps({"id": pending + 1000, "result": "nobody asked"}).encode()))
+out.write(seal(key, json.dumps({"id": pending, "result": "genuine"}).encode()))
+out.flush()
+"""
+
+
+def test_host_reader_survives_garbage_forgeries_and_an_endless_line(snapshot):
+    """Whatever reaches the reply pipe, the reader keeps going with bounded memory and takes only sealed replies."""
+    with Sandbox(snapshot) as sb, open(os.devnull, "wb") as nowhere:
+        _, reply_key = channel_keys(os.urandom(32))
+        read_end, write_end = os.pipe()
+        channel = _Channel(nowhere, b"", reply_key)
+        pending: Future = Future()
+        channel.pending[7] = pending
+        ignored = sb.ignored_lines
+        reader = threading.Thread(target=sb._read, args=(read_end, channel), daemon=True)
+        reader.start()
+        before = peak_rss_mb()
+        megabytes = 4 * MAX_LINE_BYTES >> 20
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["shipyard"].__file__)))
+        subprocess.run([sys.executable, "-c", WRITER, reply_key.hex(), "7", package_root, str(megabytes)],
+                       stdout=write_end, check=True, timeout=60)
+        os.close(write_end)
+        assert pending.result(timeout=10) == {"id": 7, "result": "genuine"}
+        reader.join(timeout=10)
+        assert not reader.is_alive()  # it ended at end of file, not on an exception
+        assert sb.ignored_lines - ignored == 6  # two of garbage, two forged, the endless one, the unasked
+        assert peak_rss_mb() - before < 64, "an endless line grew the host's reader"
+        assert sb.run(["echo", "ok"], timeout=10).output == b"ok\n"
+
+
+def test_final_diff_of_a_huge_file_and_a_fifo_is_small_and_names_them(snapshot):
+    episode = ("truncate -s 400M big.bin && mkfifo pipe && echo 'x = 1' >> app.py && echo data > same.txt && "
+               "cp same.txt copy.txt && touch same.txt")
+    with Sandbox(snapshot) as sb:
+        assert sb.run(["bash", "-c", episode], timeout=30).exit_code == 0
+        before = peak_rss_mb()
+        start = time.monotonic()
+        patch = sb.diff()
+        assert time.monotonic() - start < 10
+        assert peak_rss_mb() - before < 64
+    assert len(patch) < 4096, patch[:4096]
+    assert "diff --git a/app.py b/app.py" in patch and "+x = 1" in patch and "diff --git a/copy.txt" in patch
+    note = [line for line in patch.splitlines() if line.startswith("#")]
+    assert any('"big.bin": now a file of 419430400 bytes' in line for line in note), note
+    assert any('"pipe": now a FIFO' in line for line in note), note
+    assert patch.index("# shipyard") < patch.index("diff --git")  # before the first diff, where git apply ignores it
