@@ -32,6 +32,15 @@ from pathlib import Path
 from typing import TypeVar
 
 # Linux's PATH_MAX and NAME_MAX in bytes: longer paths can never be opened.
+# Directories that are never part of a baseline, a diff or a glob: VCS metadata, caches, virtual environments.
+IGNORED_DIRS = frozenset({".git", "__pycache__", ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache",
+                          ".ruff_cache", ".hypothesis", ".tox"})
+
+# The most bytes of one file that crosses from a workspace to the host: `read_bytes` refuses larger files and
+# `diff()` reports them by name and size instead of copying them into the patch (host memory stays bounded
+# whatever a sandbox writes; see docs/security.md).
+MAX_FILE_BYTES = 16 << 20
+
 MAX_PATH_BYTES = 4095
 MAX_NAME_BYTES = 255
 MAX_PATTERN_SEGMENTS = 64

@@ -32,7 +32,7 @@ memory with one endless line; through the request pipe it could steal or inject 
   `MAX_FILE_BYTES` file plus envelope) is dropped as it streams by, never accumulated. The session never sends
   a longer reply: a result over the limit becomes an `OSError` (EFBIG) saying what to ask for instead.
 
-This module must import nothing outside the standard library and `shipyard.harness.{workspace,process}`:
+This module must import nothing outside the standard library and `shipyard.harness.{workspace,confined,diff,process}`:
 inside the sandbox only the interpreter's stdlib and shipyard's own source are guaranteed.
 """
 
