@@ -21,6 +21,7 @@ workspace owns two guarantees the tools rely on:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -132,7 +133,7 @@ class LocalWorkspace:
         self._scratch = Path(tempfile.mkdtemp(prefix="shipyard-ws-"))
         if baseline is None:
             self._baseline = self._scratch / "baseline"
-            shutil.copytree(self.root, self._baseline, symlinks=True, ignore=shutil.ignore_patterns(*IGNORED_DIRS))
+            shutil.copytree(self.root, self._baseline, symlinks=True, ignore=_baseline_ignores)
         else:
             self._baseline = Path(baseline)
         self._jobs: list[Job] = []
@@ -256,6 +257,18 @@ class LocalWorkspace:
                 job.stop()
             self._jobs.clear()
         shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+def _baseline_ignores(directory: str, names: list[str]) -> set[str]:
+    """What the baseline copy skips: ignored directories, and special files (opening a FIFO would block forever;
+    `tree_diff` names them instead)."""
+    skip = set(names) & IGNORED_DIRS
+    for name in names:
+        with contextlib.suppress(OSError):
+            mode = os.lstat(os.path.join(directory, name)).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+                skip.add(name)
+    return skip
 
 
 def _visible(_: bool, name: str, is_dir: bool) -> bool | None:

@@ -117,3 +117,15 @@ def test_local_workspace_diff_survives_a_fifo(repo):
     finally:
         ws.close()
     assert "diff --git a/README.md b/README.md" in patch and '"fifo": now a FIFO' in patch
+
+
+def test_local_workspace_opens_over_a_repo_holding_a_fifo(tmp_path):
+    """The baseline copy skips special files (opening a FIFO blocks forever); the diff still works."""
+    (tmp_path / "a.py").write_text("x = 1\n")
+    os.mkfifo(tmp_path / "pipe")
+    ws = LocalWorkspace(tmp_path)
+    try:
+        (tmp_path / "a.py").write_text("x = 2\n")
+        assert "+x = 2" in ws.diff()
+    finally:
+        ws.close()
