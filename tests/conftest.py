@@ -1,4 +1,4 @@
-"""Shared fixtures: a fresh copy of the example repository, and workspaces over it."""
+"""Shared fixtures: a fresh copy of the example repository, workspaces over it, and real servers on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import os
 # Tests never reach a model hub; huggingface_hub reads this once, at import, so it is set before anything imports it.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import contextlib
 import shutil
 from pathlib import Path
 
 import pytest
+from servers import running_app
 
 from shipyard.harness.workspace import LocalWorkspace
 
@@ -33,31 +35,6 @@ def workspace(repo: Path):
 
 @pytest.fixture(scope="session")
 def serve_app():
-    """Start an ASGI app on a real uvicorn server on 127.0.0.1 (in a thread); returns its base URL. Every server
-    started this way stops at the end of the session."""
-    import socket
-    import threading
-    import time
-
-    import uvicorn
-
-    running = []
-
-    def start(app) -> str:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        for _ in range(200):
-            if server.started:
-                break
-            time.sleep(0.05)
-        running.append((server, thread))
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for server, thread in running:
-        server.should_exit = True
-        thread.join(timeout=10)
+    """Start ASGI apps that live for the whole test session (`running_app`); returns a function app -> base URL."""
+    with contextlib.ExitStack() as stack:
+        yield lambda app: stack.enter_context(running_app(app))

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from servers import free_port
 from typer.testing import CliRunner
 
 from shipyard.cli import app
@@ -74,14 +75,11 @@ def test_demo_with_scripted_model_fixes_the_bug():
 
 
 def test_serve_and_agent_over_http(repo, tmp_path):
-    import socket
     import time
 
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "shipyard.cli", "serve", "--model", "random:tiny", "--port",
                                str(port)], env={**ENV, "SHIPYARD_SERVE_TOKEN": "t" * 32},  # no token file in ~/.cache
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -1,11 +1,11 @@
 """`shipyard serve` and `OpenAIEngine` against each other: a real uvicorn server on 127.0.0.1."""
 
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import torch
+from servers import free_port
 
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.local import LocalEngine
@@ -24,12 +24,6 @@ class CountingEngine(LocalEngine):
     def generate(self, requests):
         self.batches.append(len(requests))
         return super().generate(requests)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

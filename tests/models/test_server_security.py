@@ -11,7 +11,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
+from servers import free_port
 
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.local import LocalEngine
@@ -406,16 +406,10 @@ def test_api_key_protects_completions_when_set(serve_app, monkeypatch):
 
 # --- the real `shipyard serve` process ------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cli_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("serve-home")
-    port = _free_port()
+    port = free_port()
     log = (home / "serve.log").open("wb")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "SHIPYARD_HOME": str(home), "COLUMNS": "200"}
     env.pop("SHIPYARD_SERVE_TOKEN", None)

@@ -1,11 +1,10 @@
 """The environment server and its client, over real HTTP on 127.0.0.1 with real sandboxes."""
 
-import socket
 import threading
 import time
 
 import pytest
-import uvicorn
+from servers import free_port, running_app
 from test_security import _problem, nothing_left
 
 from shipyard.harness.tools import ToolContext
@@ -22,23 +21,10 @@ pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot 
 TOKEN = new_token()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve(config: ServerConfig):
-    port = free_port()
     app = create_app(config)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", app.state.env
-    srv.should_exit = True
-    thread.join(timeout=30)
+    with running_app(app) as url:
+        yield url, app.state.env
     assert nothing_left()  # shutdown closed every sandbox, pooled ones included, and every snapshot
 
 

@@ -11,7 +11,6 @@ import socket
 import stat
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
+from servers import free_port, running_app
 from test_security import _problem
 
 from shipyard.harness.workspace import PathError
@@ -38,27 +37,11 @@ TOKEN = new_token()
 MAX_BODY, MAX_FILES, MAX_BYTES = 1 << 20, 200, 4 << 20
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running(config: ServerConfig):
-    port = free_port()
     app = create_app(config)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", app.state.env
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=60)
+    with running_app(app) as url:
+        yield url, app.state.env
 
 
 @pytest.fixture(scope="module")

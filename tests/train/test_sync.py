@@ -1,12 +1,12 @@
 """Weight sync: bf16 and MXFP8 payloads, to an engine in this process and to a real `shipyard serve` on
 127.0.0.1; the sampler runs on bit-identical weights to the MXFP8 trainer."""
 
-import socket
 
 import httpx
 import pytest
 import torch
 from safetensors.torch import load
+from servers import free_port
 
 from shipyard.models.local import LocalEngine
 from shipyard.models.resolve import tiny_model
@@ -70,12 +70,6 @@ def test_sampler_runs_bit_identical_weights_to_the_mxfp8_trainer():
 TOKEN = "sync-test-token"  # the server's weights token
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(serve_app):
     model, tok = tiny_model()
@@ -99,4 +93,4 @@ def test_push_over_http_updates_the_served_model(server):
     with pytest.raises(RuntimeError, match="400.*does not have"):
         push_http(url, encode({"nope.weight": torch.zeros(2, 2)}, 5), token=TOKEN)
     with pytest.raises(ConnectionError, match="shipyard serve"):
-        push_http(f"http://127.0.0.1:{_free_port()}/v1", encode(state, 6), timeout=5)
+        push_http(f"http://127.0.0.1:{free_port()}/v1", encode(state, 6), timeout=5)

@@ -1,0 +1,41 @@
+"""Real servers for tests: a free loopback port, and an ASGI app on a real uvicorn server for a with-block.
+
+Imported by test modules as `from servers import free_port, running_app` (pytest puts `tests/` on `sys.path`
+for its root conftest)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import uvicorn
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_app(app, startup: float = 30.0) -> Iterator[str]:
+    """Run an ASGI app on a real uvicorn server on 127.0.0.1 (in a thread) for the with-block; yields its base URL.
+    The server stops (its lifespan shutdown runs) when the block ends."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup
+    while not server.started and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.02)
+    if not server.started:
+        raise RuntimeError(f"uvicorn did not start on 127.0.0.1:{port} within {startup} s")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
