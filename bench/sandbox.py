@@ -6,7 +6,9 @@
 2. A new workspace over a 100 MB tree of 20,000 small files: overlay (empty upper dir) vs a full copy of the tree.
 
     shipyard bench sandbox [-- --n 50]
-3. Burst: `--burst` sandboxes (create → `true` → destroy) at concurrency `--concurrency` through a real
+3. `shipyard sandbox exec -- true` as a whole process (what a user waits for), next to the cost of importing torch and
+   transformers, which commands that use no model must not pay.
+4. Burst: `--burst` sandboxes (create → `true` → destroy) at concurrency `--concurrency` through a real
    `shipyard env-server` process on 127.0.0.1; failures seen by clients, then what the server's sandboxes left on
    the host after it stopped (cgroups, sandbox dirs, mounts, bwrap processes: `layout.leftovers(server pid)`).
 """
@@ -80,6 +82,7 @@ def main() -> None:
         copy.append((time.perf_counter() - t) * 1000)
         shutil.rmtree(dest.parent)
     remove_snapshot(snap)
+    cli, heavy = cli_start(max(5, args.n // 5))
     warm = warm_latency(args.n)
     burst = run_burst(args.burst, args.concurrency)
     shutil.rmtree(src)
@@ -91,6 +94,9 @@ def main() -> None:
             len(session)],
            ["env-server warm pool: HTTP create + HTTP `true` (pool not empty)", pct(warm, 50), pct(warm, 99),
             len(warm)]])
+    table("`shipyard sandbox exec --repo SMALL -- true`, a whole process (ms)", ["what", "p50", "p99", "n"],
+          [["the command (imports no torch/transformers)", pct(cli, 50), pct(cli, 99), len(cli)],
+           ["for scale: `python -c 'import torch, transformers'`", pct(heavy, 50), pct(heavy, 99), len(heavy)]])
     table(f"new workspace over a {args.tree_mb} MB tree (ms, median of 5)", ["method", "ms"],
           [["overlay (sandbox start + first write)", statistics.median(overlay)],
            ["full copy (shutil.copytree)", statistics.median(copy)]])
@@ -101,7 +107,25 @@ def main() -> None:
                        "session_p50_ms": round(pct(session, 50), 2), "session_p99_ms": round(pct(session, 99), 2),
                        "warm_pool_p50_ms": round(pct(warm, 50), 2), "warm_pool_p99_ms": round(pct(warm, 99), 2),
                        "overlay_ms": round(statistics.median(overlay), 1), "copy_ms": round(statistics.median(copy), 1),
+                       "cli_exec_p50_ms": round(pct(cli, 50), 1), "import_torch_transformers_ms": round(pct(heavy, 50)),
                        "tree_mb": args.tree_mb, "target_p50_ms": 15, "cgroup": h.cgroup})
+
+
+def cli_start(n: int) -> tuple[list[float], list[float]]:
+    """Wall time of `shipyard sandbox exec -- true` as a user runs it, and of importing torch + transformers."""
+    repo = Path(tempfile.mkdtemp(prefix="shipyard-cli-"))
+    (repo / "main.py").write_text("print('hi')\n")
+
+    def timed(argv: list[str]) -> float:
+        t = time.perf_counter()
+        subprocess.run(argv, check=True, capture_output=True)
+        return (time.perf_counter() - t) * 1000
+
+    cli = [timed([sys.executable, "-m", "shipyard.cli", "sandbox", "exec", "--repo", str(repo), "--", "true"])
+           for _ in range(n)]
+    heavy = [timed([sys.executable, "-c", "import torch, transformers"]) for _ in range(3)]
+    shutil.rmtree(repo)
+    return cli, heavy
 
 
 def start_server(root: Path, *flags: str) -> tuple[subprocess.Popen, EnvClient]:
