@@ -233,6 +233,8 @@ def serve(
             token = new_token()
             try:
                 where = f"{write_token(token_path(port), token)} (mode 0600)"
+            except TokenError as e:
+                raise UserError(str(e)) from None
             except OSError as e:
                 raise UserError(f"cannot write the weights token to {token_path(port)}: {e.strerror}; set "
                                 f"${TOKEN_ENV} or $SHIPYARD_HOME") from None
@@ -347,6 +349,8 @@ def env_server(
         else:
             try:
                 where = f"{write_token(token_file, token)} (mode 0600)"
+            except TokenError as e:
+                raise UserError(str(e)) from None
             except OSError as e:
                 raise UserError(f"cannot write the token to {token_file}: {e.strerror}; pass --token-file or set "
                                 f"${TOKEN_ENV}") from None

@@ -21,12 +21,15 @@ The guard is a plain ASGI middleware (no per-route decorators to forget): every 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import os
 import secrets
+import stat
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 TOKEN_BYTES = 32
 
@@ -39,34 +42,86 @@ def new_token() -> str:
     return secrets.token_urlsafe(TOKEN_BYTES)
 
 
-def write_token(path: Path, token: str) -> Path:
-    """Store `token` at `path`, readable by this user alone. The directory is created 0700 when missing; an existing
-    file or symlink at `path` is replaced atomically (never followed)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+def _private_dir(path: Path) -> int:
+    """Open `path` (created 0700 when missing) as a directory only this user can enter; its descriptor. A directory
+    another user owns or can write, or a symlink in its place, is refused: they could swap or read the token."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
-        os.write(fd, (token + "\n").encode())
-    finally:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise TokenError(f"cannot use {path} for a token file ({e.strerror}; a symbolic link is refused): choose "
+                         "another directory ($SHIPYARD_HOME)") from None
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
         os.close(fd)
-    os.replace(tmp, path)
+        raise TokenError(f"{path} belongs to uid {st.st_uid}, not to you: a token file there could be read or "
+                         "replaced by its owner; choose another directory ($SHIPYARD_HOME)")
+    if st.st_mode & 0o077:
+        os.fchmod(fd, 0o700)  # ours: close it to others
+    return fd
+
+
+def write_token(path: Path, token: str) -> Path:
+    """Store `token` at `path`, readable by this user alone: in a directory of this user's closed to others (see
+    `_private_dir`), written to a fresh file (`O_EXCL | O_NOFOLLOW`, mode 0600) renamed over `path` — whatever was
+    at `path` is replaced, never followed."""
+    path = Path(path)
+    dir_fd = _private_dir(path.parent)
+    try:
+        tmp = f".{path.name}.{secrets.token_hex(8)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        try:
+            os.write(fd, (token + "\n").encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
     return path
 
 
 def read_token(env_var: str, default_file: Path | None) -> str | None:
     """The token a client should send: `$ENV_VAR` if set, else the first line of `$ENV_VAR_FILE` or `default_file`
-    when it exists, else None."""
+    when it exists, else None. The file must be a regular file (a symlink is not followed), owned by this user or
+    root and closed to others — otherwise another local user could make a client send any file's first line."""
     if os.environ.get(env_var):
         return os.environ[env_var].strip()
     file = os.environ.get(f"{env_var}_FILE") or default_file
-    if file is None or not Path(file).is_file():
+    if file is None:
         return None
     try:
-        text = Path(file).read_text().strip()
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
     except OSError as e:
-        raise TokenError(f"cannot read the token file {file}: {e.strerror}; set ${env_var} instead") from None
+        raise TokenError(f"cannot read the token file {file}: {e.strerror} (a symbolic link is refused); set "
+                         f"${env_var} instead") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o077:
+            raise TokenError(f"refusing the token file {file}: it must be a regular file of yours, mode 0600 (it is "
+                             f"{stat.filemode(st.st_mode)}, uid {st.st_uid}); set ${env_var} instead")
+        text = os.read(fd, 4096).decode(errors="replace").strip()
+    finally:
+        os.close(fd)
     return text.splitlines()[0] if text else None
+
+
+def loopback_port(url: str) -> int | None:
+    """The port of an http(s) URL naming this machine (127.0.0.0/8, localhost, ::1), else None: a default token
+    file holds a local server's token, which must never be sent to another host."""
+    parsed = urlsplit(url)
+    host = (parsed.hostname or "").lower()
+    try:
+        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        local = False
+    if not local:
+        return None
+    try:
+        return parsed.port or (443 if parsed.scheme == "https" else 80)
+    except ValueError:
+        return None
 
 
 def _send_error(status: int, message: str, kind: str, headers: Iterable[tuple[bytes, bytes]] = ()):

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from shipyard.httpguard import read_token
+from shipyard.httpguard import loopback_port, read_token
 from shipyard.models.bundled import shipyard_home
 from shipyard.sandbox.sandbox import SessionWorkspace
 
@@ -35,14 +35,14 @@ def token_file(port: int) -> Path:
     return shipyard_home() / "env-server" / f"{port}.token"
 
 
-def _token_source(given: str | None, default: Path) -> str:
+def _token_source(given: str | None, default: Path | None) -> str:
     if given:
         return "the token passed to EnvClient"
     if os.environ.get(TOKEN_ENV):
         return f"${TOKEN_ENV}"
     if os.environ.get(f"{TOKEN_ENV}_FILE"):
         return f"${TOKEN_ENV}_FILE ({os.environ[f'{TOKEN_ENV}_FILE']})"
-    return str(default)
+    return str(default) if default else "nowhere (a remote server: set $SHIPYARD_ENV_TOKEN)"
 
 
 class EnvServerUnreachable(ConnectionError):
@@ -56,8 +56,8 @@ class EnvServerError(RuntimeError):
 class EnvClient:
     def __init__(self, base_url: str, timeout: float = 60.0, retry_for: float = 120.0, *, token: str | None = None):
         self.base_url = base_url.rstrip("/")
-        url = httpx.URL(self.base_url)
-        self.default_token_file = token_file(url.port or (443 if url.scheme == "https" else 80))
+        port = loopback_port(self.base_url)  # a local server's token file is never sent to another host
+        self.default_token_file = token_file(port) if port is not None else None
         self.given_token = token
         self.token: str | None = None
         self.http = httpx.Client(base_url=self.base_url, timeout=timeout)
@@ -72,11 +72,12 @@ class EnvClient:
             self.http.headers["Authorization"] = f"Bearer {self.token}"
 
     def _unauthorized(self) -> str:
+        default = self.default_token_file or token_file(8100).with_name("PORT.token")
         where = (f"the token from {self.token_source} is not this server's" if self.token else
-                 f"no token was found (looked at ${TOKEN_ENV}, ${TOKEN_ENV}_FILE and {self.default_token_file})")
+                 f"no token was found (looked at ${TOKEN_ENV}, ${TOKEN_ENV}_FILE"
+                 + (f" and {self.default_token_file})" if self.default_token_file else ")"))
         return (f"{where}: set ${TOKEN_ENV} (or ${TOKEN_ENV}_FILE) to the token the server wrote at start — by "
-                f"default to {self.default_token_file} of the user running `shipyard env-server`, or where its "
-                "--token-file said")
+                f"default to {default} of the user running `shipyard env-server`, or where its --token-file said")
 
     def request(self, method: str, path: str, json: dict | None = None, timeout: float | None = None) -> Any:
         deadline = time.monotonic() + self.retry_for

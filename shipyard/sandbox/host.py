@@ -80,6 +80,16 @@ def _bwrap_source() -> Path:
                            "`apt-get install bubblewrap` (0.9 or newer, for --overlay)") from None
 
 
+def private_dir(h: Host, path: Path) -> Path:
+    """`path` (created if missing) as a directory only the sandbox uid can enter — not other local users: snapshots
+    copy trees that were protected by their ancestors, and upper dirs hold what sandboxes write."""
+    path.mkdir(parents=True, exist_ok=True)
+    if h.drop_privileges:
+        os.chown(path, h.uid, h.gid)
+    os.chmod(path, 0o700)
+    return path
+
+
 def _site_packages(prefix: Path) -> Path:
     return prefix / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
 
@@ -199,6 +209,9 @@ def host() -> Host:
         source = str(prefix)
         env_source = str(env) if env is not None else None
         binds = [(source, source)] + ([(env_source, env_source)] if env_source else [])
+    if (owner := state.stat().st_uid) != os.geteuid():  # its contents (runtime, session source) are run as trusted
+        raise RuntimeError(f"the sandbox state directory {state} belongs to uid {owner}, not to this user: what it "
+                           "holds is run in every sandbox; set SHIPYARD_SANDBOX_STATE to a directory of yours")
     cgroup, cg_notes = _cgroup_version()
     notes += cg_notes
     root = os.geteuid() == 0

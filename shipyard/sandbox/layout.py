@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from shipyard.sandbox.host import CGROUP_ROOT, Host, host
+from shipyard.sandbox.host import CGROUP_ROOT, Host, host, private_dir
 
 SANDBOX_UID = SANDBOX_GID = 1000
 MS_NOSUID, MS_NODEV, MNT_DETACH = 2, 4, 2
@@ -106,7 +106,7 @@ class Layout:
 
     def _populate(self, h: Host, disk_mb: int) -> None:
         layout = self
-        os.chmod(layout.root.parent, 0o755)
+        private_dir(h, layout.root.parent)
         (layout.root / "owner").write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
         layout.fs.mkdir()
         if layout.quota:

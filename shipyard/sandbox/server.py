@@ -218,15 +218,15 @@ class EnvServer:
             raise HTTPException(422, "path must not contain a NUL character")
         if not os.path.isabs(raw):
             raise HTTPException(422, f"path {raw!r} must be absolute (a directory on the server's host)")
-        real = Path(os.path.realpath(raw))
-        if not any(real.is_relative_to(root) for root in self.roots):
+        # Judged as written (`..` lexically), never resolved: the copy walks it from the root without following a
+        # link (snapshot._open_root), so what is checked here is exactly what is opened there.
+        path = Path(os.path.normpath(raw))
+        if not any(path.is_relative_to(root) for root in self.roots):
             allowed = ", ".join(map(str, self.roots)) or "none"
-            raise HTTPException(403, f"{raw} (resolved: {real}) is outside the directories this server may snapshot "
-                                f"(allowed roots: {allowed}); the operator allows more with "
+            raise HTTPException(403, f"{raw} is outside the directories this server may snapshot (allowed roots: "
+                                f"{allowed}, as real paths); the operator allows more with "
                                 "`shipyard env-server --allow-root DIR`")
-        if not real.is_dir():
-            raise HTTPException(400, f"{raw} is not a directory on the server's host")
-        return real
+        return path
 
     def reserve(self, name: str | None) -> str:
         snap_id = name or uuid.uuid4().hex[:12]

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from shipyard.sandbox.host import Host
+from shipyard.sandbox.host import Host, private_dir
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 NAME_RULE = "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit, with no '..'"
@@ -211,14 +211,43 @@ def _kind(mode: int) -> str:
 
 
 def _open_root(source: Path, within: Sequence[Path]) -> tuple[int, str]:
-    """The source directory, opened (its last component not followed), and its real path — checked against
-    `within` on the opened descriptor, so a path swapped between a caller's check and the copy gains nothing."""
-    fd = os.open(source, DIR_FLAGS)
-    real = os.readlink(f"/proc/self/fd/{fd}")
-    if within and not any(_inside(real, str(root)) for root in within):
-        os.close(fd)
+    """The source directory, opened, and its real path. Without `within` (the operator's own tree, already resolved
+    by the caller) it is opened as named. With `within` (a client's path) it is opened by walking from the allowed
+    root one component at a time, never following a link: the path is judged by what is opened, not by what a
+    resolution before or after says (a link through `/proc/PID/root` resolves to a path inside the root while
+    opening another mount namespace's view of anything, and a directory swapped for a link meanwhile would pass a
+    check made first)."""
+    if not within:
+        fd = os.open(source, DIR_FLAGS)
+        return fd, os.readlink(f"/proc/self/fd/{fd}")
+    path = os.path.normpath(source)  # `..` taken lexically: the walk below never lets the kernel follow anything
+    for root in map(str, within):
+        if path == root or path.startswith(root.rstrip("/") + "/"):
+            rest = [part for part in path[len(root):].split("/") if part]
+            break
+    else:
         raise PermissionError(f"{source} is outside the allowed roots ({', '.join(map(str, within))})")
-    return fd, real
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i, part in enumerate(rest):
+            try:
+                nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
+            except OSError as e:
+                where = os.path.join(root, *rest[: i + 1])
+                if e.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(os.lstat(part, dir_fd=fd).st_mode):
+                    target = os.readlink(part, dir_fd=fd)
+                    raise PermissionError(f"{source} goes through a symbolic link ({where} -> {target}); snapshot "
+                                          "sources are not followed through links: give the directory's real path"
+                                          ) from None
+                if e.errno in (errno.ENOENT, errno.ENOTDIR):
+                    raise FileNotFoundError(f"{source} is not a directory ({where}: {e.strerror})") from None
+                raise
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, path
 
 
 def _remove_at(dir_fd: int, name: str) -> None:
@@ -259,9 +288,7 @@ def _build(h: Host, name: str | None, fill) -> Path:
     """Run `fill(partial_dir_fd)` on a new hidden directory and rename it to the snapshot `name`; on any failure
     nothing is left."""
     name = check_name(name) if name is not None else uuid.uuid4().hex[:12]
-    snaps = h.state_dir / "snapshots"
-    snaps.mkdir(parents=True, exist_ok=True)
-    os.chmod(snaps, 0o755)
+    snaps = private_dir(h, h.state_dir / "snapshots")
     dest = snaps / name
     if os.path.lexists(dest):
         raise FileExistsError(f"a snapshot named {name!r} already exists in {snaps}; choose another name")
@@ -308,10 +335,11 @@ def make_snapshot(source: str | Path, h: Host, name: str | None = None, *, bound
                   within: Sequence[Path] = ()) -> Path:
     """A new snapshot of the directory `source` named `name` (default: a random id); its path. `bounds` default to
     `TRUSTED` (outward links kept) for the operator's own trees; `within`: real paths `source` must lie under."""
-    source = Path(source).resolve()
-    if not source.is_dir():
-        raise FileNotFoundError(f"{source} is not a directory")
-    return _build(h, name, lambda fd: copy_tree(source, fd, bounds or TRUSTED, _owner(h), within))
+    if not within:  # the operator's own path: resolved here; a client's path is walked from its root instead
+        source = Path(source).resolve()
+        if not source.is_dir():
+            raise FileNotFoundError(f"{source} is not a directory")
+    return _build(h, name, lambda fd: copy_tree(Path(source), fd, bounds or TRUSTED, _owner(h), within))
 
 
 def snapshot_episode(lower: Path, upper: Path, h: Host, name: str | None = None, *,

@@ -214,10 +214,14 @@ def test_proc_self_is_refused_quickly():
     with running(config) as (url, _):
         name = unique("proc")
         start = time.monotonic()
-        resp = httpx.post(url + "/snapshots", json={"path": "/proc/self", "name": name},
+        resp = httpx.post(url + "/snapshots", json={"path": f"/proc/{os.getpid()}", "name": name},
                           headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
         assert resp.status_code == 422, resp.text
         assert time.monotonic() - start < 10
+        assert leftovers(name) == []
+        resp = httpx.post(url + "/snapshots", json={"path": "/proc/self", "name": name},  # a link: not followed
+                          headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+        assert resp.status_code == 403 and "symbolic link" in resp.text, resp.text
         assert leftovers(name) == []
 
 
@@ -466,6 +470,7 @@ def test_the_cli_writes_a_0600_token_file_and_clients_find_it(tmp_path, root, mo
             EnvClient(url, retry_for=0).metrics()
         moved = tmp_path / "copy.token"
         moved.write_text(token + "\n")
+        moved.chmod(0o600)  # a token file readable by others is refused
         monkeypatch.setenv("SHIPYARD_ENV_TOKEN_FILE", str(moved))
         assert EnvClient(url, retry_for=0).metrics()["live"] == 0  # $SHIPYARD_ENV_TOKEN_FILE
         monkeypatch.setenv("SHIPYARD_ENV_TOKEN", token)
@@ -480,3 +485,47 @@ def test_the_cli_writes_a_0600_token_file_and_clients_find_it(tmp_path, root, mo
             proc.wait()
     text = log.read_text()
     assert str(token_file) in text and token not in text
+
+
+@pytest.fixture
+def mount_namespace(tmp_path_factory, root):
+    """A directory outside the allowed root, bind-mounted inside it only in another mount namespace (as any local
+    user can make one with `unshare -Urm`), and a link in the root into that namespace's view of it."""
+    secret = tmp_path_factory.mktemp("outside")
+    (secret / "secret.txt").write_text("TOP-SECRET\n")
+    mnt = root / unique("ns") / "mnt"
+    mnt.mkdir(parents=True)
+    proc = subprocess.Popen(["unshare", "-Urm", "sh", "-c", f"mount --bind {secret} {mnt} && echo ready && sleep 60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.stdout.readline().strip() != "ready":
+        proc.kill()
+        pytest.skip(f"cannot make a mount namespace here: {proc.stderr.read().strip()}")
+    link = root / unique("v")
+    link.symlink_to(f"/proc/{proc.pid}/root{mnt.parent}")
+    yield link / "mnt"
+    proc.kill()
+    proc.wait()
+
+
+def test_a_link_into_another_mount_namespace_cannot_reach_outside(http, root, mount_namespace):
+    """`/proc/PID/root` links resolve (for realpath and /proc/self/fd) to paths inside the root while the directory
+    they open is another namespace's mount of anything. The server checks the path, then copies: a client that swaps a
+    directory for such a link in between must gain nothing — so the copy itself walks from the root without
+    following links (here called directly, as the server does after its check, to make the race deterministic)."""
+    name = unique("ns")
+    with pytest.raises(PermissionError, match="symbolic link"):
+        make_snapshot(mount_namespace, host(), name, bounds=CopyBounds(), within=(root,))
+    assert leftovers(name) == []
+    resp = http.post("/snapshots", json={"path": str(mount_namespace), "name": name})
+    assert resp.status_code == 403 and "symbolic link" in error(resp), resp.text
+    assert leftovers(name) == []
+
+
+def test_a_link_to_a_directory_inside_the_root_is_refused_too(http, root):
+    """Even a link that stays inside: the path is walked without following links (give the real path)."""
+    real = source(root)
+    alias = root / unique("alias")
+    alias.symlink_to(real)
+    resp = http.post("/snapshots", json={"path": str(alias), "name": unique("alias")})
+    assert resp.status_code == 403 and "symbolic link" in error(resp), resp.text
+    assert http.post("/snapshots", json={"path": str(real), "name": unique("real")}).status_code == 200
