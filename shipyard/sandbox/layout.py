@@ -63,7 +63,12 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]  # field 22: start time in clock ticks since boot
 
 
-def _owner_alive(owner_file: Path) -> bool:
+def owner_record() -> str:
+    """This process as an owner file records it: pid and start time (a pid alone could be reused)."""
+    return f"{os.getpid()} {_start_time(os.getpid())}\n"
+
+
+def owner_alive(owner_file: Path) -> bool:
     try:
         pid, started = owner_file.read_text().split()
     except (OSError, ValueError):
@@ -107,7 +112,7 @@ class Layout:
     def _populate(self, h: Host, disk_mb: int) -> None:
         layout = self
         private_dir(h, layout.root.parent)
-        (layout.root / "owner").write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+        (layout.root / "owner").write_text(owner_record())
         layout.fs.mkdir()
         if layout.quota:
             mount_tmpfs(layout.fs, disk_mb, h.uid, h.gid)
@@ -195,7 +200,7 @@ def recover_stale(h: Host) -> list[str]:
                 kill_members([group], wait=2.0)
     base = h.state_dir / "sandboxes"
     for d in sorted(base.iterdir()) if base.is_dir() else []:
-        if d.is_dir() and not _owner_alive(d / "owner"):
+        if d.is_dir() and not owner_alive(d / "owner"):
             with contextlib.suppress(OSError):
                 Layout(d).remove()
                 recovered.append(d.name)

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import glob
 import os
 import re
 import stat
@@ -46,6 +48,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shipyard.sandbox.host import Host, private_dir
+from shipyard.sandbox.layout import owner_alive, owner_record
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 NAME_RULE = "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit, with no '..'"
@@ -275,9 +278,12 @@ def _remove(path: Path) -> None:
 
 
 def remove_snapshot(path: Path) -> None:
-    """Delete a snapshot (best effort: never raises)."""
+    """Delete a snapshot and its owner record (best effort: never raises)."""
+    path = Path(path)
     with contextlib.suppress(OSError):
-        _remove(Path(path))
+        _remove(path)
+    with contextlib.suppress(OSError):
+        (path.parent / f".{path.name}.owner").unlink()
 
 
 def _owner(h: Host) -> tuple[int, int] | None:
@@ -292,9 +298,12 @@ def _build(h: Host, name: str | None, fill) -> Path:
     dest = snaps / name
     if os.path.lexists(dest):
         raise FileExistsError(f"a snapshot named {name!r} already exists in {snaps}; choose another name")
+    _recover_once(snaps)
+    owner = snaps / f".{name}.owner"  # beside it, not in it: a sandbox over the snapshot must not see it
     partial = snaps / f".{name}.{uuid.uuid4().hex[:8]}.partial"
-    os.mkdir(partial, 0o700)
+    owner.write_text(owner_record())
     try:
+        os.mkdir(partial, 0o700)
         fd = os.open(partial, DIR_FLAGS)
         try:
             fill(fd)
@@ -308,8 +317,33 @@ def _build(h: Host, name: str | None, fill) -> Path:
             raise
     except BaseException:
         remove_snapshot(partial)
+        with contextlib.suppress(OSError):
+            owner.unlink()
         raise
     return dest
+
+
+def recover_snapshots(snaps: Path) -> list[str]:
+    """Remove the snapshots (and partial copies) whose creating process is gone — a killed environment server's —
+    their names. Every snapshot in the state dir lives as long as the process that made it (a server, a grade, a
+    `sandbox exec`), which records itself in `.NAME.owner` beside it."""
+    removed = []
+    for owner in sorted(snaps.glob(".*.owner")):
+        if owner_alive(owner):
+            continue
+        name = owner.name[1:].removesuffix(".owner")
+        for path in (snaps / name, *snaps.glob(f".{glob.escape(name)}.*.partial")):
+            if os.path.lexists(path):
+                remove_snapshot(path)
+                removed.append(path.name)
+        with contextlib.suppress(OSError):
+            owner.unlink()
+    return removed
+
+
+@functools.cache
+def _recover_once(snaps: Path) -> None:
+    recover_snapshots(snaps)
 
 
 def copy_tree(source: Path, dest_fd: int, bounds: CopyBounds, owner: tuple[int, int] | None,

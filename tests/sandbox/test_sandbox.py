@@ -11,7 +11,7 @@ from shipyard.sandbox.bwrap import Limits
 from shipyard.sandbox.host import host
 from shipyard.sandbox.layout import recover_stale
 from shipyard.sandbox.sandbox import Sandbox, SessionRestarted
-from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
+from shipyard.sandbox.snapshot import make_snapshot, recover_snapshots, remove_snapshot
 
 pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
 
@@ -123,3 +123,17 @@ def test_a_start_that_fails_leaves_nothing(snapshot):
     with pytest.raises((OSError, RuntimeError, subprocess.SubprocessError)):  # cgroup write, or setrlimit in the child
         Sandbox(snapshot, Limits(memory_mb=1 << 50, open_files=1 << 40))
     assert nothing_left()
+
+
+def test_snapshots_of_a_crashed_process_are_recovered(repo):
+    """Every snapshot in the state dir lives as long as the process that made it: a killed server's are removed by
+    the next snapshot any shipyard process makes (its name is free again)."""
+    name = f"crashed-{os.getpid()}"
+    crash = (f"from shipyard.sandbox.host import host; from shipyard.sandbox.snapshot import make_snapshot; import os; "
+             f"make_snapshot({str(repo)!r}, host(), {name!r}); os._exit(1)")
+    subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True, timeout=60)
+    snaps = host().state_dir / "snapshots"
+    assert (snaps / name).is_dir()  # the crash left it behind
+    assert name in recover_snapshots(snaps)
+    assert not (snaps / name).exists() and not (snaps / f".{name}.owner").exists()
+    remove_snapshot(make_snapshot(repo, host(), name))  # the name is free again
