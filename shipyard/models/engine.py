@@ -59,6 +59,10 @@ class GenerationRequest:
     cancelled: Callable[[], bool] | None = None
 
 
+class VersionConflict(ValueError):
+    """A weight update whose version is not greater than the engine's `policy_version`."""
+
+
 @dataclass
 class Completion:
     """What the sampler produced. `token_ids` include the stop token when one ended the completion."""
@@ -84,9 +88,10 @@ class Engine(Protocol):
         ...
 
     def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Load new policy weights (a full or partial state dict) and tag later completions with `version`.
-        All or nothing: on any error (unknown name, shape, dtype, a non-finite value) no weight and not the version
-        has changed."""
+        """Load new policy weights (a state dict) and tag later completions with `version`, which must be greater
+        than `policy_version` (else `VersionConflict`: samples would be labelled with a version that goes backwards).
+        All or nothing: on any error (stale version, unknown name, shape, dtype, a non-finite value) no weight and
+        not the version has changed."""
         ...
 
     def close(self) -> None: ...

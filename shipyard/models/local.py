@@ -20,9 +20,10 @@ Cancellation: a request's `cancelled` callback is polled before each of its deco
 (finish_reason "abort") and the batch ends as soon as every row has stopped, so a server stops spending compute on
 a client that has gone, and can shut down between two steps.
 
-Weight updates are all-or-nothing: every tensor is checked (known name, shape, a floating dtype for a floating
-weight, every value finite) before the first one is copied, so a refused push leaves the model and its
-`policy_version` exactly as they were — samples are never labelled with a version they were not drawn from.
+Weight updates are all-or-nothing: the version and every tensor are checked (a version above the current one, known
+name, shape, a floating dtype for a floating weight, every value finite, and with `complete=True` every weight of the
+model present) before the first one is copied, so a refused push leaves the model and its `policy_version` exactly as
+they were — samples are never labelled with a version they were not drawn from, and versions never go backwards.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from collections.abc import Mapping
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from shipyard.models.engine import Completion, GenerationRequest, stop_text_index
+from shipyard.models.engine import Completion, GenerationRequest, VersionConflict, stop_text_index
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
@@ -189,21 +190,44 @@ class LocalEngine:
                                   self.policy_version, seconds))
         return out
 
-    def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor], complete: bool = False) -> None:
+        """Load `tensors` (state-dict names) as `version`, which must be above `policy_version`. With `complete`
+        (what `shipyard serve` asks for a pushed payload) they must cover every floating tensor of the model's state
+        dict — tied weights under each of their names, as `shipyard.train.sync.decode` returns them — so a push
+        labelled as a new version cannot leave most of the model at the old one. All or nothing."""
+        self._check_version(version)
         own = self.model.state_dict()
         unknown = sorted(set(tensors) - set(own))
         if unknown:
             raise KeyError(f"update_weights got tensors the model does not have: {unknown[:5]}; nothing was loaded")
+        if complete:
+            weights = [k for k, v in own.items() if v.is_floating_point()]
+            missing = [k for k in weights if k not in tensors]
+            if missing:
+                more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+                raise ValueError(f"update_weights: the push holds {len(weights) - len(missing)} of the model's "
+                                 f"{len(weights)} weight tensors, missing {', '.join(missing[:5])}{more}; a push must "
+                                 "carry the whole state dict (shipyard.train.sync.encode(model.state_dict(), ...): "
+                                 "tied weights once, the others named in its aliases); nothing was loaded, the model "
+                                 f"stays at version {self.policy_version}")
         for key, value in tensors.items():  # everything is checked before anything is copied: all or nothing
             problem = weight_problem(value, own[key])
             if problem:
                 raise ValueError(f"update_weights: {key} {problem}; nothing was loaded, the model stays at "
                                  f"version {self.policy_version}")
         with self._lock, torch.no_grad():
+            self._check_version(version)  # again under the lock: another update may have landed meanwhile
             for key, value in tensors.items():
                 own[key].copy_(value)
             self.policy_version = version
             self._cached_ids, self._cache = [], None
+
+    def _check_version(self, version: int) -> None:
+        if version <= self.policy_version:
+            raise VersionConflict(f"weights version {version} is not newer than the served version "
+                                  f"{self.policy_version}: versions must be increasing, so that every sample is "
+                                  f"labelled with the weights that drew it; push a version above "
+                                  f"{self.policy_version} (nothing was loaded)")
 
     def close(self) -> None:
         self._cache = None

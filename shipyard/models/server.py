@@ -21,6 +21,12 @@ Any client on the port is untrusted (docs/security.md), so:
   clamp silently — a client must know what it gets), and a request holds at most `max_sequences` sequences.
   The engine batches statically (a running batch admits no one), so these caps bound every other client's wait.
   A full queue answers 503.
+* **No work for what would be refused.** Tokenizing costs time in proportion to the text (8 MB: ~10 s), so prompt
+  sizes are checked before it: a text prompt longer than (context − max_tokens) × `chars_per_token` characters
+  cannot fit and is refused untokenized (`chars_per_token`: the tokenizer's longest token, at most
+  `MAX_CHARS_PER_TOKEN`), an id list longer than context − max_tokens likewise; the prompts of a request are then
+  tokenized in order and the first one over the context ends it. Big tokenizations run off the event loop, at most
+  `TOKENIZE_SLOTS` at once, and small ones never queue behind them.
 * **Isolation.** Every field is validated by one pydantic schema (and the vocabulary / context checks) before
   anything is queued; if `engine.generate` still raises for a batch, each request is retried alone, so only the
   faulty one fails.
@@ -28,7 +34,9 @@ Any client on the port is untrusted (docs/security.md), so:
   next decode step (`GenerationRequest.cancelled`). On SIGTERM (`run`) every generation stops between two steps,
   in-flight clients get 503, and the process exits within about a second.
 * **Weights** are decoded and checked completely before any tensor changes (`decode`, `update_weights` are
-  all-or-nothing), one push at a time.
+  all-or-nothing), one push at a time. A push must carry every weight of the model (a partial one would be labelled
+  as a new version while most of the model stays old: 400 naming the missing tensors) and a version above the
+  served one (409 otherwise: versions never go backwards).
 """
 
 from __future__ import annotations
@@ -52,12 +60,24 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shipyard import httpguard
-from shipyard.models.engine import MAX_SEED, MIN_TEMPERATURE, Completion, Engine, GenerationRequest, SamplingParams
+from shipyard.models.engine import (
+    MAX_SEED,
+    MIN_TEMPERATURE,
+    Completion,
+    Engine,
+    GenerationRequest,
+    SamplingParams,
+    VersionConflict,
+)
 from shipyard.models.local import LocalEngine
 
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "SHIPYARD_SERVE_TOKEN"  # the weights token; or a file named by $SHIPYARD_SERVE_TOKEN_FILE
+UNKNOWN_CONTEXT = 32768  # the context of an engine that does not say (replay:, openai:), without --max-model-len
+MAX_CHARS_PER_TOKEN = 32  # the character bound assumes no token is longer (a longer average is not a real prompt)
+TOKENIZE_SLOTS = 2  # requests tokenizing big prompts at once; the default executor has cores + 4 threads
+SMALL_PROMPTS = 1 << 16  # characters + ids of a request that tokenizes without waiting for a slot (~10 ms)
 
 
 def token_path(port: int) -> Path:
@@ -212,8 +232,11 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
     config = config or ServeConfig()
     batcher = Batcher(engine, max_batch=config.max_batch, batch_window=config.batch_window,
                       max_queue=config.max_queue)
-    context = config.max_model_len or (engine.max_model_len if isinstance(engine, LocalEngine) else None)
+    context = (config.max_model_len or (engine.max_model_len if isinstance(engine, LocalEngine) else None)
+               or UNKNOWN_CONTEXT)
+    per_token = chars_per_token(engine.tokenizer)
     weights_lock = asyncio.Lock()
+    tokenize_slots = asyncio.Semaphore(TOKENIZE_SLOTS)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -245,11 +268,16 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
 
     @app.post("/v1/weights")
     async def weights(request: Request) -> dict[str, Any]:
+        if not isinstance(engine, LocalEngine):
+            raise HTTPException(400, f"this server's engine ({engine.name}) has no weights to update; push to a "
+                                     "`shipyard serve` of a local model")
         async with weights_lock:  # one payload in memory at a time
             body = await request.body()
             start = time.perf_counter()
             try:
                 version, count = await asyncio.to_thread(_load_weights, engine, body)
+            except VersionConflict as e:
+                raise HTTPException(409, str(e)) from None
             except (ValueError, KeyError) as e:
                 raise HTTPException(400, str(e.args[0]) if isinstance(e, KeyError) else str(e)) from None
         return {"version": version, "tensors": count, "bytes": len(body),
@@ -261,13 +289,17 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
             raise HTTPException(400, "streaming is not supported by shipyard serve; set stream=false")
         if body.model not in (None, served_name):
             raise HTTPException(404, f"model '{body.model}' is not served here; this server serves '{served_name}'")
-        single = isinstance(body.prompt, str) or all(isinstance(t, int) for t in body.prompt)
-        sequences = (1 if single else len(body.prompt)) * body.n
+        texts = _split_prompts(body.prompt)
+        sequences = len(texts) * body.n
         if sequences > config.max_sequences:  # checked before tokenizing anything
             raise HTTPException(400, f"this request asks for {sequences} sequences (prompts × n); this server's limit "
                                      f"is {config.max_sequences} per request: split it")
-        prompts = await asyncio.to_thread(_prompts, engine, body.prompt)
-        _check_limits(engine, body, prompts, config, context)
+        _check_limits(engine, body, texts, config, context, per_token)
+        if sum(len(p) for p in texts) <= SMALL_PROMPTS:
+            prompts = await asyncio.to_thread(_tokenize, engine, texts, body.max_tokens, context)
+        else:
+            async with tokenize_slots:
+                prompts = await asyncio.to_thread(_tokenize, engine, texts, body.max_tokens, context)
         gone = threading.Event()
         cancelled = lambda: gone.is_set() or batcher.stopping  # noqa: E731
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -327,25 +359,43 @@ async def _until_disconnected(request: Request, futures: list[asyncio.Future],
         gathered.cancel()  # queued sequences never start
 
 
-def _load_weights(engine: Engine, body: bytes) -> tuple[int, int]:
+def _load_weights(engine: LocalEngine, body: bytes) -> tuple[int, int]:
     from shipyard.train.sync import decode
 
     version, tensors = decode(body)
-    engine.update_weights(version, tensors)
+    engine.update_weights(version, tensors, complete=True)
     return version, len(tensors)
 
 
-def _check_limits(engine: Engine, body: CompletionRequest, prompts: list[list[int]], config: ServeConfig,
-                  context: int | None) -> None:
+def chars_per_token(tokenizer: Any) -> int:
+    """The most characters one token of `tokenizer` stands for, at most `MAX_CHARS_PER_TOKEN`: its longest vocabulary
+    entry (added and special tokens included, as text may spell them). A byte-level token's entry has a character per
+    byte and a SentencePiece piece one per character, so a text of more than `n` × this many characters encodes to
+    more than `n` tokens. (A tokenizer that drops or merges characters — a normalizer, a fused unknown token — can
+    encode a longer text to fewer tokens: such a valid prompt is refused, and can be sent as ids.)"""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return max(1, min(longest, MAX_CHARS_PER_TOKEN))
+
+
+def _check_limits(engine: Engine, body: CompletionRequest, texts: list[str | list[int]], config: ServeConfig,
+                  context: int, per_token: int) -> None:
+    """Everything that can be checked before tokenizing, in time independent of the prompts' size."""
     if body.max_tokens > config.max_tokens:
         raise HTTPException(400, f"max_tokens={body.max_tokens} is over this server's limit of {config.max_tokens} "
                                  "(shipyard serve --max-tokens-limit); ask for fewer")
-    if context is not None:
-        longest = max(len(p) for p in prompts)
-        if longest + body.max_tokens > context:
-            raise HTTPException(400, f"a prompt of {longest} tokens plus max_tokens={body.max_tokens} is over the "
-                                     f"model's context of {context} tokens; shorten the prompt or ask for at most "
-                                     f"{max(0, context - longest)} tokens")
+    room = context - body.max_tokens  # the most tokens a prompt may have
+    if room < 1:
+        raise HTTPException(400, f"max_tokens={body.max_tokens} leaves no room for a prompt in the model's context "
+                                 f"of {context} tokens; ask for at most {context - 1} tokens")
+    for p in texts:
+        if isinstance(p, str) and len(p) > room * per_token:
+            raise HTTPException(400, f"a prompt of {len(p)} characters cannot fit: with max_tokens={body.max_tokens}"
+                                     f" the model's context of {context} tokens leaves {room} for the prompt, and "
+                                     f"this tokenizer's tokens are at most {per_token} characters long, so prompts "
+                                     f"are refused untokenized past {room * per_token} characters; shorten it (or "
+                                     "send it as token ids if its tokens really are longer)")
+        if isinstance(p, list) and len(p) > room:
+            raise _too_long(len(p), body.max_tokens, context)
     vocab = len(engine.tokenizer)
     bad = [t for t in body.stop_token_ids or () if not 0 <= t < vocab]
     if bad:
@@ -380,22 +430,39 @@ def _default_stop_ids(engine: Engine) -> tuple[int, ...]:
     return (eos,) if eos is not None else ()
 
 
-def _prompts(engine: Engine, prompt: str | list[int] | list[str] | list[list[int]]) -> list[list[int]]:
+def _split_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """The request's prompts, each a text or an id list. The schema makes a list homogeneous (all ids, texts or id
+    lists), so its first item tells which: no pass over the ids."""
     if isinstance(prompt, str):
-        prompt = [prompt]
+        return [prompt]
     if not prompt:
         raise HTTPException(400, "prompt is empty")
-    if all(isinstance(t, int) for t in prompt):
-        prompt = [prompt]
+    return [prompt] if isinstance(prompt[0], int) else list(prompt)
+
+
+def _too_long(tokens: int, max_tokens: int, context: int) -> HTTPException:
+    ask = f" or ask for at most {context - tokens} tokens" if tokens < context else ""
+    return HTTPException(400, f"a prompt of {tokens} tokens plus max_tokens={max_tokens} is over the model's context "
+                             f"of {context} tokens; shorten the prompt to at most {context - max_tokens} tokens{ask}")
+
+
+def _tokenize(engine: Engine, texts: list[str | list[int]], max_tokens: int, context: int) -> list[list[int]]:
+    """Token ids of each prompt (ids checked against the vocabulary), in order; the first prompt over the context
+    ends the request, so no more than one over-long prompt is ever tokenized."""
     out = []
     vocab = len(engine.tokenizer)
-    for p in prompt:
-        ids = engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
+    for p in texts:
+        if isinstance(p, str):
+            ids = engine.tokenizer.encode(p)
+        else:
+            ids = p
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise HTTPException(400, f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         if not ids:
             raise HTTPException(400, "a prompt encodes to zero tokens")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise HTTPException(400, f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(ids) + max_tokens > context:
+            raise _too_long(len(ids), max_tokens, context)
         out.append(ids)
     return out
 

@@ -12,6 +12,9 @@ come from the network) and the engine refuses non-finite values, both before any
   `<name>.mx_scales`, uint8), everything else (norms, biases) bf16. 8.25 bits per quantized value.
 
 Tied weights (a head sharing the embedding's tensor) are sent once; `aliases` in the metadata names the others.
+A payload is a whole model: `shipyard serve` loads one only if it covers every weight of the served model (aliases
+included; 400 naming the missing tensors otherwise) and its version is above the served one (409 otherwise), so push
+`model.state_dict()` (or `Trainer.full_state_dict()`) with increasing versions.
 The engine dequantizes with `shipyard.train.mx.dequantize`, the function the trainer's forward uses, so the
 sampler runs on bit-identical weights (no post-training quantization).
 
@@ -159,15 +162,13 @@ def push_http(base_url: str, payload: bytes, timeout: float = 600, token: str | 
     """POST a payload to `shipyard serve` (`BASE_URL/v1/weights`); the server's reply. The bearer token is `token`,
     else $SHIPYARD_SERVE_TOKEN, else the file $SHIPYARD_SERVE_TOKEN_FILE, else — for a server on this machine — the
     file `shipyard serve --port PORT` wrote ($SHIPYARD_HOME/serve/PORT.token)."""
-    from shipyard.httpguard import read_token
+    from shipyard.httpguard import loopback_port, read_token
     from shipyard.models.server import TOKEN_ENV, token_path
 
     url = base_url.rstrip("/").removesuffix("/v1") + "/v1/weights"
-    parsed = httpx.URL(url)
-    # The token file of a server on this machine, never sent to another host.
-    local = parsed.host in ("127.0.0.1", "localhost", "::1") and parsed.port is not None
+    port = loopback_port(url)  # the token file of a server on this machine, never sent to another host
     if token is None:
-        token = read_token(TOKEN_ENV, token_path(parsed.port) if local else None)
+        token = read_token(TOKEN_ENV, token_path(port) if port is not None else None)
     headers = {"content-type": "application/octet-stream"}
     if token:
         headers["authorization"] = f"Bearer {token}"

@@ -2,8 +2,9 @@
 tiny random model, and for shutdown the real `shipyard serve` process.
 
 What must hold: no request can hold the server (max_tokens capped, a gone client's generation stops), one bad request
-never fails the requests batched with it, SIGTERM stops the server within 2 s even mid-generation, a weight push is
-all-or-nothing and authenticated, and every body is size-limited and validated with a clear 4xx."""
+never fails the requests batched with it, a prompt that cannot fit is refused before it costs tokenizing, SIGTERM
+stops the server within 2 s even mid-generation, a weight push is authenticated, all-or-nothing, whole (every weight)
+and newer than the served version, and every body is size-limited and validated with a clear 4xx."""
 
 from __future__ import annotations
 
@@ -485,3 +486,120 @@ def test_token_file_helpers_are_used_by_push_http(weights_server, tmp_path, monk
     with pytest.raises(RuntimeError, match="401.*SHIPYARD_SERVE_TOKEN"):
         push_http(url, payload)
     assert engine.policy_version == 21
+
+
+# --- prompt size is bounded before any per-token work -------------------------------------------------------------
+
+REVIEW_PROMPT = "def f(x): return x + 1\n" * 347826  # 8 MB: one byte token per character, 244 × the context
+
+
+@pytest.fixture(scope="module")
+def default_server(serve_app):
+    """The configuration the review attacked: `shipyard serve -m random:tiny` defaults (the model's 32,768-token
+    context, no API key)."""
+    model, tok = load_hf(TINY, dtype=torch.float32)
+    return serve_app(create_app(LocalEngine(model, tok), TINY, ServeConfig(token=TOKEN)))
+
+
+def timed_post(url: str, body: bytes) -> tuple[httpx.Response, float]:
+    start = time.monotonic()
+    r = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=120)
+    return r, time.monotonic() - start
+
+
+def attack(url: str, attackers: int, **body) -> tuple[list[tuple[httpx.Response, float]], httpx.Response, float]:
+    """`attackers` concurrent requests of `body`, and, while they are under way, a 2-token completion. (The server
+    runs in this process: the body is encoded once, so that the clients hold the GIL as little as possible.)"""
+    encoded = json.dumps({"temperature": 0, **body}).encode()
+    with ThreadPoolExecutor(attackers) as pool:
+        futures = [pool.submit(timed_post, url, encoded) for _ in range(attackers)]
+        time.sleep(1.0)  # the bodies are sent and parsed: tokenizing (before the fix) is under way
+        short, waited = timed_post(url, json.dumps({"prompt": "hi", "max_tokens": 2, "temperature": 0}).encode())
+        return [f.result() for f in futures], short, waited
+
+
+def test_huge_text_prompts_are_refused_without_tokenizing(default_server):
+    url = default_server
+    refused, short, waited = attack(url, 6, prompt=REVIEW_PROMPT, max_tokens=1)
+    print(f"\nrefused in {', '.join(f'{s:.2f}' for _, s in refused)} s; the short request took {waited:.2f} s")
+    for r, seconds in refused:
+        assert r.status_code == 400 and seconds < 1, (r.status_code, seconds)
+        message = r.json()["error"]["message"]
+        assert "7999998 characters" in message and "32768" in message and "token ids" in message
+    assert short.status_code == 200 and waited < 2
+
+
+def test_prompts_under_the_character_bound_are_tokenized_one_at_a_time(default_server):
+    """Prompts just under the character bound but over the context: the most tokenizing a request can cause is one
+    over-long prompt (the request stops at the first), and at most two requests tokenize big prompts at once, so a
+    short request does not queue behind them."""
+    url = default_server
+    prompt = ["ab" * 210_000] * 19  # 420,000 characters each, 8 MB in all: one token per character, 13 × the context
+    refused, short, waited = attack(url, 6, prompt=prompt, max_tokens=1)
+    print(f"\nrefused in {', '.join(f'{s:.2f}' for _, s in refused)} s; the short request took {waited:.2f} s")
+    for r, seconds in refused:
+        assert r.status_code == 400 and seconds < 4, (r.status_code, seconds)
+        assert "420000 tokens" in r.json()["error"]["message"]
+    assert short.status_code == 200 and waited < 2
+
+
+def test_token_id_prompts_over_the_context_are_refused(default_server):
+    url = default_server
+    for prompt, max_tokens in (([65] * 32768, 1), ([[65] * 10, [66] * 40000], 1), ([67] * 28673, 4096)):
+        r = complete(url, prompt=prompt, max_tokens=max_tokens)
+        assert r.status_code == 400 and "32768" in r.json()["error"]["message"], r.text
+
+
+# --- a push replaces the whole model, with a newer version -----------------------------------------------------------
+
+@pytest.fixture
+def pushed_server(serve_app):
+    """A server whose weights were pushed once, as version 7 (function scope: each test starts from that)."""
+    model, tok = tiny_model(seed=1)
+    engine = LocalEngine(model.float(), tok)
+    url = serve_app(create_app(engine, "tiny", ServeConfig(token=TOKEN, max_weights_body=1 << 20)))
+    push_http(url, encode(tiny_model(seed=11)[0].state_dict(), 7), token=TOKEN)
+    assert engine.policy_version == 7
+    return engine, url
+
+
+@pytest.mark.parametrize("partial", ["one-tensor", "one-layer-missing", "tied-head-missing"])
+def test_partial_push_is_refused_naming_missing_tensors(pushed_server, partial):
+    from safetensors.torch import load, save
+
+    from shipyard.train.sync import metadata
+
+    engine, url = pushed_server
+    before = snapshot(engine)
+    state = dict(tiny_model(seed=12)[0].state_dict())
+    if partial == "one-tensor":  # the review's push: 1 of 27 tensors
+        payload, missing = encode({"model.norm.weight": state["model.norm.weight"]}, 8), "model.embed_tokens.weight"
+    elif partial == "one-layer-missing":
+        state = {k: v for k, v in state.items() if not k.startswith("model.layers.1.")}
+        payload, missing = encode(state, 8), "model.layers.1.self_attn.q_proj.weight"
+    else:  # the head is tied to the embedding and sent once; a payload without the alias leaves it out
+        payload = encode(state, 8)
+        payload, missing = save(dict(load(payload)), metadata={**metadata(payload), "aliases": "{}"}), "lm_head.weight"
+    r = httpx.post(f"{url}/v1/weights", content=payload, headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "missing" in message and missing in message and "27" in message, message
+    assert_unchanged(engine, before, 7)
+    assert httpx.get(f"{url}/health").json()["policy_version"] == 7
+
+
+def test_push_version_must_increase(pushed_server):
+    engine, url = pushed_server
+    before = snapshot(engine)
+    payload_state = tiny_model(seed=13)[0].state_dict()
+    for stale in (7, 2, 0):
+        r = httpx.post(f"{url}/v1/weights", content=encode(payload_state, stale), timeout=30,
+                       headers={"authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 409, r.text
+        message = r.json()["error"]["message"]
+        assert f"version {stale}" in message and "7" in message and "increasing" in message, message
+        assert_unchanged(engine, before, 7)
+    with pytest.raises(RuntimeError, match="409"):
+        push_http(url, encode(payload_state, 3), token=TOKEN)
+    assert httpx.get(f"{url}/health").json()["policy_version"] == 7
+    assert push_http(url, encode(payload_state, 8), token=TOKEN)["version"] == 8 and engine.policy_version == 8
