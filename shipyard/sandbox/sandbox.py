@@ -6,6 +6,19 @@ request to that session, so tools run unchanged against it. If the session dies 
 is restarted over the same upper dir — files survive, background jobs do not — and the call in flight fails
 with `SessionRestarted`, which tools report to the model like any other OS error.
 
+A session that does not answer is put down the same way, never waited on again: sandboxed code can stop it
+(SIGSTOP; non-dumpable does not stop signals). Every call reads the session's state in `/proc/PID/stat` before it
+is sent, and every `TICK` while its reply is late (the session is the only child of bwrap's only child: its host
+pid is found once, after its first answer, while nothing else runs in the sandbox). A stopped session, or a reply
+that does not come within the call's wait, means the session is killed and restarted; a call not yet sent then
+goes to the new session, one in flight fails with `SessionRestarted`. Requests go through a non-blocking pipe
+with the same checks, so a session that stopped reading cannot block a caller, nor the callers queued behind it.
+The session guards its own limits and scheduling (see `shipyard.sandbox.session`): when sandboxed code changed
+them it answers `SessionTampered` and exits; the host restarts it and sends the call again if the session said it
+had not done it. So no later call hangs, and none runs with limits or priorities the sandbox lowered. Cost per
+call: a `pread` here (~6-10 µs) and one in the session (~10 µs; ~20 µs of checks for a `run`); nothing more while
+replies come within `TICK`.
+
 The channel is hostile ground: the sandbox's code runs as the session's uid. It travels on two pipes that only
 the session holds (bwrap's stdio is /dev/null), the session is non-dumpable, and every line is sealed with a
 per-session key (see `shipyard.sandbox.session`). The host's reader still trusts nothing it reads: it takes
@@ -29,15 +42,18 @@ import itertools
 import json
 import os
 import secrets
+import select
 import shutil
 import subprocess
 import threading
+import time
 import uuid
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import shipyard
 from shipyard.harness.process import ExecResult, Job, kill_group
@@ -49,29 +65,113 @@ from shipyard.sandbox.session import MAX_LINE_BYTES, channel_keys, read_lines, s
 from shipyard.sandbox.snapshot import snapshot_episode
 
 SOURCE_MOUNT = "/opt/shipyard"
+TICK = 0.2  # seconds between checks that a session a call waits on is not stopped
+_launcher: ThreadPoolExecutor
+
+
+def _new_launcher() -> None:
+    """bwrap runs with --die-with-parent, and the kernel's parent-death signal follows the *thread* that forked it:
+    a session started from a tool call's worker thread would be killed when that thread ends. So every session is
+    started from one thread that lives as long as the process (a new one in a forked child, which has none)."""
+    global _launcher
+    _launcher = ThreadPoolExecutor(1, "shipyard-sandbox-launch")
+
+
+_new_launcher()
+os.register_at_fork(after_in_child=_new_launcher)
 
 
 class SessionRestarted(OSError):
     """The exec session died during a call; it was restarted over the same files (background jobs are gone)."""
 
 
-RESTARTED = "the sandbox's exec session died; it was restarted over the same files (background jobs were lost)"
+AGAIN = "it was restarted over the same files (background jobs were lost)"
+RESTARTED = f"the sandbox's exec session died; {AGAIN}"
 
 
 @dataclass
 class _Channel:
-    """The host's end of one session process: its request pipe, the per-session keys, its calls in flight.
-    Each session has its own, so a dead session's reader can only fail the calls that were sent to it."""
+    """The host's end of one session process: its request pipe (a non-blocking descriptor), the per-session keys,
+    its calls in flight, and the session's `/proc/PID/stat`. Each session has its own, so a dead session's reader
+    can only fail the calls that were sent to it."""
 
-    requests: BinaryIO
+    requests: int
     request_key: bytes
     reply_key: bytes
     pending: dict[int, Future] = field(default_factory=dict)
     write_lock: threading.Lock = field(default_factory=threading.Lock)
+    stat_fd: int | None = None
+    stat_lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
+
+    def write(self, line: bytes, unresponsive: Callable[[], str | None]) -> None:
+        """Write one whole line. While the pipe is full, ask `unresponsive` every `TICK` why to give up, if so."""
+        view = memoryview(line)
+        poll = None
+        with self.write_lock:  # held to the line's end: lines never interleave
+            if self.closed:
+                raise SessionRestarted(RESTARTED)
+            while view:
+                try:
+                    view = view[os.write(self.requests, view):]
+                except BlockingIOError:
+                    why = unresponsive()
+                    if why is not None:
+                        raise SessionRestarted(why) from None
+                    if poll is None:
+                        poll = select.poll()
+                        poll.register(self.requests, select.POLLOUT)
+                    poll.poll(TICK * 1000)
+                except OSError:  # EPIPE: the session is gone
+                    raise SessionRestarted(RESTARTED) from None
+
+    def stopped(self) -> bool:
+        """Whether the session is stopped (SIGSTOP from inside the sandbox, say): it would answer nothing."""
+        with self.stat_lock:
+            if self.stat_fd is None:
+                return False
+            try:
+                stat = os.pread(self.stat_fd, 512, 0)
+            except OSError:  # gone: its reader sees the pipe close
+                return False
+        state = stat.rfind(b")") + 2  # after "pid (comm) "
+        return stat[state:state + 1] in (b"T", b"t")
 
     def close(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self.requests.close()
+        """Close both descriptors; called once the session is dead, so no writer holds `write_lock` for long."""
+        with self.write_lock, self.stat_lock:
+            if not self.closed:
+                self.closed = True
+                for fd in (self.requests, self.stat_fd):
+                    if fd is not None:
+                        with contextlib.suppress(OSError):
+                            os.close(fd)
+                self.stat_fd = None
+
+
+def session_stat(bwrap_pid: int) -> int | None:
+    """An open `/proc/PID/stat` of the session bwrap `bwrap_pid` runs: the only child of bwrap's only child (its
+    init), as long as nothing else runs in the sandbox — before the session's first answer. None where the kernel
+    does not list children (no CONFIG_PROC_CHILDREN): then only calls' waits catch a stopped session."""
+    pid = bwrap_pid
+    for _ in range(2):
+        try:
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            return None
+        if len(children) != 1:
+            return None
+        pid = int(children[0])
+    try:
+        return os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def tampered(reply: dict[str, Any]) -> bool:
+    """Whether a reply says the session found its limits or scheduling changed, and exited."""
+    error = reply.get("error")
+    return isinstance(error, dict) and error["type"] == "SessionTampered"
 
 
 def parse_reply(line: bytes | None, key: bytes) -> dict[str, Any] | None:
@@ -218,9 +318,10 @@ class Sandbox(SessionWorkspace):
                           extra_ro_binds=((str(shipyard_source(self.h)), SOURCE_MOUNT),))
         try:
             # The protocol pipes are extra descriptors: bwrap's init (pid 1) keeps only stdio, here /dev/null.
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, pass_fds=(request_read, reply_write), cwd="/", env={},
-                                    start_new_session=True, preexec_fn=preexec(self.h, self.limits, self.cgroups))
+            proc = _launcher.submit(
+                subprocess.Popen, argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                pass_fds=(request_read, reply_write), cwd="/", env={}, start_new_session=True,
+                preexec_fn=preexec(self.h, self.limits, self.cgroups)).result()
         except BaseException:
             os.close(request_write)
             os.close(reply_read)
@@ -228,20 +329,24 @@ class Sandbox(SessionWorkspace):
         finally:
             os.close(request_read)
             os.close(reply_write)
+        os.set_blocking(request_write, False)
         secret = secrets.token_bytes(32)
-        channel = _Channel(os.fdopen(request_write, "wb"), *channel_keys(secret))
-        self._proc, self._channel, self._pending = proc, channel, channel.pending
+        channel = _Channel(request_write, *channel_keys(secret))
         threading.Thread(target=self._read, args=(reply_read, channel), daemon=True).start()
         try:
-            with channel.write_lock:  # the first line, before anything else runs in the sandbox
-                channel.requests.write(secret.hex().encode() + b"\n")
-                channel.requests.flush()
+            # The first line, before anything else runs in the sandbox, and before a call can see this channel.
+            channel.write(secret.hex().encode() + b"\n", lambda: "the exec session did not read its key")
+            self._proc, self._channel, self._pending = proc, channel, channel.pending
             self._unwrap(self._send(channel, "ping", 30, {}))
+            channel.stat_fd = session_stat(proc.pid)
         except (OSError, ValueError) as e:
+            if not isinstance(e, SessionRestarted):
+                problem = f"{type(e).__name__}: {e}"
+            else:
+                problem = "it exited before answering" if proc.poll() is not None else "it did not answer in 30 s"
             kill_group(proc.pid)
             proc.wait()
             channel.close()
-            problem = "it exited before answering" if isinstance(e, SessionRestarted) else f"{type(e).__name__}: {e}"
             raise RuntimeError(f"the exec session of sandbox {self.id} did not start ({problem}); "
                                "check that this host can start sandboxes: `shipyard sandbox exec --repo DIR -- "
                                "true`") from None
@@ -272,45 +377,63 @@ class Sandbox(SessionWorkspace):
         if len(line) > MAX_LINE_BYTES:
             raise OSError(errno.EFBIG, f"the {method} request is {len(line)} bytes, more than the {MAX_LINE_BYTES} "
                                        "that may be sent to a sandbox at once; send less (e.g. a large file in parts)")
+        deadline = time.monotonic() + wait
+
+        def unresponsive() -> str | None:
+            if channel.stopped():
+                return f"the sandbox's exec session was stopped (by a signal from the sandbox) during {method}; {AGAIN}"
+            if time.monotonic() >= deadline:
+                return f"the sandbox's exec session did not answer {method} within {wait:g} s; {AGAIN}"
+            return None
+
         fut: Future = Future()
         with self._lock:
             channel.pending[req_id] = fut
         try:
-            with channel.write_lock:
-                channel.requests.write(line)
-                channel.requests.flush()
-        except (OSError, ValueError):  # the session is gone (broken pipe), or its pipe was closed
+            channel.write(line, unresponsive)
+            while True:
+                try:
+                    return fut.result(timeout=max(0.0, min(TICK, deadline - time.monotonic())))
+                except TimeoutError:
+                    why = unresponsive()
+                    if why is not None:
+                        raise SessionRestarted(why) from None
+        finally:
             with self._lock:
                 channel.pending.pop(req_id, None)
-            raise SessionRestarted(RESTARTED) from None
+
+    def _exchange(self, method: str, wait: float, params: dict[str, Any]) -> tuple[_Channel, dict[str, Any]]:
+        """One call on the current session, restarted first if it died or was stopped between calls, and after
+        the call if it died, stopped or did not answer during it (then the call fails with `SessionRestarted`)."""
+        channel = self._channel
+        if self._proc.poll() is not None or channel.stopped():  # nothing sent yet: restart, then send
+            self._restart(channel)
+            channel = self._channel
         try:
-            return fut.result(timeout=wait)
-        except TimeoutError:
-            with self._lock:
-                channel.pending.pop(req_id, None)
-            raise TimeoutError(errno.ETIMEDOUT, f"the sandbox's exec session did not answer {method} within "
-                                                f"{wait:g} s") from None
+            return channel, self._send(channel, method, wait, params)
+        except SessionRestarted:
+            self._restart(channel)
+            raise
 
     def _call(self, method: str, wait: float = 120, **params: Any) -> Any:
         if self._closed:
             raise RuntimeError(f"sandbox {self.id} is closed")
-        if self._proc.poll() is not None:  # died between calls: restart before sending anything
-            self._restart()
-        channel = self._channel
-        try:
-            reply = self._send(channel, method, wait, params)
-        except SessionRestarted:
+        channel, reply = self._exchange(method, wait, params)
+        if tampered(reply):  # the session exited: restart it; send the call again if it had not started it
             self._restart(channel)
-            raise
+            if reply["error"].get("done") is False:
+                channel, reply = self._exchange(method, wait, params)
+                if tampered(reply):  # a fresh session found so too: not something a restart fixes
+                    self._restart(channel)
+            if tampered(reply):
+                raise SessionRestarted(f"{reply['error']['message']}; {AGAIN}")
         return self._unwrap(reply)
 
-    def _restart(self, dead: _Channel | None = None) -> None:
-        """Start a new session if the current one has exited, or if its channel `dead` reached its end (bwrap may
-        outlive its session by a moment: it is put down here)."""
+    def _restart(self, dead: _Channel) -> None:
+        """Put down the session of channel `dead` — exited, stopped, unresponsive or tampered with; bwrap may outlive
+        its session by a moment — and start a new one, unless another call already did."""
         with self._restart_lock:  # parallel calls that failed together restart the session once
-            if self._closed or (dead is not None and dead is not self._channel):
-                return
-            if dead is None and self._proc is not None and self._proc.poll() is None:
+            if self._closed or dead is not self._channel:
                 return
             if self._proc is not None:
                 kill_group(self._proc.pid)

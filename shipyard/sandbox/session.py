@@ -32,6 +32,25 @@ memory with one endless line; through the request pipe it could steal or inject 
   `MAX_FILE_BYTES` file plus envelope) is dropped as it streams by, never accumulated. The session never sends
   a longer reply: a result over the limit becomes an `OSError` (EFBIG) saying what to ask for instead.
 
+**Why the session watches its own state.** Non-dumpable does not stop what the kernel allows any process of the
+same uid: `prlimit` on the session (lower its file-size or CPU limit, say), `renice`/`chrt -i`
+(SCHED_IDLE)/`taskset`/`ionice` on any of its threads, and signals. Every process the session starts inherits these
+— a grader's test `run` would run with a 4 KB file limit, or at idle priority on one CPU. So `main` records them at
+start, before anything else runs in the sandbox (`ProcessState`: `/proc/self/limits`, and the nice value, policy,
+CPUs and I/O priority of its main thread, which every worker thread copies). Before every request it compares the
+limits (one `pread`; lowered limits could fail any request, a write over the file-size limit say), and before and
+after each `run`/`spawn` also the scheduling of the thread doing it, which the processes it starts inherit (its
+command may be what changed them): ~10 µs, ~20 µs for a `run`. On any change it answers `SessionTampered` (with
+`done`: whether it did the work) and exits. It does not repair itself: hard limits and the nice value cannot be
+raised back without privileges, and whoever changed them could do it again. The host restarts the session, which
+kills every process in the sandbox, and sends the call again when it was not done (`shipyard.sandbox.sandbox`).
+Signals: those that end a process end the session (SIGINT too: its KeyboardInterrupt handler is removed), and the
+host restarts it; SIGSTOP cannot be caught, so the host watches the session's state in `/proc` instead (SIGTSTP and
+co. are dropped by the kernel: the session's process group is orphaned). bwrap's init (pid 1) ignores SIGSTOP and
+SIGKILL sent from inside its pid namespace. Out of the sandbox's reach altogether: the session's `oom_score_adj`,
+`autogroup` and `timerslack_ns` (their /proc files belong to root while it is non-dumpable), and its cgroup (a
+cgroup namespace, and no cgroupfs inside).
+
 This module must import nothing outside the standard library and `shipyard.harness.{workspace,confined,diff,process}`:
 inside the sandbox only the interpreter's stdlib and shipyard's own source are guaranteed.
 """
@@ -46,11 +65,14 @@ import hashlib
 import hmac
 import json
 import os
+import platform
+import signal
 import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 from shipyard.harness.process import Job
 from shipyard.harness.workspace import MAX_FILE_BYTES, LocalWorkspace, PathError
@@ -121,6 +143,57 @@ def make_undumpable() -> None:
     if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0 or libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed: the exec session will not serve "
                                           "with its channel reachable from the sandbox")
+
+
+IOPRIO_GET = {"x86_64": 252, "aarch64": 31, "riscv64": 31}.get(platform.machine())  # no ioprio in `os`
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def thread_state() -> tuple[int, int, frozenset[int], int]:
+    """What the calling thread passes on to the processes it starts and a same-uid process may change: (nice,
+    scheduling policy, CPUs, I/O priority), all per thread on Linux."""
+    ioprio = _libc.syscall(IOPRIO_GET, 1, 0) if IOPRIO_GET is not None else 0  # IOPRIO_WHO_PROCESS, this thread
+    return os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0), frozenset(os.sched_getaffinity(0)), ioprio
+
+
+@dataclass(frozen=True)
+class ProcessState:
+    """The session's limits and scheduling as the host started it (see the module docstring). Limits are read from
+    `/proc/self/limits` (one `pread` for all of them). A thread's scheduling is compared with the main thread's at
+    start, which every worker thread copies when it is created: a worker made after the main thread was changed
+    differs too."""
+
+    limits_fd: int
+    limits: bytes
+    thread: tuple[int, int, frozenset[int], int]
+
+    @classmethod
+    def record(cls) -> ProcessState:
+        fd = os.open("/proc/self/limits", os.O_RDONLY | os.O_CLOEXEC)
+        return cls(fd, os.pread(fd, 1 << 16, 0), thread_state())
+
+    def changed(self, thread: bool) -> str | None:
+        """What differs now from the record — the process's limits, and with `thread` the calling thread's
+        scheduling — or None if nothing."""
+        limits = os.pread(self.limits_fd, 1 << 16, 0)
+        if limits != self.limits:
+            was = self.limits.decode().splitlines()
+            return "limits (now: " + "; ".join(" ".join(line.split()) for line in limits.decode().splitlines()
+                                               if line not in was) + ")"
+        now = thread_state() if thread else self.thread
+        if now != self.thread:
+            labels = ("nice value", "scheduling policy", "CPUs", "I/O priority")
+            return f"thread {threading.get_native_id()}'s " + ", ".join(
+                f"{label} from {sorted(a) if isinstance(a, frozenset) else a} to "
+                f"{sorted(b) if isinstance(b, frozenset) else b}"
+                for label, a, b in zip(labels, self.thread, now, strict=True) if a != b)
+        return None
+
+
+def tampered(change: str, done: bool) -> dict[str, Any]:
+    return {"error": {"type": "SessionTampered", "done": done,
+                      "message": f"a process in the sandbox changed the exec session's {change} (prlimit, renice, "
+                                 "chrt, taskset or ionice on it), which every command it starts would inherit"}}
 
 
 class Session:
@@ -196,6 +269,8 @@ def parse_request(payload: bytes) -> dict[str, Any] | None:
 
 def main(request_fd: int, reply_fd: int, root: str = "/workspace", baseline: str = "/snapshot") -> None:
     make_undumpable()  # before anything else: nothing else runs in the sandbox yet
+    state = ProcessState.record()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # not a KeyboardInterrupt that waits for the calls in flight
     for fd in (request_fd, reply_fd):
         os.set_inheritable(fd, False)
     out = os.fdopen(reply_fd, "wb")
@@ -211,8 +286,25 @@ def main(request_fd: int, reply_fd: int, root: str = "/workspace", baseline: str
     session = Session(root, baseline)
     lock = threading.Lock()
 
+    def reply(data: bytes) -> None:
+        data = seal(reply_key, data)
+        with lock:
+            out.write(data)
+            out.flush()
+
+    def refuse(req_id: int, method: str, change: str, done: bool) -> NoReturn:
+        """Answer `SessionTampered` and stop serving: the host starts a clean session."""
+        try:
+            reply(encode_reply(req_id, method, tampered(change, done)))
+        finally:
+            os._exit(3)
+
     def handle(req: dict[str, Any]) -> None:
         req_id, method = req["id"], req["method"]
+        starts_processes = method in ("run", "spawn")
+        change = state.changed(thread=starts_processes)
+        if change is not None:  # before doing anything: the host restarts the session and sends the call again
+            refuse(req_id, method, change, done=False)
         try:
             outcome: dict[str, Any] = {"result": session.call(method, req.get("params", {}))}
         except PathError as e:
@@ -222,14 +314,15 @@ def main(request_fd: int, reply_fd: int, root: str = "/workspace", baseline: str
             outcome = {"error": {"type": "OSError", "errno": e.errno, "message": message}}
         except Exception as e:  # a bug here must reach the caller, not kill the session
             outcome = {"error": {"type": "Error", "message": f"{type(e).__name__}: {e}"}}
+        # What a command changed while it ran (or just before its process started) must not reach the next one.
+        change = state.changed(thread=True) if starts_processes else None
+        if change is not None:
+            refuse(req_id, method, change, done=True)
         try:
             data = encode_reply(req_id, method, outcome)
         except (TypeError, ValueError) as e:
             data = encode_reply(req_id, method, {"error": {"type": "Error", "message": f"unencodable result: {e}"}})
-        data = seal(reply_key, data)
-        with lock:
-            out.write(data)
-            out.flush()
+        reply(data)
 
     with ThreadPoolExecutor(max_workers=64) as pool:
         for line in lines:

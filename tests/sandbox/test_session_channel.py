@@ -5,12 +5,17 @@ so it can name their file descriptors (`/proc/PID/fd/N`, `pidfd_getfd`). Through
 could forge the reply to a pending call (a grader's `run`: the reward), kill the host's reader with one line of
 garbage, or grow host memory with one endless line. These tests run the attack for real and check that nothing
 is reachable and the host side stays answered, with its memory bounded.
+
+Being non-dumpable does not stop signals, `prlimit`, `renice`, `chrt`, `taskset` or `ionice` on the session: the
+last tests stop it, lower its limits and its scheduling, and check that no later call hangs or runs weakened.
 """
 
+import base64
 import errno
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import threading
@@ -22,7 +27,7 @@ from test_security import _problem, nothing_left
 
 from shipyard.harness.workspace import MAX_FILE_BYTES, PathError
 from shipyard.sandbox.host import host
-from shipyard.sandbox.sandbox import Sandbox, _Channel
+from shipyard.sandbox.sandbox import Sandbox, SessionRestarted, _Channel
 from shipyard.sandbox.session import MAX_LINE_BYTES, channel_keys, encode_reply
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 
@@ -205,10 +210,10 @@ out.flush()
 
 def test_host_reader_survives_garbage_forgeries_and_an_endless_line(snapshot):
     """Whatever reaches the reply pipe, the reader keeps going with bounded memory and takes only sealed replies."""
-    with Sandbox(snapshot) as sb, open(os.devnull, "wb") as nowhere:
+    with Sandbox(snapshot) as sb:
         _, reply_key = channel_keys(os.urandom(32))
         read_end, write_end = os.pipe()
-        channel = _Channel(nowhere, b"", reply_key)
+        channel = _Channel(os.open(os.devnull, os.O_WRONLY), b"", reply_key)
         pending: Future = Future()
         channel.pending[7] = pending
         ignored = sb.ignored_lines
@@ -226,6 +231,7 @@ def test_host_reader_survives_garbage_forgeries_and_an_endless_line(snapshot):
         assert sb.ignored_lines - ignored == 6  # two of garbage, two forged, the endless one, the unasked
         assert peak_rss_mb() - before < 64, "an endless line grew the host's reader"
         assert sb.run(["echo", "ok"], timeout=10).output == b"ok\n"
+        channel.close()
 
 
 def test_final_diff_of_a_huge_file_and_a_fifo_is_small_and_names_them(snapshot):
@@ -244,3 +250,165 @@ def test_final_diff_of_a_huge_file_and_a_fifo_is_small_and_names_them(snapshot):
     assert any('"big.bin": now a file of 419430400 bytes' in line for line in note), note
     assert any('"pipe": now a FIFO' in line for line in note), note
     assert patch.index("# shipyard") < patch.index("diff --git")  # before the first diff, where git apply ignores it
+
+
+# Inside the sandbox: tamper with the exec session (found by its command line; bwrap's init has the same words in
+# its own) in one of the ways its uid allows, on every thread. With a delay, return at once and do it later from a
+# process left behind in its own session, then leave a marker file, as an episode could before a grader's run.
+TAMPER = r"""
+import os, resource, signal, subprocess, sys, time
+
+action, delay = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
+if delay:
+    if os.fork():
+        sys.exit(0)
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    time.sleep(delay)
+session = []
+for pid in os.listdir("/proc"):
+    try:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+    except (OSError, ValueError):
+        continue
+    if not argv[0].endswith(b"bwrap") and any(b"from shipyard.sandbox.session import main" in a for a in argv):
+        session.append(int(pid))
+[pid] = session
+threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+if action == "stop":
+    os.kill(pid, signal.SIGSTOP)
+elif action == "limits":
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (4096, 4096))
+    resource.prlimit(pid, resource.RLIMIT_CPU, (2, 2))
+elif action == "nice":
+    for t in threads:
+        os.setpriority(os.PRIO_PROCESS, t, 10)
+elif action == "sched_idle":
+    for t in threads:
+        os.sched_setscheduler(t, os.SCHED_IDLE, os.sched_param(0))
+elif action == "affinity":
+    for t in threads:
+        os.sched_setaffinity(t, {min(os.sched_getaffinity(t))})
+elif action == "ioprio":
+    for t in threads:
+        subprocess.run(["ionice", "-c", "3", "-p", str(t)], check=True)
+open(f"/workspace/done-{action}-{delay}", "w").close()
+"""
+
+# What a command the session starts inherits from it: rlimits, nice, scheduling policy, CPUs, I/O priority; and
+# whether it can write 100 KB.
+STATE = r"""
+import json, os, resource, shutil, subprocess
+with open("/tmp/100k", "wb") as f:
+    f.write(b"x" * 100_000)
+print(json.dumps({"rlimits": {n: resource.getrlimit(getattr(resource, n)) for n in dir(resource)
+                              if n.startswith("RLIMIT_")},
+                  "nice": os.getpriority(os.PRIO_PROCESS, 0), "policy": os.sched_getscheduler(0),
+                  "cpus": sorted(os.sched_getaffinity(0)),
+                  "ioprio": shutil.which("ionice") and subprocess.run(["ionice"], capture_output=True).stdout.decode(),
+                  "wrote": os.path.getsize("/tmp/100k")}))
+"""
+
+
+def _state(sb: Sandbox) -> dict:
+    r = sb.run(["python3", "state.py"], timeout=10)
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output)
+
+
+def _wait_for(path, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} did not appear within {seconds} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("action", ["stop", "limits", "nice", "sched_idle", "affinity", "ioprio"])
+def test_tampering_with_the_session_never_hangs_or_weakens_later_calls(snapshot, action):
+    """The tampering call fails promptly with SessionRestarted; tampering by a process left behind is undone before
+    the next call runs. Either way every later command starts with the session's original limits and priorities."""
+    if action == "affinity" and len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: no affinity to narrow")
+    if action == "ioprio" and shutil.which("ionice") is None:
+        pytest.skip("no ionice on this host")
+    with Sandbox(snapshot) as sb:
+        sb.write_bytes("tamper.py", TAMPER.encode())
+        sb.write_bytes("state.py", STATE.encode())
+        clean = _state(sb)
+        assert clean["wrote"] == 100_000
+        start = time.monotonic()
+        with pytest.raises(SessionRestarted, match="restarted"):
+            sb.run(["python3", "tamper.py", action], timeout=5)
+        assert time.monotonic() - start < 5, "the call that tampered with the session was waited on to its end"
+        assert sb.restarts == 1
+        assert sb._call("ping", wait=3) == "pong"
+        assert _state(sb) == clean
+
+        assert sb.run(["python3", "tamper.py", action, "0.2"], timeout=5).exit_code == 0
+        _wait_for(sb.layout.upper / f"done-{action}-0.2")
+        start = time.monotonic()
+        assert sb._call("ping", wait=3) == "pong"
+        assert _state(sb) == clean
+        assert time.monotonic() - start < 5
+        assert sb.restarts == 2
+        assert sb.read_bytes("app.py") == b"print('hello')\n"
+    assert nothing_left()
+
+
+def test_a_call_unanswered_within_its_wait_restarts_the_session(snapshot):
+    """A session that does not answer in time is put down and restarted; it is not left to answer later calls."""
+    with Sandbox(snapshot) as sb:
+        sb.write_bytes("kept.txt", b"kept")
+        start = time.monotonic()
+        with pytest.raises(SessionRestarted, match="did not answer run within 1 s"):
+            sb._call("run", wait=1, argv=["sleep", "30"], timeout=30, cwd=None, env=None, stdin=None)
+        assert time.monotonic() - start < 5
+        assert sb.restarts == 1
+        assert sb.read_bytes("kept.txt") == b"kept"
+    assert nothing_left()
+
+
+def test_a_request_too_big_for_the_pipe_gives_up_on_a_stopped_session(snapshot):
+    """A stopped session stops reading: a request larger than the pipe's buffer must not block its caller (and every
+    caller queued behind it on the pipe) for good."""
+    with Sandbox(snapshot) as sb:
+        sb.write_bytes("tamper.py", TAMPER.encode())
+        assert sb.run(["python3", "tamper.py", "stop", "0.2"], timeout=5).exit_code == 0
+        _wait_for(sb.layout.upper / "done-stop-0.2")
+        outcome: Future = Future()
+
+        def send() -> None:  # straight to the channel, past the check that precedes every call
+            try:
+                data = base64.b64encode(os.urandom(8 << 20)).decode()
+                outcome.set_result(sb._send(sb._channel, "write_bytes", 60, {"path": "big.bin", "data": data}))
+            except BaseException as e:
+                outcome.set_exception(e)
+
+        threading.Thread(target=send, daemon=True).start()
+        with pytest.raises(SessionRestarted, match="stopped"):
+            outcome.result(timeout=10)
+        assert sb._call("ping", wait=3) == "pong"
+        assert sb.restarts == 1
+    assert nothing_left()
+
+
+def test_a_session_started_from_a_short_lived_thread_outlives_it(snapshot):
+    """bwrap runs with --die-with-parent, and the kernel's parent-death signal follows the *thread* that started
+    it: a session (re)started from a tool call's worker thread must not die when that thread ends."""
+    box: list[Sandbox] = []
+    starter = threading.Thread(target=lambda: box.append(Sandbox(snapshot)))
+    starter.start()
+    starter.join()
+    with box[0] as sb:
+        time.sleep(0.5)
+        assert sb._proc.poll() is None, "the session died with the thread that started the sandbox"
+        restarter = threading.Thread(target=sb._restart, args=(sb._channel,))  # as after a failed call
+        restarter.start()
+        restarter.join()
+        time.sleep(0.5)
+        assert sb._proc.poll() is None, "the session died with the thread that started it"
+        assert sb._call("ping", wait=3) == "pong"
+        assert sb.restarts == 1
+    assert nothing_left()
