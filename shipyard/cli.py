@@ -37,11 +37,13 @@ class UserError(Exception):
 
 @contextmanager
 def user_errors():
+    from shipyard.httpguard import TokenError
     from shipyard.models.errors import ModelNotFound, ReplayExhausted, ServerUnreachable
 
     try:
         yield
-    except (UserError, ModelNotFound, ServerUnreachable, ReplayExhausted, FileNotFoundError, ValueError) as e:
+    except (UserError, ModelNotFound, ServerUnreachable, ReplayExhausted, TokenError, FileNotFoundError,
+            ValueError) as e:
         console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
         raise typer.Exit(2) from None
 
@@ -218,28 +220,17 @@ def serve(
     Weight pushes (POST /v1/weights) need a bearer token: $SHIPYARD_SERVE_TOKEN (or the file in
     $SHIPYARD_SERVE_TOKEN_FILE) if set, else a fresh one written to $SHIPYARD_HOME/serve/PORT.token (mode 0600),
     where `shipyard.train.sync.push_http` finds it."""
-    from shipyard.httpguard import TokenError, new_token, read_token, write_token
+    from shipyard.httpguard import new_token, store_token, token_from_env
     from shipyard.models.resolve import make_engine
     from shipyard.models.server import TOKEN_ENV, ServeConfig, create_app, run, token_path
 
     with user_errors():
         if model.startswith("openai:"):
             raise UserError("serve needs a local model, not openai:")
-        try:
-            token = read_token(TOKEN_ENV, None)
-        except TokenError as e:
-            raise UserError(str(e)) from None
-        if token is None:
-            token = new_token()
-            try:
-                where = f"{write_token(token_path(port), token)} (mode 0600)"
-            except TokenError as e:
-                raise UserError(str(e)) from None
-            except OSError as e:
-                raise UserError(f"cannot write the weights token to {token_path(port)}: {e.strerror}; set "
-                                f"${TOKEN_ENV} or $SHIPYARD_HOME") from None
-        else:
-            where = f"${TOKEN_ENV}" if os.environ.get(TOKEN_ENV) else f"${TOKEN_ENV}_FILE"
+        given = token_from_env(TOKEN_ENV)
+        token, where = given or (new_token(), None)
+        if where is None:
+            where = store_token(token_path(port), token, TOKEN_ENV)
         engine = make_engine(model, device=device, status=_status)
     config = ServeConfig(token=token, api_key=api_key or None, max_tokens=max_tokens_limit, max_model_len=max_model_len,
                          max_batch=max_batch, max_body=max_body_mb << 20, max_weights_body=max_weights_mb << 20)
@@ -315,7 +306,7 @@ def env_server(
     if set, else a fresh one written to --token-file, where `EnvClient` on this host finds it."""
     import uvicorn
 
-    from shipyard.httpguard import TokenError, new_token, read_token, write_token
+    from shipyard.httpguard import new_token, store_token, token_from_env
     from shipyard.sandbox.client import TOKEN_ENV
     from shipyard.sandbox.client import token_file as default_token_file
     from shipyard.sandbox.host import host
@@ -329,31 +320,17 @@ def env_server(
             raise UserError(f"this host cannot start bubblewrap sandboxes: {problem}")
         for note in host().notes:
             console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
-        try:
-            token = read_token(TOKEN_ENV, None)
-        except TokenError as e:
-            raise UserError(str(e)) from None
-        given = token is not None
-        if given:
-            token_file = None
-        else:
-            token, token_file = new_token(), token_file or default_token_file(port)
+        given = token_from_env(TOKEN_ENV)
+        token, where = given or (new_token(), None)
+        token_file = None if given else token_file or default_token_file(port)
         config = ServerConfig(token=token, allowed_roots=tuple(allow_root or [Path.cwd()]), token_file=token_file,
                               max_live=max_live, max_starting=max_starting, max_queue=max_queue,
                               idle_timeout=idle_timeout, warm_pool=warm_pool, max_body=max_body_mb << 20,
                               copy=CopyBounds(max_bytes=max_snapshot_mb << 20, max_files=max_snapshot_files,
                                               keep_outward_links=keep_outward_links))
         server_app = create_app(config)  # checks the config before the token is written anywhere
-        if given:
-            where = f"${TOKEN_ENV}" if os.environ.get(TOKEN_ENV) else f"${TOKEN_ENV}_FILE"
-        else:
-            try:
-                where = f"{write_token(token_file, token)} (mode 0600)"
-            except TokenError as e:
-                raise UserError(str(e)) from None
-            except OSError as e:
-                raise UserError(f"cannot write the token to {token_file}: {e.strerror}; pass --token-file or set "
-                                f"${TOKEN_ENV}") from None
+        if where is None:
+            where = store_token(token_file, token, TOKEN_ENV)
     console.print(f"environment server on http://{host_}:{port} (sandbox uid {host().uid}, cgroup {host().cgroup})")
     console.print(f"token: {where}" + (f" = {token}" if print_token else ""), soft_wrap=True)
     console.print(f"clients may snapshot directories under: {', '.join(str(r) for r in server_app.state.env.roots)}",

@@ -107,6 +107,23 @@ def read_token(env_var: str, default_file: Path | None) -> str | None:
     return text.splitlines()[0] if text else None
 
 
+def token_from_env(env_var: str) -> tuple[str, str] | None:
+    """(token, where it came from) when the operator gave a server its token ($ENV_VAR or $ENV_VAR_FILE), else None."""
+    token = read_token(env_var, None)
+    if token is None:
+        return None
+    return token, f"${env_var}" if os.environ.get(env_var) else f"${env_var}_FILE"
+
+
+def store_token(path: Path, token: str, env_var: str) -> str:
+    """`write_token`, with a failure as a `TokenError` saying what to do; where the token is, for the operator."""
+    try:
+        return f"{write_token(path, token)} (mode 0600)"
+    except OSError as e:
+        raise TokenError(f"cannot write the token to {path}: {e.strerror}; set ${env_var} (or give another token "
+                         "file)") from None
+
+
 def loopback_port(url: str) -> int | None:
     """The port of an http(s) URL naming this machine (127.0.0.0/8, localhost, ::1), else None: a default token
     file holds a local server's token, which must never be sent to another host."""
