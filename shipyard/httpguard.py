@@ -72,9 +72,12 @@ def write_token(path: Path, token: str) -> Path:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
         try:
             os.write(fd, (token + "\n").encode())
+            os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:  # a full disk, say: leave no half-written token file behind
+            os.unlink(tmp, dir_fd=dir_fd)
+            raise
         finally:
             os.close(fd)
-        os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     finally:
         os.close(dir_fd)
     return path
