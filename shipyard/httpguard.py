@@ -144,8 +144,20 @@ def loopback_port(url: str) -> int | None:
         return None
 
 
+def error_body(status: int, kind: str, message: str) -> dict[str, Any]:
+    """The one error envelope of shipyard's servers (OpenAI-compatible: `error.message`, `error.type`, `error.code`)."""
+    return {"error": {"type": kind, "message": message, "code": status}}
+
+
+def error_response(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> Any:
+    """`error_body` as a FastAPI response."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(status_code=status, headers=headers, content=error_body(status, kind, message))
+
+
 def _send_error(status: int, message: str, kind: str, headers: Iterable[tuple[bytes, bytes]] = ()):
-    body = json.dumps({"error": {"type": kind, "message": message, "code": status}}).encode()
+    body = json.dumps(error_body(status, kind, message)).encode()
     start = {"type": "http.response.start", "status": status,
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                          *headers]}
@@ -245,8 +257,7 @@ def install(app: Any, *, token: str | None, max_body: int, open_paths: Iterable[
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Any, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(status_code=422, content={"error": {
-            "type": "InvalidRequest", "code": 422, "message": f"invalid request: {describe_validation(exc.errors())}"}})
+        return error_response(422, "InvalidRequest", f"invalid request: {describe_validation(exc.errors())}")
 
     app.add_middleware(Guard, token=token, max_body=max_body, open_paths=tuple(open_paths), path_tokens=path_tokens,
                        path_max_body=path_max_body)

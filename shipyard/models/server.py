@@ -224,8 +224,8 @@ class Batcher:
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, headers=headers, content={"error": {
-        "message": message, "type": "invalid_request_error" if status < 500 else "server_error", "code": status}})
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return httpguard.error_response(status, kind, message, headers)
 
 
 def create_app(engine: Engine, served_name: str, config: ServeConfig | None = None) -> FastAPI:

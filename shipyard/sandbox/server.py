@@ -375,11 +375,6 @@ class EnvServer:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, headers=headers,
-                        content={"error": {"type": kind, "message": message, "code": status}})
-
-
 def create_app(config: ServerConfig) -> FastAPI:
     env = EnvServer(config)
 
@@ -404,20 +399,21 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(Overloaded)
     async def overloaded(_, exc: Overloaded) -> JSONResponse:
-        return _error(503, "Overloaded", f"over capacity: {exc}; retry later", {"Retry-After": str(config.retry_after)})
+        return httpguard.error_response(503, "Overloaded", f"over capacity: {exc}; retry later",
+                                        {"Retry-After": str(config.retry_after)})
 
     @app.exception_handler(HTTPException)
     async def http_error(_, exc: HTTPException) -> JSONResponse:
         kind = "InvalidRequest" if exc.status_code == 422 else "HTTPError"
-        return _error(exc.status_code, kind, str(exc.detail))
+        return httpguard.error_response(exc.status_code, kind, str(exc.detail))
 
     @app.exception_handler(SnapshotRefused)
     async def refused(_, exc: SnapshotRefused) -> JSONResponse:
-        return _error(422, "SnapshotRefused", str(exc))
+        return httpguard.error_response(422, "SnapshotRefused", str(exc))
 
     @app.exception_handler(Exception)
     async def internal(_, exc: Exception) -> JSONResponse:
-        return _error(500, "InternalError", f"the server failed: {type(exc).__name__}: {exc}")
+        return httpguard.error_response(500, "InternalError", f"the server failed: {type(exc).__name__}: {exc}")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
