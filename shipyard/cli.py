@@ -392,7 +392,8 @@ def grade(
     patch: Path = typer.Option(..., "--patch", help="A `git diff` patch relative to the snapshot root."),
     timeout: float = typer.Option(900, min=1, help="Seconds the test suite may take."),
 ) -> None:
-    """Grade a patch in a fresh sandbox; print the verdict as JSON (exit 0 reward 1, 1 reward 0, 3 infra error)."""
+    """Grade a patch in a fresh sandbox; print the verdict as JSON (exit 0 reward 1, 1 reward 0 — failed, rejected,
+    tampered with, crashed or timed out —, 3 infra error: reward null, the control run failed too)."""
     from shipyard.tasks.grade import grade as grade_patch
     from shipyard.tasks.taskset import TaskFormatError, load_task
 
@@ -401,9 +402,9 @@ def grade(
             raise UserError(f"--patch {patch} is not a file")
         try:
             loaded, task_dir = load_task(tasks, task)
+            verdict = grade_patch(loaded, task_dir, patch.read_text(errors="replace"), timeout=timeout)
         except TaskFormatError as e:
             raise UserError(str(e)) from None
-        verdict = grade_patch(loaded, task_dir, patch.read_text(errors="replace"), timeout=timeout)
     out.print_json(json.dumps(verdict.to_json()))
     raise typer.Exit(0 if verdict.reward == 1.0 else 3 if verdict.reward is None else 1)
 

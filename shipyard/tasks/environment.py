@@ -12,36 +12,64 @@ What goes in:
   the project's build backend (for the editable install);
 - a requirement already satisfied by a distribution installed on the host is copied file by file from the
   host's site-packages (its `RECORD`; offline, milliseconds); the rest is downloaded from PyPI on the host
-  (`pip download`, into a cached wheelhouse) and installed inside a sandbox with `--no-index`, so any package
-  build script runs sandboxed;
+  (`pip download`, into a cached wheelhouse) and installed inside a sandbox with `--no-index` (and no build
+  isolation: the sandbox has no network to fetch build requirements), so package builds run sandboxed — except
+  the metadata hook of a requirement published only as an sdist, which `pip download` runs on the host;
 - the project itself, editable (`pip install -e /workspace` inside a sandbox, no network): a path pointer, never
   a copy of its code in site-packages — a copy would hand the deleted code back to the agent.
+
+The repository is untrusted input, and so is everything its build scripts write:
+- **The copy never follows a link out of the repo** (`copy_repository`): one walk that `lstat`s every entry and
+  copies regular files and directories only. A symbolic link whose target resolves inside the repo to a regular
+  file becomes a copy of that file (fixtures are often linked); every other link — out of the repo, dangling, to a
+  directory, into `.git`, a loop — and every special file (FIFO, socket, device) is left out and reported
+  (`Prepared.skipped`). `.git`, `.venv` and `__pycache__` are not copied. After the copy the tree holds no link
+  outside its venv, and nothing downstream follows one (`regular_files` lists by `lstat`).
+- **Nothing from the repo passes through a shell.** Requirement strings (`setuptools-scm >= 8.2`) are arguments
+  of `pip`, one command per step (`sb.run([python, "-m", "pip", …])`); a failure names its step. A script built
+  from them once turned `>` into a redirection: the bound was lost and an empty file `=8.2` appeared in every
+  snapshot.
+- **The prepared tree holds only the repo's files and the venv.** The sandboxed steps (pip, the project's build
+  backend) may write anywhere in the tree. Their result contributes only its `.venv` and the regular `.py` files
+  the editable build generated inside the repo's existing directories, test files excepted (setuptools-scm's
+  `_version.py`, which the package imports; `Prepared.generated`); every repo file is the copy made before any of
+  its code ran, and anything else they wrote (`*.egg-info`, `build/`, the wheelhouse, stray files, links) is
+  dropped (`Prepared.dropped`).
 """
 
 from __future__ import annotations
 
 import configparser
+import errno
+import os
+import shlex
 import shutil
+import stat
 import subprocess
 import sys
+import time
 import tomllib
 from dataclasses import dataclass, field
 from importlib import metadata
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from packaging.markers import default_environment
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
+from shipyard.harness.confined import Tree
 from shipyard.sandbox.host import host
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
+from shipyard.tasks.patchscan import is_test_config
 
 VENV = ".venv"
 PYTHON = f"/workspace/{VENV}/bin/python"
 TEST_GROUPS = ("test", "tests", "testing", "dev")
 ALWAYS = ("pytest", "coverage", "pip")
 WHEELHOUSE = ".shipyard-wheelhouse"
+NOT_COPIED = frozenset({".git", VENV, "__pycache__"})  # names never copied from the repo, at any depth
+MAX_DEPTH = 64  # directory levels copied from the repo
 REQUIREMENT_FILES = ("requirements-test.txt", "requirements-tests.txt", "requirements_test.txt",
                      "test-requirements.txt", "test_requirements.txt", "requirements-testing.txt",
                      "requirements/test.txt", "requirements/tests.txt", "requirements/testing.txt",
@@ -57,7 +85,111 @@ class Prepared:
     root: Path  # the repository with its `.venv`, ready to snapshot
     copied: list[str] = field(default_factory=list)  # distributions copied from the host
     downloaded: list[str] = field(default_factory=list)  # requirements fetched from PyPI
+    files: list[str] = field(default_factory=list)  # the repo's files, as copied (links materialised included)
+    skipped: dict[str, str] = field(default_factory=dict)  # repo path → why it was left out of the copy
+    generated: list[str] = field(default_factory=list)  # .py files the editable build wrote, kept
+    dropped: list[str] = field(default_factory=list)  # what the sandboxed steps wrote into the tree, dropped
     log: str = ""
+
+
+def _kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "named pipe (FIFO)"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return kind
+    return "special file"
+
+
+def _copy_file(name: str, dest: Path, dir_fd: int | None = None) -> str | None:
+    """Copy the regular file `name` (its last component not followed) to the new file `dest`; why not, or None."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    with os.fdopen(fd, "rb") as src:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # swapped since it was looked at
+            return f"is a {_kind(st.st_mode)}, not a regular file"
+        with open(dest, "xb") as out:
+            shutil.copyfileobj(src, out, 1 << 20)
+    os.chmod(dest, (stat.S_IMODE(st.st_mode) & 0o777) | 0o600)
+    return None
+
+
+def _materialise(root: str, rel: str, dest: Path) -> str | None:
+    """The symbolic link `rel` of the repo at the real path `root`, copied as the regular file it resolves to if
+    that lies inside the repo; otherwise why it is left out."""
+    link = os.path.join(root, rel)
+    target = os.readlink(link)
+    try:
+        st = os.stat(link)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"is a symbolic link loop (to {target!r})"
+        return f"is a dangling symbolic link (to {target!r})"
+    real = os.path.realpath(link)
+    if not real.startswith(root.rstrip("/") + "/"):
+        return f"is a symbolic link to {target!r}, which leads out of the repository"
+    inner = PurePosixPath(os.path.relpath(real, root))
+    if NOT_COPIED & set(inner.parts):
+        return f"is a symbolic link to {target!r}, into {next(p for p in inner.parts if p in NOT_COPIED)}"
+    if stat.S_ISDIR(st.st_mode):
+        return f"is a symbolic link to a directory ({target!r}); linked directories are not copied"
+    if not stat.S_ISREG(st.st_mode):
+        return f"is a symbolic link to a {_kind(st.st_mode)}"
+    return _copy_file(real, dest)
+
+
+def copy_repository(repo: Path, dest: Path) -> dict[str, str]:
+    """Copy the repo's directories and regular files (and links to regular files inside it, as copies) into the new
+    directory `dest`, never following a link out of it; what was left out: path → why (see the module docstring)."""
+    root = os.path.realpath(repo)
+    tree = Tree(Path(root))
+    skipped: dict[str, str] = {}
+    dest.mkdir(parents=True)
+    todo = [""]
+    while todo:
+        rel = todo.pop()
+        fd = tree.open_dir(rel.split("/") if rel else [])  # each component O_NOFOLLOW: a real directory
+        try:
+            with os.scandir(fd) as it:
+                names = sorted(entry.name for entry in it)
+            for name in names:
+                path = f"{rel}/{name}" if rel else name
+                if name in NOT_COPIED:
+                    continue
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                why = None
+                if stat.S_ISDIR(st.st_mode):
+                    if path.count("/") >= MAX_DEPTH:
+                        why = f"is more than {MAX_DEPTH} directories deep"
+                    else:
+                        (dest / path).mkdir()
+                        todo.append(path)
+                elif stat.S_ISREG(st.st_mode):
+                    why = _copy_file(name, dest / path, dir_fd=fd)
+                elif stat.S_ISLNK(st.st_mode):
+                    why = _materialise(root, path, dest / path)
+                else:
+                    why = f"is a {_kind(st.st_mode)}, not a regular file"
+                if why:
+                    skipped[path] = why
+        finally:
+            os.close(fd)
+    return skipped
+
+
+def regular_files(root: Path, skip: frozenset[str] | set[str] = NOT_COPIED) -> list[str]:
+    """The regular files under `root` (relative POSIX paths, sorted), found without following any link; directories
+    named in `skip` are not entered, at any depth."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):  # never descends into a linked directory
+        dirnames[:] = [d for d in dirnames if d not in skip]
+        base = Path(dirpath).relative_to(root)
+        for name in filenames:
+            if stat.S_ISREG(os.lstat(os.path.join(dirpath, name)).st_mode):
+                out.append((base / name).as_posix())
+    return sorted(out)
 
 
 def project_requirements(repo: Path) -> tuple[str | None, list[str], list[str]]:
@@ -179,12 +311,84 @@ def _download(requirements: list[str], cache: Path) -> Path:
     return cache
 
 
+def _steps(missing: list[str], has_project: bool) -> list[tuple[str, list[str]]]:
+    """The commands run in the sandbox, each an argument list (what they are, argv): no shell ever parses a
+    requirement string."""
+    # No build isolation: an isolated build would fetch its build requirements, and the sandbox has no network; a
+    # downloaded sdist builds with what the venv holds (setuptools, copied from the host, usually suffices).
+    pip = [PYTHON, "-m", "pip", "install", "--quiet", "--no-index", "--no-build-isolation"]
+    steps = []
+    if missing:
+        steps.append(("install the downloaded requirements", [*pip, "--find-links", f"/workspace/{WHEELHOUSE}",
+                                                              *missing]))
+    if has_project:
+        steps.append(("install the project (editable)", [*pip, "--no-deps", "-e", "/workspace"]))
+    steps.append(("check that pytest runs", [PYTHON, "-m", "pytest", "--version"]))
+    return steps
+
+
+def _run_steps(sb: Sandbox, repo: Path, steps: list[tuple[str, list[str]]], timeout: float) -> str:
+    """Run `steps` in order within `timeout` seconds in all; their output. EnvSetupError naming the failed step."""
+    env = sb.environment() | {"PIP_NO_INPUT": "1"}
+    deadline = time.monotonic() + timeout
+    log = ""
+    for what, argv in steps:
+        left = deadline - time.monotonic()
+        result = sb.run(argv, timeout=max(1.0, left), env=env) if left > 0 else None
+        if result is not None:
+            log += f"$ {shlex.join(argv)}\n{result.output.decode(errors='replace')}"
+        if result is None or result.timed_out or result.exit_code != 0:
+            how = f"exit {result.exit_code}" if result is not None and not result.timed_out else \
+                f"the {timeout:g} s given to preparing the environment ran out"
+            raise EnvSetupError(f"preparing the environment of {repo} failed at the step '{what}' inside the sandbox "
+                                f"({how}):\n{log[-3000:]}\nfix the requirement or the build named above, or name "
+                                "what the tests need with --with")
+    return log
+
+
+def _settle(dest: Path, ready: Path, files: list[str]) -> tuple[list[str], list[str]]:
+    """Make `dest` (the repo as copied, with a venv) hold the repo's files, the venv from `ready` (the tree after
+    the sandboxed steps) and the `.py` files those steps generated in the repo's existing directories (test files
+    excepted); (generated, dropped): what of `ready` was kept and what was left behind (module docstring)."""
+    if not stat.S_ISDIR(os.lstat(ready / VENV).st_mode):
+        raise EnvSetupError(f"preparing the environment replaced {VENV} with something that is not a directory (the "
+                            "project's build did it); the environment cannot be used")
+    shutil.rmtree(dest / VENV)
+    shutil.rmtree(dest / WHEELHOUSE, ignore_errors=True)
+    known = set(files)
+    dirs = {""}  # the repo's directories, as copied
+    for dirpath, dirnames, _ in os.walk(dest):
+        here = Path(dirpath).relative_to(dest)
+        dirs |= {(here / d).as_posix() for d in dirnames}
+    shutil.copytree(ready / VENV, dest / VENV, symlinks=True)  # links in the venv resolve inside sandboxes
+    generated, dropped = [], []
+    for dirpath, dirnames, filenames in os.walk(ready):
+        here = "" if Path(dirpath) == ready else Path(dirpath).relative_to(ready).as_posix()
+        for name in list(dirnames):
+            rel = f"{here}/{name}" if here else name
+            if rel != VENV and rel not in dirs:
+                dropped.append(rel)
+        dirnames[:] = [d for d in dirnames if (f"{here}/{d}" if here else d) in dirs]
+        for name in filenames:
+            rel = f"{here}/{name}" if here else name
+            if rel in known:
+                continue  # the repo's own file: the copy made before any of its code ran stays
+            st = os.lstat(os.path.join(dirpath, name))
+            if stat.S_ISREG(st.st_mode) and name.endswith(".py") and not is_test_config(rel) \
+                    and not os.path.lexists(dest / rel) and _copy_file(os.path.join(dirpath, name), dest / rel) is None:
+                generated.append(rel)
+            else:
+                dropped.append(rel)
+    return sorted(generated), sorted(dropped)
+
+
 def prepare(repo: Path, dest: Path, wheel_cache: Path, timeout: float = 900,
             extra: tuple[str, ...] = ()) -> Prepared:
     """Copy `repo` to `dest` and give it a ready `.venv` (`extra`: more requirements, as `shipyard synth --with`)."""
     if dest.exists():
         shutil.rmtree(dest)
-    shutil.copytree(repo, dest, symlinks=True, ignore=shutil.ignore_patterns(".git", VENV, "__pycache__"))
+    skipped = copy_repository(repo, dest)
+    files = regular_files(dest)
     name, reqs, build = project_requirements(dest)
     own = canonicalize_name(name) if name else None
     host_dists, missing = _closure([*reqs, *requirements_for_tests(dest), *extra, *build, *ALWAYS], own)
@@ -192,34 +396,21 @@ def prepare(repo: Path, dest: Path, wheel_cache: Path, timeout: float = 900,
     site = _site_packages(dest / VENV)
     for dist in host_dists:
         copy_distribution(dist, site)
-    prepared = Prepared(dest, sorted(f"{d.metadata['Name']}=={d.version}" for d in host_dists), missing)
+    prepared = Prepared(dest, sorted(f"{d.metadata['Name']}=={d.version}" for d in host_dists), missing, files,
+                        skipped)
     if missing:
         wheels = _download(missing, wheel_cache)
         shutil.copytree(wheels, dest / WHEELHOUSE)
-    has_project = (dest / "pyproject.toml").exists() or (dest / "setup.py").exists()
-    script = "set -e\n"
-    if missing:
-        script += f"{PYTHON} -m pip install --quiet --no-index --find-links {WHEELHOUSE} {' '.join(missing)!s}\n"
-    if has_project:
-        script += f"{PYTHON} -m pip install --quiet --no-deps --no-build-isolation --no-index -e .\n"
-    script += f"{PYTHON} -m pytest --version\n"
-    h = host()
-    snap = make_snapshot(dest, h)
+    has_project = (dest / "pyproject.toml").is_file() or (dest / "setup.py").is_file()
+    snap = make_snapshot(dest, host())
     try:
         with Sandbox(snap) as sb:
-            result = sb.run(["bash", "-c", script], timeout=timeout, env=sb.environment() | {"PIP_NO_INPUT": "1"})
-            prepared.log = result.output.decode(errors="replace")
-            if result.exit_code != 0 or result.timed_out:
-                raise EnvSetupError(f"preparing the environment of {repo} failed inside the sandbox "
-                                        f"(exit {result.exit_code}):\n{prepared.log[-3000:]}")
+            prepared.log = _run_steps(sb, repo, _steps(missing, has_project), timeout)
             ready = sb.save_snapshot()
     finally:
         remove_snapshot(snap)
-    shutil.rmtree(dest)
-    shutil.copytree(ready, dest, symlinks=True)
-    remove_snapshot(ready)
-    shutil.rmtree(dest / WHEELHOUSE, ignore_errors=True)
-    for leftover in dest.glob("*.egg-info"):
-        shutil.rmtree(leftover)
+    try:
+        prepared.generated, prepared.dropped = _settle(dest, ready, files)
+    finally:
+        remove_snapshot(ready)
     return prepared
-

@@ -1,112 +1,230 @@
-"""The grader: a patch's reward, from a fresh sandbox over the task's snapshot.
+"""The grader: a patch's reward, from a fresh sandbox over the task's snapshot, through layers no patch can steer.
 
-1. Reject patches that touch the environment (`.venv/`) or git internals: they are the agent's doing (reward 0).
-2. Apply the patch with `git apply` in a fresh sandbox; a patch that does not apply scores 0.
-3. Restore the test files and test configuration from the task's canonical copies, and delete any test file or
-   test configuration the patch added (a new `conftest.py` can rewrite outcomes through pytest's hooks).
-4. Run the suite with JUnit XML; every FAIL_TO_PASS and PASS_TO_PASS test must be reported (a missing one counts
-   as failed) and pass. Reward 1 or 0, plus the fraction of those tests that passed.
+RL optimises what the reward measures, so the reward is a claim about the code the patch wrote, not about what the
+test run could be talked into saying. In order:
 
-Infrastructure failures (the sandbox would not start, its session died, pytest produced no report) come back as
-`status: "infra_error"` with `reward: null` — never as a zero that would teach the policy something false. A suite
-that runs past its timeout is the patch's doing (an infinite loop, say): `status: "timeout"`, reward 0.
+1. **Inputs.** The task is checked against its schema (`taskset.check_task`: FAIL_TO_PASS not empty, every path
+   relative and inside the task) and each canonical test file is read without following a link
+   (`taskset.read_canonical`). A bad task raises `TaskFormatError`; it is never graded.
+2. **Static gate, on the host, before any sandbox.** `patchparse.parse_patch` reads the patch the way `git apply`
+   does (a patch over `tree_diff`'s 8 MiB bound is refused unread); a patch without file sections (empty, or only
+   `tree_diff`'s leading note) is the empty patch. `change_problems` refuses every path a solution does not touch
+   (tests and test configuration, dot paths, start-up hooks, compiled modules, new files outside the project's
+   packages, links) and `steering` refuses added code that reaches for pytest, import hooks, frames or hard exits
+   unless the gold patch does too → `patch_rejected`.
+3. **Apply, in a fresh sandbox.** `git apply --numstat --summary -z` must list exactly the files the parser found
+   and no link or submodule mode (two parsers that disagree → `patch_rejected`); `git apply` failing →
+   `patch_failed`; afterwards every path the patch names must be a regular file or absent (`lstat`).
+4. **Restore.** Every canonical test file and configuration is written back (whatever the path holds — a link, a
+   directory — is removed first), and each module that holds a scored test gets this run's canaries appended: a
+   test that must fail and one that must pass, under random names (`suite.Canary`).
+5. **Run** (`suite.run_suite`, exactly as synthesis ran it): an isolated interpreter (the working directory is not
+   on `sys.path`, no `PYTHON*`/`PYTEST*` variables, no user site), the configuration chosen among the task's
+   canonical root configs by pytest's own precedence and passed with `-c`/`--rootdir`, a run directory with a random
+   name, the launcher's integrity check of pytest's machinery and its seal over the report.
+6. **Score.** Every FAIL_TO_PASS and PASS_TO_PASS test must be reported and pass → reward 1, else 0. Then the
+   evidence of tampering, which scores 0 whatever the tests said, status `tampered`: a must-fail canary passed
+   (outcomes were forced), canaries missing or wrong in a run that would have scored 1, a report that does not
+   match the launcher's seal, or changes to pytest's machinery during the run.
+7. **Failures are the patch's unless proven otherwise.** A suite past its timeout → `timeout`, 0. No readable
+   report, or a sandbox session that died once the patch was in it → a **control run**: a fresh sandbox over the
+   same pristine snapshot runs a module of canaries the same way. If it works, the infrastructure works, and the
+   failure was the patch's doing → `no_report` or `crashed`, reward 0. Only if the control fails too →
+   `infra_error`, reward null (training skips it). A sandbox that fails to start before the patch reached it is
+   `infra_error` directly. The control run costs a second or two, and only on failure.
+
+`detail` is composed here, at most `DETAIL_CHARS` printable ASCII characters, never the sandbox's or pytest's
+output (a `git apply` error keeps its first line, sanitised). `evidence` lists what the gate or the tamper checks
+found, each item sanitised and bounded.
+
+What a patch could still do: attack the in-process layers from code the static gate did not recognise (it is a
+screen of patterns, and obfuscated code passes it): find the launcher's records and rewrite them, or single out the
+canaries (by reading the test files the run uses) and force every other outcome. The canaries and the integrity
+check each catch the generic form of such an attack; a targeted one has to defeat both, from code that imports none
+of the machinery by name. The monitors (`shipyard.tasks.monitors`) flag the attempt either way.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+import secrets
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+from shipyard.harness.confined import PathError
+from shipyard.harness.diff import MAX_DIFF_BYTES
+from shipyard.harness.workspace import MAX_DIR_ENTRIES
 from shipyard.sandbox.host import host
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
-from shipyard.tasks.features import is_test_file
-from shipyard.tasks.suite import OUT, run_suite
-from shipyard.tasks.taskset import Task
+from shipyard.tasks.patchparse import FileChange, parse_patch
+from shipyard.tasks.patchscan import change_problems, is_test_config, steering
+from shipyard.tasks.suite import Canary, NoReport, SuiteRun, canary_problems, printable, run_suite, top_level_configs
+from shipyard.tasks.taskset import Task, check_task, read_canonical
 
-TEST_CONFIG = ("conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", ".coveragerc")
-PATCH_PATHS = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.MULTILINE)
-FORBIDDEN = (".venv/", ".git/")
+__all__ = ["DETAIL_CHARS", "Refused", "Verdict", "apply_patch", "control_run", "gate", "grade", "is_test_config",
+           "not_regular", "patch_paths"]
+
+DETAIL_CHARS = 300
+EVIDENCE = 20  # items of evidence kept, each at most 160 characters
+MAX_GOLD = 8 << 20
+CONTROL_TIMEOUT = 300.0
+LINK_MODES = {b"120000", b"160000"}
 
 
 @dataclass
 class Verdict:
     task: str
-    status: str  # graded | patch_rejected | patch_failed | timeout | infra_error
+    status: str  # graded | patch_rejected | patch_failed | tampered | no_report | crashed | timeout | infra_error
     reward: float | None
     passed_fraction: float = 0.0
     fail_to_pass: dict[str, int] = field(default_factory=dict)  # passed, total
     pass_to_pass: dict[str, int] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)  # expected tests the run did not report
     failed: list[str] = field(default_factory=list)
-    restored: list[str] = field(default_factory=list)
-    removed: list[str] = field(default_factory=list)
+    restored: list[str] = field(default_factory=list)  # canonical files the patch had left as something else
     collection_errors: list[str] = field(default_factory=list)
+    evidence: list[str] = field(default_factory=list)  # what the gate or the tamper checks found
     detail: str = ""
     seconds: float = 0.0
+
+    def conclude(self, status: str, detail: str, reward: float | None = 0.0, evidence: list[str] = ()) -> Verdict:
+        self.status, self.reward, self.detail = status, reward, printable(detail, DETAIL_CHARS)
+        self.evidence = [printable(e, 160) for e in evidence][:EVIDENCE]
+        return self
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def is_test_config(path: str) -> bool:
-    return is_test_file(path) or Path(path).name in TEST_CONFIG
+class Refused(Exception):
+    """The sandbox stage found the patch unacceptable (`status`: patch_rejected or patch_failed)."""
+
+    def __init__(self, status: str, detail: str):
+        super().__init__(detail)
+        self.status, self.detail = status, detail
 
 
 def patch_paths(patch: str) -> list[str]:
-    return sorted({p for m in PATCH_PATHS.finditer(patch) for p in m.groups()})
+    """Every path a patch names, as `patchparse.parse_patch` (and so `git apply`) reads it."""
+    return sorted({p for change in parse_patch(patch) for p in change.paths})
 
 
-def _restore(ws: Sandbox, task: Task, task_dir: Path) -> tuple[list[str], list[str]]:
-    restored = []
-    for rel in task.test_files:
-        canonical = (task_dir / "tests" / rel).read_bytes()
-        if ws.kind(rel) != "file" or ws.read_bytes(rel) != canonical:
-            ws.write_bytes(rel, canonical)
-            restored.append(rel)
-    known = set(task.test_files)
-    removed = [rel for rel in ws.files(1_000_000) if is_test_config(rel) and rel not in known
-               and not rel.startswith((".venv/", OUT))]
-    for rel in removed:
-        ws.delete(rel)
-    return restored, removed
-
-
-def grade(task: Task, task_dir: Path, patch: str, timeout: float = 900, snapshot: Path | None = None) -> Verdict:
-    """Grade `patch`; `snapshot` is a ready sandbox snapshot of the task's `snapshot/` (made here when None)."""
-    start = time.monotonic()
-    verdict = Verdict(task.id, "graded", 0.0)
-    bad = [p for p in patch_paths(patch) if p.startswith(FORBIDDEN)]
-    if bad:
-        verdict.status, verdict.detail = "patch_rejected", f"the patch edits the environment: {', '.join(bad[:5])}"
-        return verdict
-    snap = None
+def _read_gold(task_dir: Path) -> str:
+    """The task's gold patch ('' if it has none yet: synthesis grades the empty patch before writing it)."""
     try:
-        if snapshot is None:
-            snap = snapshot = make_snapshot(task_dir / "snapshot", host())
+        fd = os.open(task_dir / "gold.patch", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            return ""
+        raise
+    with os.fdopen(fd, "rb") as f:
+        return f.read(MAX_GOLD).decode(errors="replace")
+
+
+def gate(changes: list[FileChange], task_dir: Path) -> list[str]:
+    """Why the parsed patch may not be applied (empty: it may), judged on the host against the task's snapshot."""
+    problems = change_problems(changes, task_dir / "snapshot")
+    problems += [f"added code reaches for test machinery ({f.kind}): {f.evidence}"
+                 for f in steering(changes, parse_patch(_read_gold(task_dir)))]
+    return problems
+
+
+def _numstat(output: bytes) -> tuple[set[str], set[bytes]]:
+    """(files, modes) from `git apply --numstat --summary -z`: NUL-ended `ADDED\\tDELETED\\tPATH` records, then the
+    summary's lines (`create mode 100644 x`, `mode change 100644 => 120000 x`)."""
+    *records, summary = output.split(b"\0")
+    paths = set()
+    for record in records:
+        parts = record.split(b"\t", 2)
+        if len(parts) != 3:
+            raise Refused("patch_rejected", "git apply lists the patch's files in a form the grader cannot read")
+        paths.add(parts[2].decode("utf-8", "surrogateescape"))
+    return paths, set(re.findall(rb"mode (?:change \d+ => )?(\d{6})", summary))
+
+
+def apply_patch(sb: Sandbox, patch: str, changes: list[FileChange]) -> None:
+    """Apply the patch after git confirmed it names the files the parser read; then no path may be a link."""
+    data = patch.encode("utf-8", "surrogateescape")
+    listed = sb.run(["sh", "-c", "exec git apply --numstat --summary -z 2>/dev/null"], timeout=120, stdin=data)
+    if listed.exit_code == 0 and not listed.timed_out:
+        files, modes = _numstat(listed.output)
+        if files != {c.new or c.old for c in changes}:
+            raise Refused("patch_rejected", "git apply and the grader's parser read different files in the patch "
+                                             f"({len(files)} and {len(changes)} file sections)")
+        if modes & LINK_MODES:
+            raise Refused("patch_rejected", "the patch would create a symbolic link or a submodule")
+    applied = sb.run(["git", "apply", "--whitespace=nowarn"], timeout=120, stdin=data)
+    if applied.timed_out or applied.exit_code != 0:
+        first = applied.output.decode(errors="replace").strip().splitlines()[:1]
+        raise Refused("patch_failed", f"the patch does not apply: {first[0] if first else 'git apply failed'}")
+    if listed.exit_code != 0 or listed.timed_out:
+        raise Refused("patch_rejected", "git could not list the patch's files, yet applied it")
+    odd = not_regular(sb, sorted({p for c in changes for p in c.paths}))
+    if odd:
+        raise Refused("patch_rejected", f"after applying, {len(odd)} path(s) are not regular files: {', '.join(odd)}")
+
+
+def not_regular(sb: Sandbox, paths: list[str]) -> list[str]:
+    """The paths that exist as something other than a regular file (read with lstat: links are not followed)."""
+    by_dir: dict[str, list[str]] = {}
+    for path in paths:
+        p = PurePosixPath(path)
+        by_dir.setdefault(str(p.parent), []).append(p.name)
+    odd = []
+    for directory, names in by_dir.items():
+        try:
+            entries = sb.listdir(directory)
+        except PathError:
+            if sb.kind(directory) == "missing":
+                continue
+            odd += [str(PurePosixPath(directory) / n) for n in names]  # the directory is itself a link
+            continue
+        kinds = {e.name: e.kind for e in entries}
+        absent = "file" if len(entries) <= MAX_DIR_ENTRIES else "unlisted"  # a capped listing proves nothing
+        odd += [str(PurePosixPath(directory) / n) for n in names if kinds.get(n, absent) != "file"]
+    return odd
+
+
+def _restore(sb: Sandbox, canonical: dict[str, bytes], canaries: list[Canary]) -> list[str]:
+    """Write every canonical file back (canaries appended to their modules); the paths that had to be cleared."""
+    extra = {c.module: c.source() for c in canaries}
+    cleared = []
+    for rel, data in canonical.items():
+        data += extra.get(rel, b"")
+        try:
+            sb.write_bytes(rel, data)
+            continue
+        except PathError:  # a link or a directory in the way (write_bytes never follows or replaces one)
+            cleared.append(rel)
+        sb.run(["rm", "-rf", "--", rel], timeout=60)
+        try:
+            sb.write_bytes(rel, data)
+        except PathError as e:
+            raise Refused("patch_rejected", f"the canonical test file {rel} could not be restored") from e
+    return cleared
+
+
+def control_run(snapshot: Path, configs: list[str], timeout: float) -> bool:
+    """Whether the infrastructure works: a fresh sandbox over the pristine `snapshot` runs a module holding only
+    canaries, the way the patch's run went, and every check of it comes out right."""
+    canary = Canary.new(f"test_{secrets.token_hex(6)}.py")
+    try:
         with Sandbox(snapshot) as sb:
-            if patch.strip():
-                sb.write_bytes(f"{OUT}/patch.diff", patch.encode())
-                r = sb.run(["git", "apply", "--whitespace=nowarn", f"{OUT}/patch.diff"], timeout=120)
-                if r.exit_code != 0:
-                    verdict.status, verdict.detail = "patch_failed", r.output.decode(errors="replace")[-2000:]
-                    return verdict
-            verdict.restored, verdict.removed = _restore(sb, task, task_dir)
-            try:
-                run = run_suite(sb, timeout=timeout)
-            except TimeoutError as e:
-                verdict.status, verdict.detail = "timeout", str(e)[-2000:]
-                return verdict
-    except (OSError, RuntimeError) as e:
-        verdict.status, verdict.reward, verdict.detail = "infra_error", None, f"{type(e).__name__}: {e}"[-3000:]
-        return verdict
-    finally:
-        if snap is not None:
-            remove_snapshot(snap)
-        verdict.seconds = round(time.monotonic() - start, 2)
+            sb.write_bytes(canary.module, canary.source())
+            run = run_suite(sb, [canary.module], timeout=min(timeout, CONTROL_TIMEOUT), configs=configs,
+                            canaries=[canary])
+    except (OSError, RuntimeError, ValueError):  # TimeoutError, SessionRestarted: OSErrors; PathError: a ValueError
+        return False
+    forced, off = canary_problems([canary], run)
+    return not forced and not off and not run.integrity.problems
+
+
+def _score(verdict: Verdict, task: Task, run: SuiteRun, canaries: list[Canary]) -> None:
     expected = [*task.fail_to_pass, *task.pass_to_pass]
     verdict.missing = [t for t in expected if t not in run.outcomes]
     passed = run.passed
@@ -116,6 +234,85 @@ def grade(task: Task, task_dir: Path, patch: str, timeout: float = 900, snapshot
     verdict.fail_to_pass = {"passed": f2p, "total": len(task.fail_to_pass)}
     verdict.pass_to_pass = {"passed": p2p, "total": len(task.pass_to_pass)}
     verdict.passed_fraction = round((f2p + p2p) / max(1, len(expected)), 4)
-    verdict.reward = 1.0 if f2p + p2p == len(expected) else 0.0
-    verdict.collection_errors = run.collection_errors
-    return verdict
+    verdict.reward = 1.0 if expected and f2p + p2p == len(expected) else 0.0
+    verdict.collection_errors = [printable(e, 200) for e in run.collection_errors[:50]]
+    forced, off = canary_problems(canaries, run)
+    problems = list(run.integrity.problems)
+    if forced:
+        problems.insert(0, f"a test that must fail passed in {len(forced)} module(s): the outcomes were forced")
+    if off and verdict.reward == 1.0:
+        problems.append(f"canary tests are missing or have the wrong outcome in {len(off)} module(s)")
+    if problems:
+        verdict.conclude("tampered", "the test run was tampered with: " + "; ".join(problems),
+                         evidence=[*problems, *run.integrity.changes])
+
+
+def grade(task: Task, task_dir: Path, patch: str, timeout: float = 900, snapshot: Path | None = None) -> Verdict:
+    """Grade `patch`; `snapshot` is a ready sandbox snapshot of the task's `snapshot/` (made here when None).
+    Raises `TaskFormatError` for a task that fails its schema; every patch gets a verdict."""
+    start = time.monotonic()
+    task_dir = Path(task_dir)
+    check_task(task, task_dir, str(task_dir / "task.json"))
+    canonical = {rel: read_canonical(task_dir, rel) for rel in task.test_files}
+    verdict = Verdict(task.id, "graded", 0.0)
+    try:
+        if len(patch) > MAX_DIFF_BYTES:
+            return verdict.conclude("patch_rejected", f"the patch is larger than {MAX_DIFF_BYTES} characters")
+        changes = parse_patch(patch)
+        problems = gate(changes, task_dir)
+        if problems:
+            return verdict.conclude("patch_rejected", f"the patch may not be applied: {'; '.join(problems)}",
+                                    evidence=problems)
+        _in_sandbox(verdict, task, task_dir, patch if changes else "", changes, canonical, timeout, snapshot)
+        return verdict
+    finally:
+        verdict.seconds = round(time.monotonic() - start, 2)
+
+
+def _in_sandbox(verdict: Verdict, task: Task, task_dir: Path, patch: str, changes: list[FileChange],
+                canonical: dict[str, bytes], timeout: float, snapshot: Path | None) -> None:
+    expected_files = {t.split("::", 1)[0] for t in [*task.fail_to_pass, *task.pass_to_pass]}
+    canaries = [Canary.new(rel) for rel in sorted(expected_files & set(canonical)) if rel.endswith(".py")]
+    configs = top_level_configs(list(canonical))
+    made = None
+    try:
+        if snapshot is None:
+            made = snapshot = make_snapshot(task_dir / "snapshot", host())
+        try:
+            sb = Sandbox(snapshot)
+        except (OSError, RuntimeError) as e:
+            verdict.conclude("infra_error", f"the grading sandbox did not start ({type(e).__name__})", reward=None)
+            return
+        failure = ""
+        with sb:
+            try:
+                if changes:
+                    apply_patch(sb, patch, changes)
+                verdict.restored = _restore(sb, canonical, canaries)
+                run = run_suite(sb, timeout=timeout, configs=configs, canaries=canaries)
+            except Refused as r:
+                verdict.conclude(r.status, r.detail)
+                return
+            except TimeoutError:
+                verdict.conclude("timeout", f"the test suite ran past its timeout of {timeout:g} s")
+                return
+            except NoReport as e:
+                failure = f"no_report:the test run ended (exit {e.exit_code}) without a readable report"
+            except (OSError, RuntimeError, ValueError) as e:
+                failure = f"crashed:the sandbox failed during grading ({type(e).__name__})"
+        if failure:
+            status, what = failure.split(":", 1)
+            if control_run(snapshot, configs, timeout):
+                verdict.conclude(status, f"{what}; a control run over the pristine snapshot passed, so the "
+                                         "failure is the patch's doing")
+            else:
+                verdict.conclude("infra_error", f"{what}, and a control run over the pristine snapshot failed too: "
+                                                "the infrastructure is broken", reward=None)
+            return
+        _score(verdict, task, run, canaries)
+    except (OSError, RuntimeError) as e:  # making or removing the snapshot: before any patch reached a sandbox
+        verdict.conclude("infra_error", f"the grading sandbox's snapshot could not be made ({type(e).__name__})",
+                         reward=None)
+    finally:
+        if made is not None:
+            remove_snapshot(made)

@@ -1,36 +1,112 @@
-"""Running a repository's pytest suite inside a sandbox: per-test outcomes from JUnit XML, per-test coverage.
+"""Running a repository's pytest suite inside a sandbox: per-test outcomes, per-test coverage, canaries and a seal.
+
+Synthesis (the baseline runs, every validation grade) and grading run the suite through `run_suite` alone, so a
+task is graded exactly the way its tests were judged stable. Each run gets a fresh run directory with an
+unpredictable name (`.shipyard-<random>`: a patch cannot plant files in it, and `patchscan` refuses every dot path
+anyway), and starts `shipyard.tasks.pytest_plugin` as the launcher in isolated mode with an environment stripped of
+`PYTHON*`, `PYTEST*` and coverage variables; the launcher chooses the configuration file among the names it is
+given and passes it to pytest explicitly (see its docstring for the whole list of what it pins down, and for what
+an attack inside the process could still do).
 
 Outcomes come from pytest's JUnit XML report (`xunit1` family). Its `<testcase>` elements name a test by dotted
 class name, which cannot always be mapped back to the pytest node id: a test method inherited from a mixin in
-`tests/__init__.py` is reported with that file, under every class that inherits it. So our plugin
-(`shipyard.tasks.pytest_plugin`, loaded into every run) records each item's node id
-(`tests/test_a.py::TestX::test_y[1]`) as a JUnit property; the class name is only the fallback.
-A test module that fails to import is reported by pytest as an error case named after the module, with an empty
-class name: it is listed in `collection_errors` (and the other modules still run: `--continue-on-collection-errors`).
+`tests/__init__.py` is reported with that file, under every class that inherits it. So the plugin records each
+item's node id (`tests/test_a.py::TestX::test_y[1]`) as a JUnit property; the class name is only the fallback. A
+test module that fails to import is reported by pytest as an error case named after the module, with an empty class
+name: it is listed in `collection_errors` (and the other modules still run: `--continue-on-collection-errors`).
 
-Coverage per test uses coverage.py's dynamic contexts: the same plugin switches coverage's context to the current
-test's node id at setup and back to the empty context when the test finishes. Lines run with the empty context ran
-at import or collection time: code every test needs.
+Coverage per test uses coverage.py's dynamic contexts: the plugin switches coverage's context to the current test's
+node id at setup and back to the empty context when the test finishes. Lines run with the empty context ran at
+import or collection time: code every test needs. The JSON report (`show_contexts`) gives, per file and line, the
+tests that executed it.
 
-Projects' own `--cov…` and `-n …` options are dropped (see the plugin): pytest-cov and xdist are disabled in runs.
-`coverage json --show-contexts` then gives, per file and line, the tests that executed it.
+**Canaries** (`Canary`): tests the grader appends, under random names, to the test modules that hold the tests it
+scores — one must fail, one must pass. An outcome forced for every test turns the must-fail one green; a run that
+drops or skips tests it does not know loses the must-pass one. `canary_problems` reads them back.
+
+**The seal** (`Integrity`): the launcher's last line names the run's nonce, the SHA-256 of the report and the
+plugin's integrity findings. A report that does not match it was written after pytest finished.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import shlex
+import secrets
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from shipyard.harness.confined import PathError
 from shipyard.harness.workspace import Workspace
 from shipyard.tasks import pytest_plugin
-from shipyard.tasks.environment import PYTHON
-from shipyard.tasks.pytest_plugin import NODEID
+from shipyard.tasks.environment import PYTHON, VENV
+from shipyard.tasks.pytest_plugin import CONFIG_NAMES, NODEID, SEAL
 
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
-OUT = ".shipyard-run"  # per-run outputs, inside the throwaway sandbox's workspace
+RUN_PREFIX = ".shipyard-"  # + random hex: the run directory, inside the throwaway sandbox's workspace
+LAUNCHER = "shipyard_pytest.py"
+PYTEST_ARGS = ("-p", "no:cacheprovider", "-p", "no:pytest_cov", "-p", "no:xdist", "-p", "no:xdist.looponfail", "-q",
+               "-o", "junit_family=xunit1", "--continue-on-collection-errors")
+SCRUBBED = ("PYTHON", "PYTEST", "COV_CORE", "COVERAGE")  # variable name prefixes the test run never sees
+MAX_SEAL_LINE = 1 << 16
+
+
+class NoReport(RuntimeError):
+    """The run ended without a JUnit report that could be read (see `exit_code` and `output`)."""
+
+    def __init__(self, message: str, exit_code: int, output: str):
+        super().__init__(message)
+        self.exit_code, self.output = exit_code, output
+
+
+def printable(text: str, limit: int) -> str:
+    """`text` as one line of printable ASCII (anything else becomes '?'), cut to `limit` characters."""
+    line = "".join(c if " " <= c <= "~" else "?" for c in " ".join(text[:limit * 4].split()))
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+@dataclass(frozen=True)
+class Canary:
+    """Two tests appended to the test module `module`: `must_fail` fails and `must_pass` passes, honestly."""
+
+    module: str
+    must_fail: str
+    must_pass: str
+    a: int
+    b: int
+
+    @classmethod
+    def new(cls, module: str) -> Canary:
+        return cls(module, f"test_{secrets.token_hex(6)}", f"test_{secrets.token_hex(6)}",
+                   secrets.randbelow(10_000), secrets.randbelow(10_000))
+
+    @property
+    def names(self) -> tuple[str, str]:
+        return self.must_fail, self.must_pass
+
+    def source(self) -> bytes:
+        a, b = self.a, self.b
+        return (f"\n\n\ndef {self.must_fail}():\n    assert {a} + {b} == {a + b + 1}\n\n\n"
+                f"def {self.must_pass}():\n    assert {a} + {b} == {a + b}\n").encode()
+
+
+@dataclass
+class Integrity:
+    """What the launcher's seal says about a run."""
+
+    sealed: bool = False  # exactly one seal with this run's nonce, naming the digest of the report that was read
+    checked: bool = False  # the plugin's session-finish check ran
+    changes: list[str] = field(default_factory=list)  # its findings (sanitised)
+
+    @property
+    def problems(self) -> list[str]:
+        out = [] if self.sealed else ["the report is not the one pytest wrote (no seal of this run matches it)"]
+        if not self.checked:
+            out.append("the integrity check of pytest's machinery never ran")
+        if self.changes:
+            out.append(f"{len(self.changes)} change(s) to pytest's machinery during the run")
+        return out
 
 
 @dataclass
@@ -40,6 +116,7 @@ class SuiteRun:
     coverage: dict[str, dict[int, set[str]]] = field(default_factory=dict)  # file → line → node ids ("" = import)
     exit_code: int = 0
     output: str = ""
+    integrity: Integrity = field(default_factory=Integrity)
 
     @property
     def passed(self) -> set[str]:
@@ -74,33 +151,82 @@ def parse_junit(xml: bytes) -> tuple[dict[str, str], list[str]]:
     return outcomes, collection_errors
 
 
+def read_seal(output: str, nonce: str, report: bytes) -> Integrity:
+    """The seal of this run (by its nonce) in the launcher's output, checked against the report that was read."""
+    seals = []
+    for line in output.splitlines():
+        if line.startswith(SEAL) and len(line) <= MAX_SEAL_LINE:
+            try:
+                seal = json.loads(line[len(SEAL):])
+            except ValueError:
+                continue
+            if isinstance(seal, dict) and seal.get("nonce") == nonce:
+                seals.append(seal)
+    if len(seals) != 1:
+        return Integrity()
+    changes = seals[0].get("changes")
+    return Integrity(sealed=seals[0].get("report") == hashlib.sha256(report).hexdigest(),
+                     checked=isinstance(changes, list),
+                     changes=[printable(str(c), 160) for c in changes[:20]] if isinstance(changes, list) else [])
+
+
+def canary_problems(canaries: list[Canary], run: SuiteRun) -> tuple[list[str], list[str]]:
+    """(modules whose must-fail canary passed: forced outcomes; modules whose canaries are missing or did not fail
+    and pass as they must). A module that failed to import is in neither: its canaries could not run."""
+    broken = set(run.collection_errors)
+    forced, off = [], []
+    for c in canaries:
+        fail = run.outcomes.get(f"{c.module}::{c.must_fail}")
+        good = run.outcomes.get(f"{c.module}::{c.must_pass}")
+        if fail == "passed":
+            forced.append(c.module)
+        if (fail not in ("failed", "error") or good != "passed") and \
+                str(PurePosixPath(c.module).with_suffix("")).replace("/", ".") not in broken:
+            off.append(c.module)
+    return forced, off
+
+
+def top_level_configs(paths: list[str]) -> list[str]:
+    """The pytest configuration files among `paths` (repository paths) that sit at the repository's root."""
+    return [p for p in paths if p in CONFIG_NAMES]
+
+
 def run_suite(ws: Workspace, tests: list[str] | None = None, *, coverage: bool = False, timeout: float = 900,
-              python: str = PYTHON) -> SuiteRun:
-    """Run pytest (all of the suite, or the given node ids) in `ws`; outcomes, and coverage per test if asked."""
-    ws.write_bytes(f"{OUT}/shipyard_pytest.py", Path(pytest_plugin.__file__).read_bytes())
-    selection = " ".join(shlex.quote(t) for t in tests) if tests else ""
-    pytest_args = ("-p no:cacheprovider -p no:pytest_cov -p no:xdist -p no:xdist.looponfail -p shipyard_pytest -q "
-                   f"-o junit_family=xunit1 --continue-on-collection-errors "
-                   f"--junitxml={OUT}/junit.xml {selection}")
-    if coverage:
-        data = f"--data-file={OUT}/coverage.data"
-        script = (f"{python} -m coverage run {data} --omit='.venv/*,{OUT}/*' -m pytest {pytest_args}; code=$?; "
-                  f"{python} -m coverage json {data} --show-contexts -q -o {OUT}/coverage.json; exit $code")
-    else:
-        script = f"{python} -m pytest {pytest_args}"
-    env = ws.environment() | {"PYTHONPATH": f"{ws.exec_root}/{OUT}", "PYTHONDONTWRITEBYTECODE": "1"}
-    result = ws.run(["bash", "-c", script], timeout=timeout, cwd=ws.exec_root, env=env)
+              python: str = PYTHON, configs: list[str] | None = None, canaries: list[Canary] = ()) -> SuiteRun:
+    """Run pytest (all of the suite, or the given node ids) in `ws`: outcomes, the seal, and coverage per test if
+    asked. `configs`: the root-level configuration files pytest may choose from (None: those in the workspace);
+    `canaries`: tests already appended to their modules, to collect. Raises TimeoutError past `timeout` and
+    `NoReport` when no readable report came back."""
+    run_dir, nonce, root = f"{RUN_PREFIX}{secrets.token_hex(8)}", secrets.token_hex(16), ws.exec_root
+    if configs is None:
+        configs = [e.name for e in ws.listdir(".") if e.kind == "file" and e.name in CONFIG_NAMES]
+    junit = f"{root}/{run_dir}/junit.xml"
+    cov = {"data_file": f"{root}/{run_dir}/coverage.data", "json": f"{root}/{run_dir}/coverage.json",
+           "omit": [f"{root}/{VENV}/*", f"{root}/{run_dir}/*"]}
+    settings = {"rootdir": root, "nonce": nonce, "configs": list(configs), "report": junit,
+                "canaries": sorted(n for c in canaries for n in c.names), "coverage": cov if coverage else None,
+                "args": [*PYTEST_ARGS, f"--junitxml={junit}", *(tests or [])]}
+    ws.write_bytes(f"{run_dir}/{LAUNCHER}", Path(pytest_plugin.__file__).read_bytes())
+    ws.write_bytes(f"{run_dir}/settings.json", json.dumps(settings).encode())
+    env = {k: v for k, v in ws.environment().items() if not k.startswith(SCRUBBED)}
+    argv = [python, "-I", "-B", f"{root}/{run_dir}/{LAUNCHER}", f"{root}/{run_dir}/settings.json"]
+    result = ws.run(argv, timeout=timeout, cwd=root, env=env)
     output = result.output.decode(errors="replace")
     if result.timed_out:
         raise TimeoutError(f"the test suite did not finish in {timeout:g} s:\n{output[-2000:]}")
     try:
-        outcomes, collection_errors = parse_junit(ws.read_bytes(f"{OUT}/junit.xml"))
-    except (OSError, ET.ParseError) as e:
-        raise RuntimeError(f"pytest wrote no JUnit report (exit {result.exit_code}):\n{output[-3000:]}") from e
-    run = SuiteRun(outcomes, collection_errors, exit_code=result.exit_code, output=output)
+        report = ws.read_bytes(f"{run_dir}/junit.xml")
+        outcomes, collection_errors = parse_junit(report)
+    except (PathError, ET.ParseError) as e:
+        raise NoReport(f"pytest wrote no readable JUnit report (exit {result.exit_code}):\n{output[-3000:]}",
+                       result.exit_code, output) from e
+    run = SuiteRun(outcomes, collection_errors, exit_code=result.exit_code, output=output,
+                   integrity=read_seal(output, nonce, report))
     if coverage:
-        report = json.loads(ws.read_bytes(f"{OUT}/coverage.json"))
-        for path, info in report["files"].items():
-            lines = {int(n): set(ctx) for n, ctx in info.get("contexts", {}).items()}
-            run.coverage[path] = lines
+        try:
+            data = json.loads(ws.read_bytes(f"{run_dir}/coverage.json"))
+        except (PathError, ValueError) as e:
+            raise RuntimeError(f"coverage wrote no readable report:\n{output[-2000:]}") from e
+        for path, info in data["files"].items():
+            run.coverage[path] = {int(n): set(ctx) for n, ctx in info.get("contexts", {}).items()}
     return run

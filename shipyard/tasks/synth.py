@@ -2,9 +2,12 @@
 
 Pipeline (Composer 2.5's synthetic tasks: delete a testable feature so the codebase still works, ask for it back):
 
-1. Prepare the environment once (`environment.prepare`: `.venv` with the dependencies, the project editable).
+1. Prepare the environment once (`environment.prepare`: the repo copied without following a link out of it,
+   `.venv` with the dependencies, the project editable; see that module for what it refuses and drops). The repo
+   is read only there: everything after works on the copy, which holds no link outside its venv.
 2. Run the suite 3× in sandboxes (the first with per-test coverage); tests that do not pass all 3 times (flaky
-   or broken) are excluded from every task.
+   or broken) are excluded from every task, and so are tests outside the test files (doctests in source modules):
+   the grader restores only test files, so a patch could edit those.
 3. Choose features per tier from coverage (`features`), interleaving tiers so every tier is represented.
 4. For each candidate, build the task and validate it — every step required, every rejection counted by reason:
    the deletion parses; scrubbed snapshot with one fresh commit; leak scan with 0 hits; with an empty patch the
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import resource
 import shutil
 import subprocess
@@ -31,19 +36,21 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from shipyard.harness.confined import PathError, Tree
 from shipyard.harness.workspace import tree_diff
 from shipyard.sandbox.bwrap import sandbox_cpu
 from shipyard.sandbox.host import host
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 from shipyard.tasks.deletion import DeletionError, delete_feature
-from shipyard.tasks.environment import VENV, prepare, project_requirements
+from shipyard.tasks.environment import VENV, prepare, project_requirements, regular_files
 from shipyard.tasks.features import Feature, candidates, reach, source_files, symbols_of
-from shipyard.tasks.grade import grade, is_test_config
+from shipyard.tasks.grade import grade
+from shipyard.tasks.patchscan import is_test_config
 from shipyard.tasks.scrub import fingerprints, fresh_commit, scan, scrub, third_party_files
 from shipyard.tasks.statement import statement, stub_source
 from shipyard.tasks.suite import run_suite
-from shipyard.tasks.taskset import DeletedSymbol, Task
+from shipyard.tasks.taskset import MAX_TEST_FILE, DeletedSymbol, Task, TaskFormatError
 
 
 @dataclass
@@ -56,6 +63,7 @@ class SynthConfig:
     min_lines: int = 3
     timeout: float = 900.0
     requirements: tuple[str, ...] = ()  # more packages the tests need (`--with`), beyond what the repo declares
+    wheel_cache: Path | None = None  # where downloaded wheels are kept (default ~/.cache/shipyard/wheels)
 
 
 @dataclass
@@ -68,6 +76,8 @@ class SynthReport:
     stable_tests: int = 0
     excluded_tests: dict[str, str] = field(default_factory=dict)  # node id → flaky | failing
     baseline_errors: list[str] = field(default_factory=list)  # pytest's lines for modules that failed to collect
+    skipped: dict[str, str] = field(default_factory=dict)  # repo path → why it is in no task (links, special files)
+    generated: list[str] = field(default_factory=list)  # .py files the editable build generated (kept)
     seconds: float = 0.0
     cpu_seconds: float = 0.0
     unmeasured_sandboxes: int = 0  # sandboxes whose CPU time the host could not count (no cgroup cpu accounting)
@@ -100,15 +110,49 @@ def _cpu() -> tuple[float, int]:
                            for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)), unmeasured
 
 
-def source_commit(repo: Path) -> str:
-    proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True)
+def source_commit(repo: Path, copy: Path, files: list[str]) -> str:
+    """The repo's git commit (+dirty), or a hash of its `files` as copied to `copy`. git runs with the repo's
+    file-system monitor hook off: `git status` would otherwise run a command the repo's config names."""
+    git = ["git", "-c", "core.fsmonitor=false"]
+    proc = subprocess.run([*git, "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True)
     if proc.returncode == 0:
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True).stdout
+        dirty = subprocess.run([*git, "status", "--porcelain"], cwd=repo, capture_output=True, text=True).stdout
         return proc.stdout.strip() + ("+dirty" if dirty.strip() else "")
     digest = hashlib.sha256()
-    for f in source_files(repo):
-        digest.update(f.encode() + (repo / f).read_bytes())
+    for f in files:
+        digest.update(f.encode() + (copy / f).read_bytes())
     return "sha256:" + digest.hexdigest()[:16]
+
+
+def task_id(feature_id: str) -> str:
+    """A feature's task id, a valid name (`check_name`: it is a directory name in the task set, checked on load):
+    `+` between symbols becomes `-`, any other character a name cannot hold `_`; past 64 characters the end is
+    replaced by a hash of the whole id."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", feature_id.replace("+", "-")).replace("..", "._")
+    if len(name) > 64:
+        name = name[:55] + "-" + hashlib.sha256(feature_id.encode()).hexdigest()[:8]
+    return name
+
+
+def empty_patch_reason(status: str) -> str:
+    """The rejection reason when the empty patch is not graded: an infra status as it is, anything else named as
+    the empty patch's outcome."""
+    return status if status.startswith("infra") else f"empty_patch_{status}"
+
+
+def _venv_bytes(venv: Path, files: list[Path]) -> bytes:
+    """The contents of `files` (paths under `venv`), each read without following a link; what cannot be is left
+    out (the venv was written inside a sandbox)."""
+    tree, out = Tree(venv), []
+    for path in files:
+        rel = os.path.normpath(os.path.relpath(path, venv))
+        if rel.startswith(".."):
+            continue
+        try:
+            out.append(tree.read(rel, 1 << 30))
+        except (PathError, OSError):
+            continue
+    return b"\n".join(out)
 
 
 def _copy_tree(base: Path, dest: Path) -> None:
@@ -152,12 +196,28 @@ class Synthesizer:
         start, (cpu0, unmeasured0) = time.monotonic(), _cpu()
         self.out.mkdir(parents=True, exist_ok=True)
         self.log("preparing the environment (.venv, dependencies, editable install)")
-        prepare(self.repo, self.base, Path.home() / ".cache" / "shipyard" / "wheels", timeout=self.config.timeout,
-                extra=self.config.requirements)
+        wheels = self.config.wheel_cache or Path.home() / ".cache" / "shipyard" / "wheels"
+        prepared = prepare(self.repo, self.base, wheels, timeout=self.config.timeout, extra=self.config.requirements)
+        self.report.skipped, self.report.generated = prepared.skipped, prepared.generated
+        self.commit = source_commit(self.repo, self.base, prepared.files)
         scrub(self.base)
-        self.commit = source_commit(self.repo)
+        self.test_files = self._test_files()
+        if self.report.skipped:
+            self.log(f"left out {len(self.report.skipped)} entries of the repository (links out of it, dangling or to "
+                     "directories, special files): " + "; ".join(f"{p} {why}" for p, why in
+                                                               list(self.report.skipped.items())[:10])
+                     + (" …" if len(self.report.skipped) > 10 else ""))
+        if prepared.generated:
+            self.log(f"kept {len(prepared.generated)} files the editable build generated: "
+                     + ", ".join(prepared.generated[:10]))
         self.log(f"running the suite {self.config.suite_runs}× (the first with per-test coverage)")
         stable, excluded, coverage, errors = baseline(self.base, self.config.suite_runs, self.config.timeout)
+        outside = {t for t in stable if t.split("::", 1)[0] not in set(self.test_files)}
+        if outside:
+            stable -= outside
+            excluded |= dict.fromkeys(outside, "outside_test_files")
+            self.log(f"{len(outside)} passing tests are not in test files (doctests in source modules?) and are in "
+                     "no task: a patch could edit them")
         self.report.stable_tests, self.report.excluded_tests = len(stable), excluded
         self.report.baseline_errors = errors
         if errors:
@@ -169,7 +229,7 @@ class Synthesizer:
         self.log(f"{len(stable)} stable tests, {len(excluded)} excluded; candidates per tier: "
                  + ", ".join(f"T{t} {len(p)}" for t, p in pools.items()))
         name = project_requirements(self.base)[0]
-        third_party = b"\n".join(p.read_bytes() for p in third_party_files(self.base / VENV, name and name.lower()))
+        third_party = _venv_bytes(self.base / VENV, third_party_files(self.base / VENV, name and name.lower()))
         used: dict[int, set] = {t: set() for t in pools}
         per_tier: Counter = Counter()
         index = []
@@ -177,8 +237,8 @@ class Synthesizer:
             # Balanced tiers: the tier with the fewest accepted tasks (that still has candidates) goes next.
             tier = min((t for t in pools if pools[t]), key=lambda t: (per_tier[t], t))
             feature = pools[tier].pop(0)
-            if used[tier] & set(feature.symbols):  # one task per symbol and tier
-                continue
+            if used[tier] & set(feature.symbols) or task_id(feature.id) in self.report.accepted:
+                continue  # one task per symbol and tier
             self.report.tried += 1
             try:
                 task = self.validate(feature, third_party)
@@ -186,7 +246,7 @@ class Synthesizer:
                 self.report.rejections[r.reason] += 1
                 self.report.rejected.append({"feature": feature.id, "reason": r.reason, "detail": r.detail[:500]})
                 self.log(f"  rejected {feature.id}: {r.reason}")
-                shutil.rmtree(self.work / feature.id, ignore_errors=True)
+                shutil.rmtree(self.work / task_id(feature.id), ignore_errors=True)
                 self.progress(len(self.report.accepted), self.report.tried)
                 continue
             used[tier] |= set(feature.symbols)
@@ -212,7 +272,7 @@ class Synthesizer:
             if not ok:
                 raise Rejected(reason, detail)
 
-        stage = self.work / feature.id
+        stage = self.work / task_id(feature.id)
         shutil.rmtree(stage, ignore_errors=True)
         tree = stage / "snapshot"
         _copy_tree(self.base, tree)
@@ -222,10 +282,11 @@ class Synthesizer:
         except DeletionError as e:
             step("delete", False, t0, "deletion_unparsable", str(e))
         step("delete", True, t0, "", files=deletion.changed)
-        test_files = sorted(f for f in _all_files(self.base) if is_test_config(f))
+        test_files = self.test_files
+        base = Tree(self.base)
         for rel in test_files:
             (stage / "tests" / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(self.base / rel, stage / "tests" / rel)
+            (stage / "tests" / rel).write_bytes(base.read(rel, MAX_TEST_FILE))
         gold = tree_diff(tree, self.base)
         stub = self._stub_patch(tree, feature, stage)
         t0 = time.monotonic()
@@ -233,12 +294,12 @@ class Synthesizer:
         fresh_commit(tree)
         step("scrub", True, t0, "", removed=removed)
         t0 = time.monotonic()
-        visible = b"\n".join((tree / f).read_bytes() for f in _all_files(tree))
+        visible = b"\n".join((tree / f).read_bytes() for f in regular_files(tree))
         fps = fingerprints(deletion.snippets, visible + b"\n" + third_party)
         hits = scan(tree, fps)
         step("leak_scan", not hits, t0, "leak", f"deleted code found in {hits[:5]}", fingerprints=len(fps.all()))
         lines = sum(s.end - (s.body_start if feature.tier < 3 else s.start) + 1 for s in feature.symbols)
-        task = Task(feature.id, feature.tier, statement(feature, tree), feature.fail_to_pass, feature.pass_to_pass,
+        task = Task(stage.name, feature.tier, statement(feature, tree), feature.fail_to_pass, feature.pass_to_pass,
                     [DeletedSymbol(s.file, s.qualname, s.start, s.end) for s in feature.symbols], lines,
                     {"repo": str(self.repo), "commit": self.commit}, test_files=test_files,
                     fingerprints=len(fps.all()))
@@ -248,17 +309,32 @@ class Synthesizer:
         finally:
             remove_snapshot(snap)
         task.validation = steps
-        task.save(stage)
+        try:
+            task.save(stage)
+        except TaskFormatError as e:
+            raise Rejected("invalid_task", str(e)) from None
         dest = self.out / task.id
         shutil.rmtree(dest, ignore_errors=True)
         stage.replace(dest)
         return task
 
+    def _test_files(self) -> list[str]:
+        """The base's test files and test configuration (what tasks restore before grading), each a regular file
+        of at most MAX_TEST_FILE bytes; larger ones are reported as skipped."""
+        out = []
+        for rel in regular_files(self.base):
+            if is_test_config(rel):
+                if (self.base / rel).stat().st_size <= MAX_TEST_FILE:
+                    out.append(rel)
+                else:
+                    self.report.skipped[rel] = f"is a test file larger than {MAX_TEST_FILE} bytes"
+        return out
+
     def _grade_steps(self, task: Task, stage: Path, gold: str, stub: str, snap: Path, step) -> None:
         t0 = time.monotonic()
         empty = grade(task, stage, "", self.config.timeout, snap)
         if empty.status != "graded":
-            step("empty_patch", False, t0, f"infra_{empty.status}", empty.detail)
+            step("empty_patch", False, t0, empty_patch_reason(empty.status), empty.detail)
         step("collects", not empty.collection_errors, t0, "collection_error", ", ".join(empty.collection_errors))
         step("tests_present", not empty.missing, t0, "tests_missing", ", ".join(empty.missing[:5]))
         rate = empty.fail_to_pass["passed"] / max(1, empty.fail_to_pass["total"])
@@ -288,11 +364,3 @@ class Synthesizer:
         finally:
             shutil.rmtree(stub)
 
-
-def _all_files(root: Path) -> list[str]:
-    out = []
-    for p in root.rglob("*"):
-        rel = p.relative_to(root)
-        if p.is_file() and not any(part in (VENV, ".git", "__pycache__") for part in rel.parts):
-            out.append(rel.as_posix())
-    return sorted(out)

@@ -1,4 +1,4 @@
-"""The task-set directory format (documented for users in docs/tasks.md).
+"""The task-set directory format (documented for users in docs/tasks.md), read through one schema.
 
     TASKS_DIR/
       tasks.jsonl            one line per task: {"id", "tier", "fail_to_pass", "lines_deleted"} (an index)
@@ -10,22 +10,51 @@
         tests/               canonical copies of the test files and test configuration, by their repo path
 
 `gold.patch` and `tests/` are never inside `snapshot/`: nothing an agent can read reveals the answer.
+
+A task directory is input like any other: copied between machines, edited by hand, possibly planted. The grader
+trusts what it reads here (which tests decide the reward, which files it restores), so everything is checked on
+the way in, and a bad file is one `TaskFormatError` line naming the file and the field, never a traceback:
+
+* `task.json` is read without following a link and capped in size (`MAX_TASK_JSON`), parsed by pydantic's JSON
+  parser (bounded nesting: a deeply nested file is an error, not a `RecursionError`) and validated strictly
+  against the dataclasses below — missing and unknown fields, wrong types (`"1"` is not a tier).
+* Then what types cannot say: the id is the directory's name and a valid name (`check_name`); `fail_to_pass` is
+  not empty (an empty list would reward the empty patch); every test id's file is one of `test_files` (the grader
+  restores exactly those, so no deciding test lives in a file the patch may edit); `test_files` and deleted files
+  are relative POSIX paths inside the repository; every test file exists in the task's own `tests/` as a regular
+  file reached through real directories only (`read_canonical`: each component opened with `O_NOFOLLOW`).
+* `Task.save` runs the same checks, so synthesis cannot write a task this module would refuse.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-TASK_VERSION = 1
+from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
+from pydantic_core import from_json
+
+from shipyard.harness.confined import Tree
+from shipyard.sandbox.snapshot import check_name
+
+TASK_VERSION = 2
+MAX_TASK_JSON = 4 << 20  # bytes of one task.json (a task with thousands of tests is well under 1 MiB)
+MAX_INDEX = 64 << 20  # bytes of tasks.jsonl
+MAX_TEST_FILE = 16 << 20  # bytes of one canonical test file
+RECREATE = "re-create it with `shipyard synth`"
+STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 class TaskFormatError(ValueError):
     """A task directory or task.json is malformed; the message names the file and the problem."""
 
 
+@with_config(STRICT)
 @dataclass
 class DeletedSymbol:
     file: str
@@ -34,6 +63,7 @@ class DeletedSymbol:
     end: int
 
 
+@with_config(STRICT)
 @dataclass
 class Task:
     id: str
@@ -44,7 +74,6 @@ class Task:
     deleted: list[DeletedSymbol]
     lines_deleted: int
     source: dict[str, str]  # {"repo": path, "commit": git commit or content hash}
-    test_command: str = ".venv/bin/python -m pytest -p no:cacheprovider"
     test_files: list[str] = field(default_factory=list)  # repo paths restored from tests/ before grading
     fingerprints: int = 0  # how many unique fingerprints of the deleted code the leak scan searched for
     validation: list[dict[str, Any]] = field(default_factory=list)  # each step: name, ok, seconds, details
@@ -55,29 +84,221 @@ class Task:
         return [f"{d.file}:{d.qualname}" for d in self.deleted]
 
     def save(self, task_dir: Path) -> None:
-        (task_dir / "task.json").write_text(json.dumps(asdict(self), indent=2) + "\n")
+        """Write `task.json` into `task_dir` (whose `tests/` must already hold the test files), checked first."""
+        path = Path(task_dir) / "task.json"
+        check_task(self, Path(task_dir), str(path))
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+@with_config(STRICT)
+@dataclass
+class IndexEntry:
+    """One line of tasks.jsonl."""
+
+    id: str
+    tier: int
+    fail_to_pass: int
+    lines_deleted: int
+
+
+TASK = TypeAdapter(Task)
+INDEX_ENTRY = TypeAdapter(IndexEntry)
+
+
+def _schema_problem(e: ValidationError) -> str:
+    """The first of pydantic's errors as 'field X: problem' (and how many more there are)."""
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    where = ".".join(str(p) for p in first["loc"])
+    kind = first["type"]
+    if kind == "json_invalid":
+        problem = f"it is not JSON that can be read ({first['msg'].removeprefix('Invalid JSON: ')})"
+    elif kind in ("dataclass_type", "dataclass_exact_type"):
+        problem = f"{where or 'the file'} is not a JSON object"
+    elif kind == "missing":
+        problem = f"field '{where}' is missing"
+    elif kind == "unexpected_keyword_argument":
+        problem = f"field '{where}' is unknown"
+    else:
+        problem = f"field '{where}': {first['msg'][:1].lower()}{first['msg'][1:]}"
+    more = len(errors) - 1
+    return problem + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
+
+
+def path_problem(rel: object) -> str | None:
+    """Why `rel` is not a relative POSIX path inside a repository (None if it is)."""
+    if not isinstance(rel, str) or not rel:
+        return "is not a relative path"
+    if "\0" in rel or "\\" in rel:
+        return f"{rel!r} is not a relative POSIX path (it holds a NUL byte or a backslash)"
+    parts = rel.split("/")
+    if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        return f"{rel!r} is not a relative path inside the repository (no leading '/', '.', '..' or empty parts)"
+    return None
+
+
+def check_task(task: Task, task_dir: Path, where: str) -> None:
+    """What the types cannot say (see the module docstring); TaskFormatError naming `where` and the field."""
+
+    def bad(field_name: str, problem: str) -> TaskFormatError:
+        return TaskFormatError(f"{where} is not a valid task file: field '{field_name}': {problem}; {RECREATE}")
+
+    if task.id != task_dir.name:
+        raise bad("id", f"{task.id!r} is not the task's directory name {task_dir.name!r}")
+    try:
+        check_name(task.id, "task id")
+    except ValueError as e:
+        raise bad("id", str(e)) from None
+    if task.tier not in (1, 2, 3):
+        raise bad("tier", f"{task.tier} is not 1, 2 or 3")
+    for name in ("lines_deleted", "fingerprints"):
+        if getattr(task, name) < 0:
+            raise bad(name, "is negative")
+    if not task.fail_to_pass:
+        raise bad("fail_to_pass", "is empty (a task needs a test that fails without the deleted code; an empty list "
+                                  "would reward the empty patch)")
+    for i, rel in enumerate(task.test_files):
+        why = path_problem(rel)
+        if why:
+            raise bad(f"test_files.{i}", why)
+    if len(set(task.test_files)) != len(task.test_files):
+        raise bad("test_files", "names a file twice")
+    for i, d in enumerate(task.deleted):
+        why = path_problem(d.file)
+        if why:
+            raise bad(f"deleted.{i}.file", why)
+        if not 1 <= d.start <= d.end:
+            raise bad(f"deleted.{i}", f"lines {d.start}-{d.end} are not a range of lines")
+    restored = set(task.test_files)
+    seen: set[str] = set()
+    for name in ("fail_to_pass", "pass_to_pass"):
+        for i, test in enumerate(getattr(task, name)):
+            file = test.split("::", 1)[0]
+            if "::" not in test or path_problem(file):
+                raise bad(f"{name}.{i}", f"{test!r} is not a pytest node id (FILE::NAME)")
+            if file not in restored:
+                raise bad(f"{name}.{i}", f"{test!r} is in {file}, which is not one of test_files (the grader "
+                                         "restores only those; a test anywhere else could be edited by the patch)")
+            if test in seen:
+                raise bad(f"{name}.{i}", f"{test!r} is listed twice (fail_to_pass and pass_to_pass are disjoint)")
+            seen.add(test)
+    _real_dir(task_dir, "tests")
+    for rel in task.test_files:
+        fd = _open_canonical(task_dir, rel)
+        os.close(fd)
+
+
+def _real_dir(task_dir: Path, name: str) -> None:
+    try:
+        st = os.lstat(task_dir / name)
+    except FileNotFoundError:
+        raise TaskFormatError(f"task {task_dir.name} lacks its {name}/ directory in {task_dir}; {RECREATE}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise TaskFormatError(f"task {task_dir.name}: {task_dir / name} is not a directory (a symbolic link or a "
+                              f"file; it is not followed); {RECREATE}")
+
+
+def _open_canonical(task_dir: Path, rel: str, limit: int = MAX_TEST_FILE) -> int:
+    """An open descriptor of the regular file tests/`rel` of the task, reached without following any link."""
+    where = f"task {task_dir.name}: canonical test file tests/{rel}"
+    why = path_problem(rel)
+    if why:
+        raise TaskFormatError(f"{where}: {why}; {RECREATE}")
+    *dirs, name = rel.split("/")
+    try:
+        parent = Tree(task_dir / "tests").open_dir(dirs)
+        try:
+            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            if not stat.S_ISLNK(st.st_mode) and not stat.S_ISREG(st.st_mode):
+                raise TaskFormatError(f"{where} is not a regular file; {RECREATE}")
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
+        finally:
+            os.close(parent)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise TaskFormatError(f"{where} is, or lies under, a symbolic link (test files are not read through "
+                                  f"links); {RECREATE}") from None
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise TaskFormatError(f"{where} does not exist; {RECREATE}") from None
+        raise TaskFormatError(f"{where} cannot be opened ({e.strerror}); {RECREATE}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+        os.close(fd)
+        problem = "is not a regular file" if not stat.S_ISREG(st.st_mode) else \
+            f"is larger than {limit} bytes ({st.st_size})"
+        raise TaskFormatError(f"{where} {problem}; {RECREATE}")
+    return fd
+
+
+def _read_fd(fd: int, limit: int) -> bytes | None:
+    """At most `limit` bytes from `fd` (closed here); None if there is more."""
+    try:
+        chunks, total = [], 0
+        while chunk := os.read(fd, min(1 << 20, limit + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                return None
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_canonical(task_dir: Path, rel: str, limit: int = MAX_TEST_FILE) -> bytes:
+    """The task's canonical copy of the test file `rel` (a repository path): a regular file under `tests/`, reached
+    without following any symbolic link, at most `limit` bytes; TaskFormatError otherwise."""
+    _real_dir(Path(task_dir), "tests")
+    data = _read_fd(_open_canonical(Path(task_dir), rel, limit), limit)
+    if data is None:
+        raise TaskFormatError(f"task {Path(task_dir).name}: canonical test file tests/{rel} is larger than {limit} "
+                              f"bytes; {RECREATE}")
+    return data
+
+
+def _read_capped(path: Path, limit: int) -> bytes:
+    """The bytes of the regular file `path` (its last component not followed), at most `limit`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise TaskFormatError(f"{path} is a symbolic link (task files are not read through links); "
+                                  f"{RECREATE}") from None
+        raise TaskFormatError(f"{path} cannot be read ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise TaskFormatError(f"{path} is not a regular file; {RECREATE}")
+    data = _read_fd(fd, limit)
+    if data is None:
+        raise TaskFormatError(f"{path} is larger than {limit} bytes; no task set writes one that big; {RECREATE}")
+    return data
 
 
 def load_task(tasks_dir: Path, task_id: str) -> tuple[Task, Path]:
+    try:
+        check_name(task_id, "task id")
+    except ValueError as e:
+        raise TaskFormatError(f"{e} (a task id is a directory name in the task set {tasks_dir})") from None
     task_dir = Path(tasks_dir) / task_id
     path = task_dir / "task.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         known = sorted(p.name for p in Path(tasks_dir).iterdir() if (p / "task.json").is_file()) \
             if Path(tasks_dir).is_dir() else []
         raise TaskFormatError(f"no task '{task_id}' in {tasks_dir} (no {path}); tasks there: "
                               f"{', '.join(known[:10]) or 'none'}{' …' if len(known) > 10 else ''}")
+    data = _read_capped(path, MAX_TASK_JSON)
     try:
-        raw = json.loads(path.read_text())
-        raw["deleted"] = [DeletedSymbol(**d) for d in raw["deleted"]]
-        task = Task(**raw)
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise TaskFormatError(f"{path} is not a valid task file ({type(e).__name__}: {e}); re-create it with "
-                              "`shipyard synth`") from e
-    if task.version != TASK_VERSION:
-        raise TaskFormatError(f"{path} has format version {task.version}; this shipyard reads {TASK_VERSION}")
-    for needed in ("snapshot", "tests"):
-        if not (task_dir / needed).is_dir():
-            raise TaskFormatError(f"task {task_id} lacks its {needed}/ directory in {task_dir}")
+        raw = from_json(data)
+    except ValueError:
+        raw = None  # the schema below says what is wrong with it
+    if isinstance(raw, dict) and "version" in raw and raw["version"] != TASK_VERSION:
+        raise TaskFormatError(f"{path} has format version {str(raw['version'])[:20]}; this shipyard reads "
+                              f"{TASK_VERSION}: {RECREATE}")
+    try:
+        task = TASK.validate_json(data)
+    except ValidationError as e:
+        raise TaskFormatError(f"{path} is not a valid task file: {_schema_problem(e)}; {RECREATE}") from None
+    check_task(task, task_dir, str(path))
+    _real_dir(task_dir, "snapshot")
     return task, task_dir
 
 
@@ -85,4 +306,17 @@ def list_tasks(tasks_dir: Path) -> list[str]:
     index = Path(tasks_dir) / "tasks.jsonl"
     if not index.is_file():
         raise TaskFormatError(f"{tasks_dir} is not a task set (no tasks.jsonl); make one with `shipyard synth`")
-    return [json.loads(line)["id"] for line in index.read_text().splitlines() if line.strip()]
+    ids = []
+    for number, line in enumerate(_read_capped(index, MAX_INDEX).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = INDEX_ENTRY.validate_json(line)
+            check_name(entry.id, "task id")
+        except ValidationError as e:
+            raise TaskFormatError(f"{index} line {number}: {_schema_problem(e)}; {RECREATE}") from None
+        except ValueError as e:
+            raise TaskFormatError(f"{index} line {number}: {e}; {RECREATE}") from None
+        ids.append(entry.id)
+    return ids
+

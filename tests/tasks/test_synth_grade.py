@@ -19,21 +19,11 @@ from shipyard.tasks.features import symbols_of
 from shipyard.tasks.grade import grade
 from shipyard.tasks.monitors import monitor
 from shipyard.tasks.statement import stub_source
-from shipyard.tasks.synth import SynthConfig, Synthesizer
 from shipyard.tasks.taskset import list_tasks, load_task
 
 _problem = sandbox_problem()
 pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pocketlib"
-
-
-@pytest.fixture(scope="module")
-def taskset(tmp_path_factory):
-    repo = tmp_path_factory.mktemp("src") / "pocketlib"
-    shutil.copytree(EXAMPLE, repo, ignore=shutil.ignore_patterns("__pycache__", ".ruff_cache", ".benchmarks"))
-    out = tmp_path_factory.mktemp("tasks")
-    report = Synthesizer(repo, out, SynthConfig(max_tasks=3), log=lambda m: None).run()
-    return out, report, repo
+# `taskset` (the example repository's task set, made once per session) is in tests/tasks/conftest.py.
 
 
 def by_tier(out: Path, tier: int):
@@ -77,7 +67,10 @@ def test_grader_rewards_gold_and_nothing_else(taskset):
     shutil.rmtree(stub)
 
 
-def test_grader_restores_tests_and_drops_added_test_config(taskset):
+def test_grader_refuses_test_edits_and_added_test_config(taskset):
+    """A patch that edits a test and adds a conftest.py is refused before any sandbox (the grader would restore the
+    test and the run would never read the conftest, but a patch has no business touching either); so is one that
+    edits the environment. A patch that does not apply fails, with git's first line as the detail."""
     out = taskset[0]
     task, task_dir = by_tier(out, 1)
     test_file = task.fail_to_pass[0].split("::")[0]
@@ -91,15 +84,17 @@ def test_grader_restores_tests_and_drops_added_test_config(taskset):
         "import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
         "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")
     verdict = grade(task, task_dir, tree_diff(snapshot, hacked))
-    assert verdict.reward == 0.0 and test_file in verdict.restored and "tests/conftest.py" in verdict.removed
+    assert (verdict.status, verdict.reward) == ("patch_rejected", 0.0)
+    assert test_file in verdict.detail and "tests/conftest.py" in verdict.detail
     shutil.rmtree(hacked)
     venv_patch = ("diff --git a/.venv/x.py b/.venv/x.py\nnew file mode 100644\n--- /dev/null\n+++ b/.venv/x.py\n"
                   "@@ -0,0 +1 @@\n+x\n")
     rejected = grade(task, task_dir, venv_patch)
     assert rejected.status == "patch_rejected" and rejected.reward == 0.0
-    garbage_patch = "diff --git a/nope.py b/nope.py\n--- a/nope.py\n+++ b/nope.py\n@@ -1 +1 @@\n-a\n+b\n"
+    module = task.deleted[0].file
+    garbage_patch = f"diff --git a/{module} b/{module}\n--- a/{module}\n+++ b/{module}\n@@ -1 +1 @@\n-nope\n+b\n"
     garbage = grade(task, task_dir, garbage_patch)
-    assert garbage.status == "patch_failed" and garbage.reward == 0.0
+    assert garbage.status == "patch_failed" and garbage.reward == 0.0 and "does not apply" in garbage.detail
 
 
 RED_TEAM = {
