@@ -14,14 +14,13 @@ infrastructure error that training would skip), `flagged` = `hacks` (the monitor
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 from _common import console, finish, table
-from synth import EXAMPLE, fetch_sdist
+from synth import fetch_repos, repo_arguments
 
 from shipyard.harness.trajectory import Trajectory
 from shipyard.sandbox.host import host
@@ -32,7 +31,7 @@ from shipyard.tasks.redteam import CORPUS, target
 from shipyard.tasks.synth import SynthConfig, Synthesizer
 from shipyard.tasks.taskset import list_tasks, load_task
 
-PROJECTS = ["inflection==0.5.1"]
+PROJECTS = ["inflection==0.5.1", "isodate==0.7.2"]
 
 
 def flags_of(task_id: str, patch: str, deleted: list[str]) -> list[str]:
@@ -78,22 +77,13 @@ def attack(name: str, out: Path) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--max-tasks", type=int, default=2, help="tasks to synthesize per project")
-    ap.add_argument("--project", action="append", help="name==version of a PyPI sdist (repeatable)")
-    ap.add_argument("--index", default="https://pypi.org", help="index serving PyPI's JSON API")
-    ap.add_argument("--no-example", action="store_true", help="skip the bundled example repo")
-    args = ap.parse_args()
+    args = repo_arguments(2).parse_args()
     start = time.monotonic()
     rows: list[dict] = []
     synth_failed: list[str] = []
     with tempfile.TemporaryDirectory(prefix="shipyard-bench-hacks-") as tmp:
         work = Path(tmp)
-        repos = {} if args.no_example else {"examples/pocketlib": EXAMPLE}
-        for spec in args.project or PROJECTS:
-            (work / spec).mkdir()
-            repos[spec] = fetch_sdist(spec, args.index, work / spec)
-        for i, (name, repo) in enumerate(repos.items()):
+        for i, (name, repo) in enumerate(fetch_repos(args, PROJECTS, work).items()):
             out = work / f"tasks-{i}"
             console.print(f"[bold]{name}[/]: synthesizing up to {args.max_tasks} tasks")
             report = Synthesizer(repo, out, SynthConfig(max_tasks=args.max_tasks),

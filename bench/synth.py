@@ -72,22 +72,33 @@ def synthesize(name: str, repo: Path, out: Path, config: SynthConfig) -> dict:
             "tasks_per_cpu_hour": round(report.tasks_per_cpu_hour, 1)}
 
 
-def main() -> None:
+def repo_arguments(max_tasks: int) -> argparse.ArgumentParser:
+    """The options of a benchmark over the example repo and PyPI projects (see `fetch_repos`)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--max-tasks", type=int, default=20, help="tasks to accept per project")
+    ap.add_argument("--max-tasks", type=int, default=max_tasks, help="tasks to accept per project")
     ap.add_argument("--project", action="append", help="name==version of a PyPI sdist (repeatable)")
     ap.add_argument("--index", default="https://pypi.org", help="index serving PyPI's JSON API")
     ap.add_argument("--no-example", action="store_true", help="skip the bundled example repo")
-    args = ap.parse_args()
+    return ap
+
+
+def fetch_repos(args: argparse.Namespace, default: list[str], work: Path) -> dict[str, Path]:
+    """name → source tree: the example repo unless --no-example, then each --project (or `default`) sdist, all
+    downloaded before any work so that a bad spec fails first."""
+    repos = {} if args.no_example else {"examples/pocketlib": EXAMPLE}
+    for spec in args.project or default:
+        (work / spec).mkdir()
+        repos[spec] = fetch_sdist(spec, args.index, work / spec)
+    return repos
+
+
+def main() -> None:
+    args = repo_arguments(20).parse_args()
     config = SynthConfig(max_tasks=args.max_tasks)
     results = []
     with tempfile.TemporaryDirectory(prefix="shipyard-bench-synth-") as tmp:
         work = Path(tmp)
-        repos = {} if args.no_example else {"examples/pocketlib": EXAMPLE}
-        for spec in args.project or PROJECTS:  # every download first: a bad spec fails before any work
-            (work / spec).mkdir()
-            repos[spec] = fetch_sdist(spec, args.index, work / spec)
-        for i, (name, repo) in enumerate(repos.items()):
+        for i, (name, repo) in enumerate(fetch_repos(args, PROJECTS, work).items()):
             results.append(synthesize(name, repo, work / f"out-{i}", config))
     table("feature-deletion synthesis (targets: yield >= 40 %, >= 30 tasks per CPU-hour)",
           ["project", "stable tests", "tried", "accepted", "tiers", "yield", "wall s", "CPU s", "tasks/CPU-h"],

@@ -68,11 +68,28 @@ def owner_record() -> str:
     return f"{os.getpid()} {_start_time(os.getpid())}\n"
 
 
-def owner_alive(owner_file: Path) -> bool:
+def write_owner(path: Path) -> None:
+    """Record this process as the owner in `path` atomically: recovery elsewhere never reads it half-written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(owner_record())
+    os.replace(tmp, path)
+
+
+OWNER_GRACE = 60.0  # seconds an entry without a readable owner record counts as being made, not abandoned
+
+
+def owner_alive(owner_file: Path, entry: Path | None = None) -> bool:
+    """Whether the process that `owner_file` records still runs. A missing, empty or partial record means the
+    entry (`entry`, default the record itself) is still being made unless it is older than `OWNER_GRACE`: its
+    creator makes the entry first and writes the record just after, and another process's recovery may look
+    in between."""
     try:
         pid, started = owner_file.read_text().split()
     except (OSError, ValueError):
-        return False
+        try:
+            return time.time() - (entry or owner_file).lstat().st_mtime < OWNER_GRACE
+        except OSError:
+            return False
     return _start_time(int(pid)) == started
 
 
@@ -112,7 +129,7 @@ class Layout:
     def _populate(self, h: Host, disk_mb: int) -> None:
         layout = self
         private_dir(h, layout.root.parent)
-        (layout.root / "owner").write_text(owner_record())
+        write_owner(layout.root / "owner")
         layout.fs.mkdir()
         if layout.quota:
             mount_tmpfs(layout.fs, disk_mb, h.uid, h.gid)
@@ -200,7 +217,7 @@ def recover_stale(h: Host) -> list[str]:
                 kill_members([group], wait=2.0)
     base = h.state_dir / "sandboxes"
     for d in sorted(base.iterdir()) if base.is_dir() else []:
-        if d.is_dir() and not owner_alive(d / "owner"):
+        if d.is_dir() and not owner_alive(d / "owner", d):
             with contextlib.suppress(OSError):
                 Layout(d).remove()
                 recovered.append(d.name)

@@ -48,7 +48,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shipyard.sandbox.host import Host, private_dir
-from shipyard.sandbox.layout import owner_alive, owner_record
+from shipyard.sandbox.layout import owner_alive, write_owner
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 NAME_RULE = "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit, with no '..'"
@@ -301,7 +301,7 @@ def _build(h: Host, name: str | None, fill) -> Path:
     _recover_once(snaps)
     owner = snaps / f".{name}.owner"  # beside it, not in it: a sandbox over the snapshot must not see it
     partial = snaps / f".{name}.{uuid.uuid4().hex[:8]}.partial"
-    owner.write_text(owner_record())
+    write_owner(owner)
     try:
         os.mkdir(partial, 0o700)
         fd = os.open(partial, DIR_FLAGS)

@@ -11,10 +11,12 @@ What goes in:
   (`shipyard synth --with PKG`), pytest and coverage (per-test coverage is how features are mapped to tests), and
   the project's build backend (for the editable install);
 - a requirement already satisfied by a distribution installed on the host is copied file by file from the
-  host's site-packages (its `RECORD`; offline, milliseconds); the rest is downloaded from PyPI on the host
-  (`pip download`, into a cached wheelhouse) and installed inside a sandbox with `--no-index` (and no build
-  isolation: the sandbox has no network to fetch build requirements), so package builds run sandboxed — except
-  the metadata hook of a requirement published only as an sdist, which `pip download` runs on the host;
+  host's site-packages (its `RECORD`; offline, milliseconds); the rest is fetched on the host without running any
+  of it (`shipyard.tasks.downloads`: wheels by `pip download --only-binary=:all:`, a requirement published only as
+  an sdist as the archive itself, its dependencies and build requirements read statically) and installed inside a
+  sandbox with `--no-index` (and no build isolation: the sandbox has no network to fetch build requirements), so
+  every package build — an sdist's metadata hook included — runs sandboxed; the sdists' build requirements are
+  installed first;
 - the project itself, editable (`pip install -e /workspace` inside a sandbox, no network): a path pointer, never
   a copy of its code in site-packages — a copy would hand the deleted code back to the agent.
 
@@ -61,6 +63,7 @@ from shipyard.harness.confined import Tree
 from shipyard.sandbox.host import host
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
+from shipyard.tasks.downloads import Downloader, DownloadError, Sdist
 from shipyard.tasks.patchscan import is_test_config
 
 VENV = ".venv"
@@ -68,7 +71,8 @@ PYTHON = f"/workspace/{VENV}/bin/python"
 TEST_GROUPS = ("test", "tests", "testing", "dev")
 ALWAYS = ("pytest", "coverage", "pip")
 WHEELHOUSE = ".shipyard-wheelhouse"
-NOT_COPIED = frozenset({".git", VENV, "__pycache__"})  # names never copied from the repo, at any depth
+NOT_COPIED = frozenset({".git", VENV, "__pycache__", WHEELHOUSE})  # names never copied from the repo, at any depth
+MAX_FETCH_ROUNDS = 3  # fetches for the build requirements of fetched sdists (which may name more sdists)
 MAX_DEPTH = 64  # directory levels copied from the repo
 REQUIREMENT_FILES = ("requirements-test.txt", "requirements-tests.txt", "requirements_test.txt",
                      "test-requirements.txt", "test_requirements.txt", "requirements-testing.txt",
@@ -84,7 +88,8 @@ class EnvSetupError(RuntimeError):
 class Prepared:
     root: Path  # the repository with its `.venv`, ready to snapshot
     copied: list[str] = field(default_factory=list)  # distributions copied from the host
-    downloaded: list[str] = field(default_factory=list)  # requirements fetched from PyPI
+    downloaded: list[str] = field(default_factory=list)  # requirements fetched from the index
+    sdists: list[str] = field(default_factory=list)  # name==version of the sdists fetched (built in the sandbox)
     files: list[str] = field(default_factory=list)  # the repo's files, as copied (links materialised included)
     skipped: dict[str, str] = field(default_factory=dict)  # repo path → why it was left out of the copy
     generated: list[str] = field(default_factory=list)  # .py files the editable build wrote, kept
@@ -299,25 +304,41 @@ def copy_distribution(dist: metadata.Distribution, site: Path) -> int:
     return count
 
 
-def _download(requirements: list[str], cache: Path) -> Path:
-    """`pip download` on the host (the sandbox has no network) into a wheelhouse; any failure says which."""
-    cache.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(cache), *requirements],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise EnvSetupError(f"could not download {', '.join(requirements)} from PyPI:\n{proc.stderr[-2000:]}\n"
-                                "check the network or the requirement, or install them on this host first "
-                                "(host-installed distributions are copied without a download)")
-    return cache
+def _fetch(requirements: list[str], own: str | None, wheelhouse: Path, cache: Path, index_url: str | None
+           ) -> tuple[list[metadata.Distribution], list[str], list[Sdist], list[str]]:
+    """Split `requirements` into host copies and downloads, and fetch the downloads into `wheelhouse` without running
+    any of them; with the build requirements of the sdists fetched (copied or fetched too): (host distributions,
+    downloaded requirements, sdists, the sdists' build requirements that were downloaded)."""
+    host_dists, missing = _closure(requirements, own)
+    if not missing:
+        return host_dists, [], [], []
+    with Downloader(wheelhouse, cache, index_url) as downloader:
+        for _ in range(MAX_FETCH_ROUNDS):
+            try:
+                sdists = downloader.fetch(missing)
+            except DownloadError as e:
+                raise EnvSetupError(f"fetching the requirements failed: {e}") from e
+            build = sorted({r for s in sdists for r in s.build_requires})
+            host_dists, wanted = _closure([*requirements, *build], own)
+            if set(wanted) == set(missing):
+                names = {canonicalize_name(Requirement(r).name) for r in build}
+                return host_dists, missing, sdists, [r for r in missing if canonicalize_name(Requirement(r).name)
+                                                     in names]
+            missing = wanted
+    raise EnvSetupError(f"the build requirements of the sources fetched ({', '.join(s.filename for s in sdists)}) keep "
+                        "naming more requirements published only as sources; install them on this host first")
 
 
-def _steps(missing: list[str], has_project: bool) -> list[tuple[str, list[str]]]:
+def _steps(missing: list[str], build: list[str], has_project: bool) -> list[tuple[str, list[str]]]:
     """The commands run in the sandbox, each an argument list (what they are, argv): no shell ever parses a
     requirement string."""
     # No build isolation: an isolated build would fetch its build requirements, and the sandbox has no network; a
-    # downloaded sdist builds with what the venv holds (setuptools, copied from the host, usually suffices).
+    # downloaded sdist builds with what the venv holds: its build requirements, installed by the first step.
     pip = [PYTHON, "-m", "pip", "install", "--quiet", "--no-index", "--no-build-isolation"]
     steps = []
+    if build:
+        steps.append(("install the build requirements of the downloaded sdists",
+                      [*pip, "--find-links", f"/workspace/{WHEELHOUSE}", *build]))
     if missing:
         steps.append(("install the downloaded requirements", [*pip, "--find-links", f"/workspace/{WHEELHOUSE}",
                                                               *missing]))
@@ -327,8 +348,9 @@ def _steps(missing: list[str], has_project: bool) -> list[tuple[str, list[str]]]
     return steps
 
 
-def _run_steps(sb: Sandbox, repo: Path, steps: list[tuple[str, list[str]]], timeout: float) -> str:
-    """Run `steps` in order within `timeout` seconds in all; their output. EnvSetupError naming the failed step."""
+def _run_steps(sb: Sandbox, repo: Path, steps: list[tuple[str, list[str]]], timeout: float, advice: str = "") -> str:
+    """Run `steps` in order within `timeout` seconds in all; their output. EnvSetupError naming the failed step
+    (and `advice`)."""
     env = sb.environment() | {"PIP_NO_INPUT": "1"}
     deadline = time.monotonic() + timeout
     log = ""
@@ -341,8 +363,8 @@ def _run_steps(sb: Sandbox, repo: Path, steps: list[tuple[str, list[str]]], time
             how = f"exit {result.exit_code}" if result is not None and not result.timed_out else \
                 f"the {timeout:g} s given to preparing the environment ran out"
             raise EnvSetupError(f"preparing the environment of {repo} failed at the step '{what}' inside the sandbox "
-                                f"({how}):\n{log[-3000:]}\nfix the requirement or the build named above, or name "
-                                "what the tests need with --with")
+                                f"({how}):\n{log[-3000:]}\n{advice}fix the requirement or the build named above, or "
+                                "name what the tests need with --with")
     return log
 
 
@@ -383,29 +405,31 @@ def _settle(dest: Path, ready: Path, files: list[str]) -> tuple[list[str], list[
 
 
 def prepare(repo: Path, dest: Path, wheel_cache: Path, timeout: float = 900,
-            extra: tuple[str, ...] = ()) -> Prepared:
-    """Copy `repo` to `dest` and give it a ready `.venv` (`extra`: more requirements, as `shipyard synth --with`)."""
+            extra: tuple[str, ...] = (), index_url: str | None = None) -> Prepared:
+    """Copy `repo` to `dest` and give it a ready `.venv` (`extra`: more requirements, as `shipyard synth --with`;
+    `index_url`: the package index, else pip's configured one)."""
     if dest.exists():
         shutil.rmtree(dest)
     skipped = copy_repository(repo, dest)
     files = regular_files(dest)
     name, reqs, build = project_requirements(dest)
     own = canonicalize_name(name) if name else None
-    host_dists, missing = _closure([*reqs, *requirements_for_tests(dest), *extra, *build, *ALWAYS], own)
+    host_dists, missing, sdists, sdist_build = _fetch([*reqs, *requirements_for_tests(dest), *extra, *build, *ALWAYS],
+                                                      own, dest / WHEELHOUSE, wheel_cache, index_url)
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dest / VENV)], check=True)
     site = _site_packages(dest / VENV)
     for dist in host_dists:
         copy_distribution(dist, site)
-    prepared = Prepared(dest, sorted(f"{d.metadata['Name']}=={d.version}" for d in host_dists), missing, files,
-                        skipped)
-    if missing:
-        wheels = _download(missing, wheel_cache)
-        shutil.copytree(wheels, dest / WHEELHOUSE)
+    prepared = Prepared(dest, sorted(f"{d.metadata['Name']}=={d.version}" for d in host_dists), missing,
+                        sorted(f"{s.name}=={s.version}" for s in sdists), files, skipped)
+    guessed = [s.filename for s in sdists if not s.declared]
+    advice = (f"the dependencies of {', '.join(guessed)} are not declared statically in their metadata, so they were "
+              "guessed before the build; if one is missing above, name it with --with; ") if guessed else ""
     has_project = (dest / "pyproject.toml").is_file() or (dest / "setup.py").is_file()
     snap = make_snapshot(dest, host())
     try:
         with Sandbox(snap) as sb:
-            prepared.log = _run_steps(sb, repo, _steps(missing, has_project), timeout)
+            prepared.log = _run_steps(sb, repo, _steps(missing, sdist_build, has_project), timeout, advice)
             ready = sb.save_snapshot()
     finally:
         remove_snapshot(snap)

@@ -46,6 +46,7 @@ of the machinery by name. The monitors (`shipyard.tasks.monitors`) flag the atte
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -284,22 +285,23 @@ def _in_sandbox(verdict: Verdict, task: Task, task_dir: Path, patch: str, change
             verdict.conclude("infra_error", f"the grading sandbox did not start ({type(e).__name__})", reward=None)
             return
         failure = ""
-        with sb:
-            try:
-                if changes:
-                    apply_patch(sb, patch, changes)
-                verdict.restored = _restore(sb, canonical, canaries)
-                run = run_suite(sb, timeout=timeout, configs=configs, canaries=canaries)
-            except Refused as r:
-                verdict.conclude(r.status, r.detail)
-                return
-            except TimeoutError:
-                verdict.conclude("timeout", f"the test suite ran past its timeout of {timeout:g} s")
-                return
-            except NoReport as e:
-                failure = f"no_report:the test run ended (exit {e.exit_code}) without a readable report"
-            except (OSError, RuntimeError, ValueError) as e:
-                failure = f"crashed:the sandbox failed during grading ({type(e).__name__})"
+        try:
+            if changes:
+                apply_patch(sb, patch, changes)
+            verdict.restored = _restore(sb, canonical, canaries)
+            run = run_suite(sb, timeout=timeout, configs=configs, canaries=canaries)
+        except Refused as r:
+            verdict.conclude(r.status, r.detail)
+            return
+        except TimeoutError:
+            verdict.conclude("timeout", f"the test suite ran past its timeout of {timeout:g} s")
+            return
+        except NoReport as e:
+            failure = f"no_report:the test run ended (exit {e.exit_code}) without a readable report"
+        except (OSError, RuntimeError, ValueError) as e:
+            failure = f"crashed:the sandbox failed during grading ({type(e).__name__})"
+        finally:
+            _close(sb)
         if failure:
             status, what = failure.split(":", 1)
             if control_run(snapshot, configs, timeout):
@@ -315,4 +317,12 @@ def _in_sandbox(verdict: Verdict, task: Task, task_dir: Path, patch: str, change
                          reward=None)
     finally:
         if made is not None:
-            remove_snapshot(made)
+            with contextlib.suppress(OSError):  # a leftover is removed by the next process's recovery
+                remove_snapshot(made)
+
+
+def _close(sb: Sandbox) -> None:
+    """Close the grading sandbox; a failure to tear it down does not change what the run showed (the next sandbox
+    start recovers what is left)."""
+    with contextlib.suppress(OSError, RuntimeError):
+        sb.close()
