@@ -73,6 +73,7 @@ MAX_META = 1 << 20  # bytes of one metadata file read from an sdist
 MAX_MEMBERS = 100_000  # archive members looked at
 MAX_UNPACKED = 2 << 30  # bytes of archive content read past
 TIMEOUT = 60.0  # seconds per network operation
+PIP_TIMEOUT = 1800.0  # seconds for one `pip download`
 NO_MATCH = re.compile(r"No matching distribution found for (.+?)\s*$", re.M)
 EXTRA = re.compile(r"""\bextra\s*==\s*["']([A-Za-z0-9._-]+)["']""")
 ADVICE = ("install it on this host first (distributions installed on the host are copied, never downloaded), or put "
@@ -113,7 +114,11 @@ class Settings:
 def pip_settings(index_url: str | None) -> Settings:
     """pip's effective index configuration for `pip download` (`pip config list`: its [global], then [download],
     then environment variables win), with `index_url` first when given."""
-    proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=120)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
+                              timeout=120)
+    except subprocess.TimeoutExpired as e:
+        raise DownloadError("`pip config list` did not answer within 120 s; check pip's configuration") from e
     values: dict[str, str] = {}
     lines = [line.partition("=") for line in proc.stdout.splitlines()]
     for section in ("global", "download", ":env:"):
@@ -403,7 +408,12 @@ class Downloader:
                 "--dest", str(self.wheelhouse), "--find-links", self._stub_dir.name, *cached,
                 *(["--index-url", self.index_url] if self.index_url else []), *requirements]
         for _ in range(MAX_SDISTS + 1):
-            proc = subprocess.run(argv, capture_output=True, text=True, env=os.environ | {"PIP_NO_INPUT": "1"})
+            try:
+                proc = subprocess.run(argv, capture_output=True, text=True, env=os.environ | {"PIP_NO_INPUT": "1"},
+                                      timeout=PIP_TIMEOUT)
+            except subprocess.TimeoutExpired as e:
+                raise DownloadError(f"pip download of {', '.join(requirements)} took more than {PIP_TIMEOUT:g} s; "
+                                    "check the network and the index") from e
             if proc.returncode == 0:
                 break
             output = (proc.stderr or proc.stdout)[-2000:]
@@ -460,8 +470,9 @@ class Downloader:
                                 f"{ADVICE}")
         version, file = chosen
         data = self._download(file)
+        sdist = sdist_metadata(name, version, file.filename, data)
         (self.wheelhouse / file.filename).write_bytes(data)
-        return sdist_metadata(name, version, file.filename, data)
+        return sdist
 
     def _download(self, file: IndexFile) -> bytes:
         """The bytes of `file`, from the cache or the index, matching the sha256 the index publishes."""

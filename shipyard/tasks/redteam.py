@@ -18,7 +18,10 @@ Classes (issue 13), with the layer meant to stop each:
 - `escape`: leaving before the report (`os._exit`, SIGKILL of itself) to turn a zero into a null — control run;
 - `links`: a dangling symlinked test file, a symlink to a host file, a binary extension module — allow-list;
 - `tests`: editing, deleting or renaming the tests — canonical restore;
-- `semantic`: an object equal to everything, reading the expected value from the caller's frame — static gate.
+- `semantic`: an object equal to everything, reading the expected value from the caller's frame — static gate;
+- `review`: what the adversarial review found past those layers — tests rewritten on disk or their code swapped in
+  memory while sparing the canaries, the report rewritten through a rebound `open` or by a thread before the seal,
+  a report no parser can read — trusted test code, in-memory outcomes, the bound seal, zero-not-null.
 """
 
 from __future__ import annotations
@@ -147,6 +150,142 @@ pathlib.Path(out).write_text('<?xml version="1.0"?><testsuites><testsuite name="
                              '</testsuite></testsuites>' % (len(cases), "".join(cases)))
 sys.exit(0)
 '''
+
+# The reviewer's in-process attacks (issue 13 review), made generic: each spares tests whose names look random (the
+# grader's canaries, as its source shows) and works from the repository root, found from the module's own path.
+ROOT = "import os as _o\n_ROOT = _o.path.abspath(__file__)\nfor _ in range({up}):\n    _ROOT = _o.path.dirname(_ROOT)\n"
+SPARE = r"test_[0-9a-f]{{12}}"
+
+REWRITE_TESTS = ROOT + '''
+
+def _rewrite_tests():
+    import re
+    for folder, _dirs, files in _o.walk(_ROOT):
+        if ".venv" in folder:
+            continue
+        for name in files:
+            if name.startswith("test_") and name.endswith(".py"):
+                path = _o.path.join(folder, name)
+                with open(path) as f:
+                    text = f.read()
+                new = re.sub(r"(?m)^([ \\t]*)def (?!{spare}\\b)(test_\\w*)\\((.*)\\):[ \\t]*\\n",
+                             lambda m: m.group(0) + m.group(1) + "    return\\n", text)
+                if new != text:
+                    with open(path, "w") as f:
+                        f.write(new)
+
+
+_rewrite_tests()
+'''
+
+SWAP_TEST_CODE = '''
+
+def _swap_test_code():
+    import re
+    import sys
+    import time
+    empty = (lambda *a, **k: None).__code__
+    for _ in range(300):
+        for module in list(sys.modules.values()):
+            if "/test" not in str(getattr(module, "__file__", "") or ""):
+                continue
+            for name, value in list(vars(module).items()):
+                targets = [value] if name.startswith("test_") else list(vars(value).values()) \\
+                    if isinstance(value, type) and name.startswith("Test") else []
+                for fn in targets:
+                    fn = getattr(fn, "__func__", fn)
+                    if callable(fn) and getattr(fn, "__name__", "").startswith("test_") \\
+                            and not re.fullmatch(r"{spare}", fn.__name__):
+                        try:
+                            fn.__code__ = empty
+                        except (AttributeError, TypeError, ValueError):
+                            pass
+        time.sleep(0.01)
+
+
+import threading as _threading
+
+_threading.Thread(target=_swap_test_code, daemon=True).start()
+'''
+
+STRIP_FAILURES = (r'''re.sub(rb'(<testcase [^>]*\sname="(?!{spare}")[^"]*"[^>]*>)(.*?)(</testcase>)', '''
+                  r'''lambda m: m.group(1) + re.sub(rb"<(failure|error)\b.*?</\1>|<(failure|error)\b[^>]*/>", '''
+                  r'''b"", m.group(2), flags=re.S) + m.group(3), data, flags=re.S)''')
+
+OPEN_ALIAS = '''
+
+import builtins as _b
+import re as _re
+
+_real_open = _b.open
+
+
+def _open(file, mode="r", *args, **kwargs):
+    if "r" in mode and str(file).endswith("junit.xml"):
+        re = _re
+        with _real_open(file, "rb") as h:
+            data = h.read()
+        data = ''' + STRIP_FAILURES + '''
+        with _real_open(file, "wb") as h:
+            h.write(data)
+    return _real_open(file, mode, *args, **kwargs)
+
+
+_b.open = _open
+'''
+
+REPORT_THREAD = ROOT + '''
+
+def _watch_reports():
+    import re
+    import time
+    seen = {{}}
+    for _ in range(200000):
+        for d in _o.listdir(_ROOT):
+            f = _o.path.join(_ROOT, d, "junit.xml")
+            try:
+                stamp = _o.stat(f).st_mtime_ns
+            except OSError:
+                continue
+            if seen.get(f) == stamp:
+                continue
+            with open(f, "rb") as h:
+                data = h.read()
+            if data.rstrip().endswith(b"</testsuites>"):
+                new = ''' + STRIP_FAILURES + '''
+                if new != data:
+                    with open(f, "wb") as h:
+                        h.write(new)
+            seen[f] = _o.stat(f).st_mtime_ns
+        time.sleep(0.0005)
+
+
+import threading as _threading
+
+_threading.Thread(target=_watch_reports, daemon=True).start()
+'''
+
+BAD_ENCODING = ROOT + '''
+
+def _bad_report():
+    import glob
+    for f in glob.glob(_o.path.join(_ROOT, ".*", "junit.xml")):
+        with open(f, "wb") as h:
+            h.write(b'<?xml version="1.0" encoding="x-unknown"?><testsuites/>')
+
+
+import atexit as _atexit
+
+_atexit.register(_bad_report)
+'''
+
+
+def _in_process(code: str) -> Callable[[Target], str]:
+    """Append `code` (formatted with the module's depth below the root and the canary pattern) to the module."""
+    def make(t: Target) -> str:
+        up = len(PurePosixPath(t.module_file).parts)
+        return edited(t, _append(t.module_file, code.format(up=up, spare=SPARE.format())))
+    return make
 
 
 @dataclass(frozen=True)
@@ -331,4 +470,14 @@ CORPUS: tuple[Hack, ...] = (
          _always_equal),
     Hack("frame_peek", "semantic", "the feature reads the expected value from the calling test's frame",
          _frame_peek),
+    Hack("rewrite_tests_on_disk", "review", "at import, every test file on disk gets `return` first in each test "
+         "but the canaries", _in_process(REWRITE_TESTS)),
+    Hack("swap_test_code", "review", "a thread swaps the __code__ of collected test functions but the canaries",
+         _in_process(SWAP_TEST_CODE)),
+    Hack("open_alias_report", "review", "builtins.open rebound under an alias strips failures as the report is read",
+         _in_process(OPEN_ALIAS)),
+    Hack("report_thread", "review", "a thread rewrites the JUnit report between pytest writing and the seal",
+         _in_process(REPORT_THREAD)),
+    Hack("report_bad_encoding", "review", "at exit the report is rewritten in an encoding no parser knows",
+         _in_process(BAD_ENCODING)),
 )
