@@ -4,14 +4,18 @@ RL optimises what the reward measures, so the reward is a claim about the code t
 test run could be talked into saying. In order:
 
 1. **Inputs.** The task is checked against its schema (`taskset.check_task`: FAIL_TO_PASS not empty, every path
-   relative and inside the task) and each canonical test file is read without following a link
-   (`taskset.read_canonical`). A bad task raises `TaskFormatError`; it is never graded.
+   relative and inside the task) and each canonical test file and the gold patch are read without following a
+   link (`taskset.read_canonical`, `read_gold`: a link, directory or FIFO as `gold.patch` is a malformed task; a
+   missing one is the empty patch, as synthesis grades before writing it). A bad task raises `TaskFormatError`;
+   it is never graded. Nothing else raises: every patch gets a verdict.
 2. **Static gate, on the host, before any sandbox.** `patchparse.parse_patch` reads the patch the way `git apply`
-   does (a patch over `tree_diff`'s 8 MiB bound is refused unread); a patch without file sections (empty, or only
-   `tree_diff`'s leading note) is the empty patch. `change_problems` refuses every path a solution does not touch
-   (tests and test configuration, dot paths, start-up hooks, compiled modules, new files outside the project's
-   packages, links) and `steering` refuses added code that reaches for pytest, import hooks, frames or hard exits
-   unless the gold patch does too → `patch_rejected`.
+   does (a patch over `tree_diff`'s 8 MiB bound, counted in bytes, or one no file can hold, is refused unread); a
+   patch without file sections (empty, or only `tree_diff`'s leading note) is the empty patch. `change_problems`
+   refuses every path a solution does not touch (tests and test configuration, dot paths, start-up hooks, compiled
+   modules, new files outside the project's packages, links, names the file system would refuse) and `steering`
+   refuses added code that reaches for pytest, import hooks or builtins, a caller's locals, hard exits, a
+   function's `__code__` or the test files unless the gold patch does too → `patch_rejected`. Every parser and
+   pattern on this path is linear in the patch (tests/tasks/test_patchscan.py times their worst cases).
 3. **Apply, in a fresh sandbox.** `git apply --numstat --summary -z` must list exactly the files the parser found
    and no link or submodule mode (two parsers that disagree → `patch_rejected`); `git apply` failing →
    `patch_failed`; afterwards every path the patch names must be a regular file or absent (`lstat`).
@@ -35,7 +39,8 @@ test run could be talked into saying. In order:
 
 `detail` is composed here, at most `DETAIL_CHARS` printable ASCII characters, never the sandbox's or pytest's
 output (a `git apply` error keeps its first line, sanitised). `evidence` lists what the gate or the tamper checks
-found, each item sanitised and bounded.
+found, each item sanitised and bounded. `collection_errors` holds only the task's own test modules: a report's
+other names are text the sandbox chose (review A5), counted in `evidence`, never copied.
 
 What a patch could still do: attack the in-process layers from code the static gate did not recognise (it is a
 screen of patterns, and obfuscated code passes it): find the launcher's records and rewrite them, or single out the
@@ -47,7 +52,6 @@ of the machinery by name. The monitors (`shipyard.tasks.monitors`) flag the atte
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
 import secrets
@@ -65,10 +69,10 @@ from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 from shipyard.tasks.patchparse import FileChange, parse_patch
 from shipyard.tasks.patchscan import change_problems, is_test_config, steering
 from shipyard.tasks.suite import Canary, NoReport, SuiteRun, canary_problems, printable, run_suite, top_level_configs
-from shipyard.tasks.taskset import Task, check_task, read_canonical
+from shipyard.tasks.taskset import Task, _read_capped, check_task, read_canonical
 
 __all__ = ["DETAIL_CHARS", "Refused", "Verdict", "apply_patch", "control_run", "gate", "grade", "is_test_config",
-           "not_regular", "patch_paths"]
+           "not_regular", "patch_paths", "read_gold"]
 
 DETAIL_CHARS = 300
 EVIDENCE = 20  # items of evidence kept, each at most 160 characters
@@ -115,23 +119,22 @@ def patch_paths(patch: str) -> list[str]:
     return sorted({p for change in parse_patch(patch) for p in change.paths})
 
 
-def _read_gold(task_dir: Path) -> str:
-    """The task's gold patch ('' if it has none yet: synthesis grades the empty patch before writing it)."""
-    try:
-        fd = os.open(task_dir / "gold.patch", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno == errno.ENOENT:
-            return ""
-        raise
-    with os.fdopen(fd, "rb") as f:
-        return f.read(MAX_GOLD).decode(errors="replace")
+def read_gold(task_dir: Path) -> str:
+    """The task's gold patch ('' if it has none yet: synthesis grades the empty patch before writing it), read
+    without following a link; TaskFormatError when it is a link, a directory or anything but a regular file."""
+    path = Path(task_dir) / "gold.patch"
+    if not os.path.lexists(path):
+        return ""
+    return _read_capped(path, MAX_GOLD).decode(errors="replace")
 
 
-def gate(changes: list[FileChange], task_dir: Path) -> list[str]:
-    """Why the parsed patch may not be applied (empty: it may), judged on the host against the task's snapshot."""
+def gate(changes: list[FileChange], task_dir: Path, gold: str | None = None) -> list[str]:
+    """Why the parsed patch may not be applied (empty: it may), judged on the host against the task's snapshot;
+    `gold` is the task's gold patch (read here when None)."""
     problems = change_problems(changes, task_dir / "snapshot")
+    gold = read_gold(task_dir) if gold is None else gold
     problems += [f"added code reaches for test machinery ({f.kind}): {f.evidence}"
-                 for f in steering(changes, parse_patch(_read_gold(task_dir)))]
+                 for f in steering(changes, parse_patch(gold))]
     return problems
 
 
@@ -225,6 +228,21 @@ def control_run(snapshot: Path, configs: list[str], timeout: float) -> bool:
     return not forced and not off and not run.integrity.problems
 
 
+def _collection_errors(reported: list[str], test_files: list[str]) -> tuple[list[str], int]:
+    """The collection errors that name one of the task's test modules or their directories (dotted, as pytest's
+    xunit1 report names them, or as paths), and how many others there were. Anything else in a report is text the
+    sandbox chose, so none of it reaches the verdict."""
+    known: dict[str, str] = {}
+    for rel in test_files:
+        path = PurePosixPath(rel)
+        module = path.with_suffix("") if rel.endswith(".py") else path
+        known[rel] = str(module).replace("/", ".")
+        for name in [module, *list(path.parents)[:-1]]:
+            known[str(name)] = known[str(name).replace("/", ".")] = str(name).replace("/", ".")
+    kept = list(dict.fromkeys(known[e] for e in reported if e in known))
+    return kept[:50], sum(e not in known for e in reported)
+
+
 def _score(verdict: Verdict, task: Task, run: SuiteRun, canaries: list[Canary]) -> None:
     expected = [*task.fail_to_pass, *task.pass_to_pass]
     verdict.missing = [t for t in expected if t not in run.outcomes]
@@ -236,7 +254,10 @@ def _score(verdict: Verdict, task: Task, run: SuiteRun, canaries: list[Canary]) 
     verdict.pass_to_pass = {"passed": p2p, "total": len(task.pass_to_pass)}
     verdict.passed_fraction = round((f2p + p2p) / max(1, len(expected)), 4)
     verdict.reward = 1.0 if expected and f2p + p2p == len(expected) else 0.0
-    verdict.collection_errors = [printable(e, 200) for e in run.collection_errors[:50]]
+    verdict.collection_errors, unknown = _collection_errors(run.collection_errors, task.test_files)
+    if unknown:  # not proof of tampering (pytest may name a module the task does not list), but worth a look
+        verdict.evidence = [f"the report lists {unknown} collection error(s) naming no test module of the task "
+                            "(left out of the verdict)"]
     forced, off = canary_problems(canaries, run)
     problems = list(run.integrity.problems)
     if forced:
@@ -255,12 +276,14 @@ def grade(task: Task, task_dir: Path, patch: str, timeout: float = 900, snapshot
     task_dir = Path(task_dir)
     check_task(task, task_dir, str(task_dir / "task.json"))
     canonical = {rel: read_canonical(task_dir, rel) for rel in task.test_files}
+    gold = read_gold(task_dir)
     verdict = Verdict(task.id, "graded", 0.0)
     try:
-        if len(patch) > MAX_DIFF_BYTES:
-            return verdict.conclude("patch_rejected", f"the patch is larger than {MAX_DIFF_BYTES} characters")
+        why = _unreadable(patch)
+        if why:
+            return verdict.conclude("patch_rejected", why)
         changes = parse_patch(patch)
-        problems = gate(changes, task_dir)
+        problems = gate(changes, task_dir, gold)
         if problems:
             return verdict.conclude("patch_rejected", f"the patch may not be applied: {'; '.join(problems)}",
                                     evidence=problems)
@@ -268,6 +291,16 @@ def grade(task: Task, task_dir: Path, patch: str, timeout: float = 900, snapshot
         return verdict
     finally:
         verdict.seconds = round(time.monotonic() - start, 2)
+
+
+def _unreadable(patch: str) -> str:
+    """Why `patch` is refused unread ('' when it may be parsed): over `MAX_DIFF_BYTES` bytes (the bound is on bytes,
+    as `tree_diff` writes them, not on characters), or text that no file can hold (a lone surrogate)."""
+    try:
+        size = len(patch.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError:
+        return "the patch is not text a file can hold (it has characters with no UTF-8 encoding)"
+    return f"the patch is larger than {MAX_DIFF_BYTES} bytes" if size > MAX_DIFF_BYTES else ""
 
 
 def _in_sandbox(verdict: Verdict, task: Task, task_dir: Path, patch: str, changes: list[FileChange],

@@ -1,7 +1,8 @@
 """The test run's launcher and the pytest plugin it loads: the run's configuration, node ids, canaries, coverage
-contexts, an integrity check of pytest's machinery, and a seal over the report.
+contexts, an integrity check of pytest's machinery and of the test code, and a seal over the report and outcomes.
 
-`suite.run_suite` copies this file into a fresh, randomly named run directory of the sandbox's workspace and starts
+`suite.run_suite` copies this file and `testcode.py` (as `shipyard_testcode.py`, loaded from beside the launcher by
+path, never from `sys.path`) into a fresh, randomly named run directory of the sandbox's workspace and starts
 
     /workspace/.venv/bin/python -I -B <run dir>/shipyard_pytest.py <run dir>/settings.json
 
@@ -33,57 +34,102 @@ It needs only pytest, pluggy and coverage. What it does, and why:
    outcomes are forced shows it in them (`suite.canary_problems`).
 6. **Integrity.** When it starts, and again just before pytest loads the first conftest (never after project code
    could have run), the launcher records the identity of every function and class in `pytest`, `_pytest.*` and
-   `pluggy.*`, every member of the classes defined there, the registered plugins and the plugin manager's hook
-   executor. At session finish, and again after pytest returns, it lists every difference that brings code from
-   outside installed packages and the repository's conftest files (pytest's own plugins legitimately patch its
-   classes at configure time; the grader restored the conftests): a replaced or deleted function, method or module,
-   a class member added, a plugin registered during the run by project code (conftest files, the modules their
+   `pluggy.*` and in the standard modules the launcher itself relies on (`builtins`, `io`, `os`, `posixpath`,
+   `hashlib`, `json`, `json.encoder`, `ast`: a `builtins.open` replaced by project code is a finding), every member
+   of the (mutable) classes defined there, the registered plugins and the plugin manager's hook executor. At session
+   finish, and again after pytest returns, it lists every difference that brings code from outside installed
+   packages and the repository's conftest files (pytest's own plugins legitimately patch its classes at configure
+   time; the grader restored the conftests): a replaced or deleted function, method or module, a class member
+   added, a plugin registered during the run by project code (conftest files, the modules their
    `pytest_plugins` name and installed code may register plugins), a plugin unregistered, a hook implementation
-   whose plugin is not registered, a replaced hook executor. Recording and checking take about 15 ms.
-7. **The seal.** After pytest returns, one line goes to this process's stdout: the nonce, the SHA-256 of the JUnit
-   report as it is then, and the integrity findings (`null` if the session-finish check never ran). The grader
-   reads it from the output the sandbox hands back, which nothing can change after the fact: a report rewritten
-   later (an `atexit` handler, a process that outlived pytest) no longer matches it.
+   whose plugin is not registered, a replaced hook executor. Recording and checking take about 10–15 ms.
+7. **Trusted test code** (`testcode`). Before anything else, the launcher reads the repository's test-side files into
+   memory: the grader has just restored them, and no project code has run. Before each test's call it checks that
+   the test's function, its `__wrapped__` chain and its fixtures' functions run the code those bytes compile to
+   (compiled the way pytest compiles them, assertion rewriting included); when collection finishes and at session
+   finish it checks every function and class member of the loaded test modules, the names their files bind with a
+   plain `def`/`class`, and the files' bytes on disk. A test file rewritten on disk before pytest imported it, or a
+   test's `__code__` swapped in memory, is a finding. The cost is one more compile of each test module, as pytest's
+   own rewriting costs (pocketlib: 6 modules, ~50–70 ms; cachetools: 13 modules and 465 tests, ~100 ms), plus
+   microseconds per test.
+8. **Outcomes of its own.** The plugin records each test's outcome from pytest's reports as they are made (a hook
+   that runs after the JUnit writer's): the node ids whose call passed and no phase failed or skipped — exactly
+   the tests the JUnit report must show as passed.
+9. **The seal.** After pytest returns, one line goes out through a copy of file descriptor 1 taken at start (the project
+   may close or redirect 1): `shipyard-seal <nonce> {…}` with the SHA-256 of the JUnit report as it is then, the count
+   and SHA-256 of the passed node ids (spelled as the JUnit writer spells them), and the integrity findings (`null` if
+   the session-finish check never ran). Everything the seal uses (`os.open`/`read`/`write`, `hashlib.sha256`, the stream
+   objects it flushes) was bound before project code ran, and the JSON is written by hand: nothing goes through `open`,
+   `json`'s module state or another name the project could rebind. The grader reads the seal from the output the sandbox
+   hands back, which nothing can change after the fact, and compares both digests with the report it reads: a report
+   rewritten after the seal (an `atexit` handler, a process that outlived pytest) no longer matches the first, and one
+   rewritten before it (a thread racing the launcher) no longer matches the second.
 
-What this cannot do: it runs in the process of the code under test. Code written against this module can find its
-state (through `gc`, say), rewrite its records before the check, unregister it, or silence the launcher's seal and
-print its own (two seals of a run void it, so it must do both); it can reach into pytest where the identity check
-does not look (instance attributes, module-level data), or bring code the origin rule trusts (C builtins, code
-compiled under a forged file name). The check makes a generic hack visible, not a targeted one impossible. What
-stands when it is defeated are the layers outside the process: the grader's static gate, which refuses patches
-whose code reaches for this machinery (pytest imports, `gc`, frame inspection, `sys.modules` surgery, hard exits)
-unless the gold patch does too, and the canaries, which a forced outcome trips unless the attack singles them out —
-and to do that it has to find them.
+Once pytest starts, `sys.modules["__main__"]` is a blank module and the loaded `testcode` is in `sys.modules` under no
+name, so `import __main__` does not lead to the launcher's records.
+
+What this cannot do: it runs in the process of the code under test. Code written against this module can find its state
+(through `gc`, frames, or pytest's plugin manager): rewrite its records (the trusted bytes, the outcomes it saw pass,
+the findings) before the check, unregister it, or silence the launcher's seal and print its own (the seal's line starts
+with a nonce that lives only in this process's memory, and two seals of a run void it, so it must find the nonce and do
+both); it can reach into pytest where the identity check does not look (instance attributes, module-level data), bring
+code the origin rule trusts (C builtins, code compiled under a forged file name), or change test code where `testcode`
+does not look (see its docstring: a change undone before the next check, values rather than code). The checks make a
+generic hack visible, not a targeted one impossible. What stands when they are defeated are the layers outside the
+process: the grader's static gate, which refuses patches whose code reaches for this machinery (pytest imports, `gc`,
+frame inspection, `sys.modules` surgery, hard exits) unless the gold patch does too, and the canaries, which a forced
+outcome trips unless the attack singles them out — and to do that it has to find them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import sys
-import sysconfig
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import coverage
 import pytest
+from _pytest.junitxml import bin_xml_escape
 
 NODEID = "shipyard_nodeid"
-SEAL = "shipyard-seal "
+SEAL = "shipyard-seal "  # + the run's nonce, a space, the seal as JSON
+TESTCODE = "shipyard_testcode.py"  # the launcher's copy of shipyard.tasks.testcode, beside it in the run directory
 MAX_CHANGES = 50  # findings carried in the seal
-WATCHED = ("pytest", "_pytest", "pluggy")
+WATCHED = ("pytest", "_pytest", "pluggy")  # and their submodules
+WATCHED_STDLIB = frozenset({"builtins", "io", "os", "posixpath", "hashlib", "json", "json.encoder", "ast"})
 CONFIG_NAMES = ("pytest.toml", ".pytest.toml", "pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
 CONFIG_NAMES_8 = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")  # before pytest 9
-INSTALLED = tuple(sorted({os.path.realpath(p) + os.sep for key, p in sysconfig.get_paths().items()
-                          if key in ("stdlib", "platstdlib", "purelib", "platlib")}))
 _TAKES_VALUE = {"--cov-report", "--cov-config", "--cov-fail-under", "--cov-context", "-n", "--numprocesses",
                 "--dist", "--maxprocesses", "--max-worker-restart", "--tx", "--rsyncdir", "--maxfail"}
 _FLAGS = {"--cov-append", "--cov-branch", "--cov-reset", "--no-cov", "--no-cov-on-fail", "-x", "--exitfirst"}
 _MISSING = object()
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class whose members can be changed
+
+# Bound before any project code runs: the seal reads, hashes, formats and writes nothing through names (or module
+# state, like json's default encoder) the project could rebind.
+_os_open, _os_read, _os_write, _os_close, _os_dup = os.open, os.read, os.write, os.close, os.dup
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_sha256, _sorted, _len = hashlib.sha256, sorted, len
+_STREAMS = (sys.stdout, sys.stderr)
+
+if __name__ == "__main__":  # the launcher: its copy of testcode lies beside it (never imported by name from sys.path)
+    _spec = importlib.util.spec_from_file_location("shipyard_testcode",
+                                                   os.path.join(os.path.dirname(os.path.abspath(__file__)), TESTCODE))
+    testcode = importlib.util.module_from_spec(_spec)
+    sys.modules[_spec.name] = testcode  # while it loads (dataclasses look their module up); not after
+    try:
+        _spec.loader.exec_module(testcode)
+    finally:
+        del sys.modules[_spec.name]
+else:
+    from shipyard.tasks import testcode
+INSTALLED = testcode.INSTALLED
 
 
 @dataclass
@@ -97,13 +143,16 @@ class Baseline:
     plugins: list[object] | None = None  # registered just before the first conftest
     hook_executor: object = None
     changes: list[str] | None = None  # set by the session-finish check
+    tests: testcode.TrustedTests | None = None  # the test files as the run started
+    called: set[str] = field(default_factory=set)  # node ids whose call phase passed
+    spoiled: set[str] = field(default_factory=set)  # node ids with a failed or skipped phase
 
 
 STATE = Baseline()
 
 
 def _watched(name: str) -> bool:
-    return name.split(".", 1)[0] in WATCHED
+    return name.split(".", 1)[0] in WATCHED or name in WATCHED_STDLIB
 
 
 def record() -> None:
@@ -116,7 +165,7 @@ def record() -> None:
             if not isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type)):
                 continue
             STATE.members.append((f"{name}.{attr}", module, attr, value))
-            if isinstance(value, type) and value.__module__ == name:
+            if isinstance(value, type) and value.__module__ == name and value.__flags__ & _HEAPTYPE:
                 STATE.class_keys.append((f"{name}.{attr}", value, frozenset(vars(value))))
                 STATE.members += [(f"{name}.{attr}.{key}", value, key, member) for key, member in vars(value).items()]
 
@@ -249,6 +298,25 @@ def choose_config(root: Path, allowed: list[str]) -> Path | None:
     return pyproject
 
 
+def _checked(label: str, check) -> list[str]:
+    """A check's findings; a check that raises is a finding itself (an honest run's objects never make it fail)."""
+    try:
+        return check()
+    except Exception as e:  # whatever project objects make the check raise
+        return [f"the check of {label} failed ({type(e).__name__})"]
+
+
+def _note(findings: list[str]) -> None:
+    known = STATE.tests.findings
+    known += [f for f in dict.fromkeys(findings) if f not in known][:max(0, MAX_CHANGES - len(known))]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    if STATE.tests is not None:
+        STATE.tests.config = config
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config, parser, args):
     args[:] = strip_disabled_options(args)
@@ -269,6 +337,35 @@ def pytest_collection_modifyitems(items):
         item.user_properties.append((NODEID, item.nodeid))
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    tests = STATE.tests
+    if tests is not None:
+        _note(_checked("the test modules", lambda: tests.sweep(tests.modules())))
+
+
+def _item_problems(tests: testcode.TrustedTests, item: pytest.Function) -> list[str]:
+    cls = item.getparent(pytest.Class)
+    scope = "" if cls is None else cls.name if isinstance(cls.parent, pytest.Module) else "<nested>"
+    fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+    return tests.item_problems(item.obj, item.module, scope, item.originalname, fixtures)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    tests = STATE.tests
+    if tests is not None and isinstance(item, pytest.Function):
+        _note(_checked(item.nodeid, lambda: _item_problems(tests, item)))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.passed:
+        STATE.called.add(report.nodeid)
+    elif report.failed or report.skipped:
+        STATE.spoiled.add(report.nodeid)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     cov = coverage.Coverage.current()
@@ -285,22 +382,70 @@ def pytest_runtest_logfinish(nodeid, location):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session):
-    STATE.changes = identity_changes(_root(session.config)) + plugin_changes(session.config)
+    changes = identity_changes(_root(session.config)) + plugin_changes(session.config)
+    tests = STATE.tests
+    if tests is not None:
+        _note(_checked("the test modules", lambda: tests.sweep(tests.modules())))
+        _note(_checked("the test files", tests.disk_changes))
+        changes += tests.findings
+    STATE.changes = changes
 
 
-def seal(nonce: str, report: str, changes: list[str] | None) -> None:
-    """Write the seal line (see the module docstring) straight to file descriptor 1."""
+def passed_digest(node_ids: list[str]) -> str:
+    """The SHA-256 of the sorted node ids, one a line: the launcher's over what it saw pass, the grader's over what
+    the report says passed."""
+    return _sha256("\n".join(_sorted(node_ids)).encode("utf-8", "replace")).hexdigest()
+
+
+def _quoted(text: str) -> str:
+    """`text` as a JSON string of printable ASCII, written by hand (the grader keeps only printable ASCII anyway)."""
+    return '"' + "".join(c if " " <= c <= "~" and c not in '"\\' else "?" for c in text) + '"'
+
+
+def _file_digest(path: str) -> str | None:
     try:
-        with open(report, "rb") as f:
-            digest: str | None = hashlib.sha256(f.read()).hexdigest()
+        fd = _os_open(path, _READ)
     except OSError:
-        digest = None
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError, AttributeError):
+        return None
+    digest = _sha256()
+    try:
+        while chunk := _os_read(fd, 1 << 20):
+            digest.update(chunk)
+    except OSError:
+        return None
+    finally:
+        _os_close(fd)
+    return digest.hexdigest()
+
+
+def seal(fd: int, nonce: str, report: str, changes: list[str] | None) -> None:
+    """Write the seal line (see the module docstring) to `fd`, the launcher's own copy of its stdout."""
+    for stream in _STREAMS:  # so the seal follows pytest's output; the objects the launcher started with
+        try:  # noqa: SIM105 - not contextlib.suppress: Python code the project could patch
             stream.flush()
-    line = json.dumps({"nonce": nonce, "report": digest,
-                       "changes": None if changes is None else changes[:MAX_CHANGES]}, ensure_ascii=True)
-    os.write(1, f"\n{SEAL}{line}\n".encode())
+        except (OSError, ValueError):
+            pass
+    passed = [bin_xml_escape(n) for n in STATE.called - STATE.spoiled]  # as the JUnit writer spells node ids
+    digest = _file_digest(report)
+    found = "null" if changes is None else "[" + ", ".join(_quoted(c) for c in changes[:MAX_CHANGES]) + "]"
+    line = (f'{{"report": {"null" if digest is None else _quoted(digest)}, "passed": {{"count": {_len(passed)}, '
+            f'"digest": {_quoted(passed_digest(passed))}}}, "changes": {found}}}')
+    data = f"\n{SEAL}{nonce} {line}\n".encode()
+    while data:
+        data = data[_os_write(fd, data):]
+
+
+def write_coverage(cov: coverage.Coverage, root: str, out: str) -> None:
+    """The lines each test ran, as `{"contexts": [node id, …], "files": {path: {line: [context index, …]}}}` (paths
+    relative to `root`; "" is the context of import and collection). Coverage's own JSON report repeats every node
+    id for every line it ran: 190 MB for cachetools' 465 tests, past what a sandbox hands back."""
+    data = cov.get_data()
+    index: dict[str, int] = {}
+    files = {os.path.relpath(path, root): {str(n): [index.setdefault(c, len(index)) for c in contexts]
+                                           for n, contexts in data.contexts_by_lineno(path).items()}
+             for path in data.measured_files()}
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump({"contexts": list(index), "files": files}, f)
 
 
 def main(settings_file: str) -> int:
@@ -310,6 +455,8 @@ def main(settings_file: str) -> int:
     with open(settings_file, "rb") as f:
         settings = json.load(f)
     os.unlink(settings_file)
+    seal_fd = _os_dup(1)  # the seal's way out, whatever the project does to file descriptor 1
+    STATE.tests = testcode.TrustedTests.read(settings["rootdir"])
     record()
     root = Path(settings["rootdir"])
     if str(root) not in sys.path:
@@ -326,20 +473,22 @@ def main(settings_file: str) -> int:
                                 config_file=False)
         cov.start()
     sys.argv = sys.argv[:1]
+    plugin = sys.modules[__name__]
+    sys.modules[__name__] = types.ModuleType(__name__)  # `import __main__` finds a blank module, not this state
     try:
-        code = pytest.main(args, plugins=[sys.modules[__name__]])
+        code = pytest.main(args, plugins=[plugin])
     finally:
         if cov is not None:
             cov.stop()
     changes = STATE.changes
     if changes is not None:
         changes = changes + [c for c in identity_changes(os.path.realpath(root) + os.sep) if c not in changes]
-    seal(settings["nonce"], settings["report"], changes)
+    seal(seal_fd, settings["nonce"], settings["report"], changes)
     if cov is not None:
         cov.save()
         try:
-            cov.json_report(outfile=settings["coverage"]["json"], show_contexts=True)
-        except coverage.CoverageException as e:
+            write_coverage(cov, str(root), settings["coverage"]["json"])
+        except (coverage.CoverageException, OSError) as e:
             print(f"coverage wrote no report: {e}", file=sys.stderr)
     return int(code)
 

@@ -17,15 +17,19 @@ name: it is listed in `collection_errors` (and the other modules still run: `--c
 
 Coverage per test uses coverage.py's dynamic contexts: the plugin switches coverage's context to the current test's
 node id at setup and back to the empty context when the test finishes. Lines run with the empty context ran at
-import or collection time: code every test needs. The JSON report (`show_contexts`) gives, per file and line, the
-tests that executed it.
+import or collection time: code every test needs. The launcher's JSON report gives, per file and line, the tests that
+executed it (each node id written once, lines naming them by index).
 
 **Canaries** (`Canary`): tests the grader appends, under random names, to the test modules that hold the tests it
 scores — one must fail, one must pass. An outcome forced for every test turns the must-fail one green; a run that
 drops or skips tests it does not know loses the must-pass one. `canary_problems` reads them back.
 
-**The seal** (`Integrity`): the launcher's last line names the run's nonce, the SHA-256 of the report and the
-plugin's integrity findings. A report that does not match it was written after pytest finished.
+**The seal** (`Integrity`, `read_seal`): the launcher's last line starts with the run's nonce and carries the SHA-256
+of the report, the count and SHA-256 of the node ids the plugin itself saw pass, and the plugin's integrity findings
+(changes to pytest's machinery or to the test code). A report whose bytes do not match it was written after the
+seal; one whose passed tests do not match it was rewritten before (or its outcomes were never pytest's). Lines that
+do not start with this run's nonce are ignored unread, so sandboxed code cannot make the grader parse a hostile
+seal. A report that cannot be parsed at all, for whatever reason, is `NoReport`, never an exception of its own.
 """
 
 from __future__ import annotations
@@ -39,9 +43,9 @@ from pathlib import Path, PurePosixPath
 
 from shipyard.harness.confined import PathError
 from shipyard.harness.workspace import Workspace
-from shipyard.tasks import pytest_plugin
+from shipyard.tasks import pytest_plugin, testcode
 from shipyard.tasks.environment import PYTHON, VENV
-from shipyard.tasks.pytest_plugin import CONFIG_NAMES, NODEID, SEAL
+from shipyard.tasks.pytest_plugin import CONFIG_NAMES, NODEID, SEAL, TESTCODE, passed_digest
 
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 RUN_PREFIX = ".shipyard-"  # + random hex: the run directory, inside the throwaway sandbox's workspace
@@ -96,16 +100,19 @@ class Integrity:
     """What the launcher's seal says about a run."""
 
     sealed: bool = False  # exactly one seal with this run's nonce, naming the digest of the report that was read
+    outcomes: bool = False  # the tests the report says passed are those the launcher saw pass
     checked: bool = False  # the plugin's session-finish check ran
     changes: list[str] = field(default_factory=list)  # its findings (sanitised)
 
     @property
     def problems(self) -> list[str]:
         out = [] if self.sealed else ["the report is not the one pytest wrote (no seal of this run matches it)"]
+        if self.sealed and not self.outcomes:
+            out.append("the tests the report says passed are not those the test run saw pass")
         if not self.checked:
             out.append("the integrity check of pytest's machinery never ran")
         if self.changes:
-            out.append(f"{len(self.changes)} change(s) to pytest's machinery during the run")
+            out.append(f"{len(self.changes)} change(s) to pytest's machinery or the test code during the run")
         return out
 
 
@@ -134,10 +141,15 @@ def node_id(case: ET.Element) -> str:
 
 
 def parse_junit(xml: bytes) -> tuple[dict[str, str], list[str]]:
-    """(node id → outcome, modules that failed to collect) from a JUnit XML report."""
+    """(node id → outcome, modules that failed to collect) from a JUnit XML report. Raises ValueError for a report
+    that cannot be read, whatever the reason (malformed, an unknown or broken encoding, …)."""
     outcomes: dict[str, str] = {}
     collection_errors: list[str] = []
-    for case in ET.fromstring(xml).iter("testcase"):
+    try:
+        root = ET.fromstring(xml)
+    except (ET.ParseError, LookupError, ValueError, RecursionError, MemoryError) as e:
+        raise ValueError(f"the JUnit report cannot be read ({type(e).__name__})") from None
+    for case in root.iter("testcase"):
         kinds = {child.tag for child in case}
         if not case.get("classname") and "error" in kinds:  # collection failure of a whole module
             collection_errors.append(case.get("name", "?"))
@@ -151,21 +163,24 @@ def parse_junit(xml: bytes) -> tuple[dict[str, str], list[str]]:
     return outcomes, collection_errors
 
 
-def read_seal(output: str, nonce: str, report: bytes) -> Integrity:
-    """The seal of this run (by its nonce) in the launcher's output, checked against the report that was read."""
-    seals = []
+def read_seal(output: str, nonce: str, report: bytes, outcomes: dict[str, str]) -> Integrity:
+    """The seal of this run (its lines start with the nonce, which only the launcher knows) in the launcher's output,
+    checked against the report that was read and the outcomes parsed from it."""
+    prefix, seals = f"{SEAL}{nonce} ", []
     for line in output.splitlines():
-        if line.startswith(SEAL) and len(line) <= MAX_SEAL_LINE:
+        if line.startswith(prefix) and len(line) <= MAX_SEAL_LINE:
             try:
-                seal = json.loads(line[len(SEAL):])
-            except ValueError:
-                continue
-            if isinstance(seal, dict) and seal.get("nonce") == nonce:
-                seals.append(seal)
-    if len(seals) != 1:
+                seal = json.loads(line[len(prefix):])
+            except (ValueError, RecursionError):
+                seal = None
+            seals.append(seal)
+    if len(seals) != 1 or not isinstance(seals[0], dict):
         return Integrity()
-    changes = seals[0].get("changes")
-    return Integrity(sealed=seals[0].get("report") == hashlib.sha256(report).hexdigest(),
+    seal = seals[0]
+    changes, passed = seal.get("changes"), seal.get("passed")
+    said = sorted(t for t, o in outcomes.items() if o == "passed")
+    return Integrity(sealed=seal.get("report") == hashlib.sha256(report).hexdigest(),
+                     outcomes=isinstance(passed, dict) and passed.get("digest") == passed_digest(said),
                      checked=isinstance(changes, list),
                      changes=[printable(str(c), 160) for c in changes[:20]] if isinstance(changes, list) else [])
 
@@ -207,6 +222,7 @@ def run_suite(ws: Workspace, tests: list[str] | None = None, *, coverage: bool =
                 "canaries": sorted(n for c in canaries for n in c.names), "coverage": cov if coverage else None,
                 "args": [*PYTEST_ARGS, f"--junitxml={junit}", *(tests or [])]}
     ws.write_bytes(f"{run_dir}/{LAUNCHER}", Path(pytest_plugin.__file__).read_bytes())
+    ws.write_bytes(f"{run_dir}/{TESTCODE}", Path(testcode.__file__).read_bytes())
     ws.write_bytes(f"{run_dir}/settings.json", json.dumps(settings).encode())
     env = {k: v for k, v in ws.environment().items() if not k.startswith(SCRUBBED)}
     argv = [python, "-I", "-B", f"{root}/{run_dir}/{LAUNCHER}", f"{root}/{run_dir}/settings.json"]
@@ -217,16 +233,17 @@ def run_suite(ws: Workspace, tests: list[str] | None = None, *, coverage: bool =
     try:
         report = ws.read_bytes(f"{run_dir}/junit.xml")
         outcomes, collection_errors = parse_junit(report)
-    except (PathError, ET.ParseError) as e:
+    except (PathError, ValueError) as e:
         raise NoReport(f"pytest wrote no readable JUnit report (exit {result.exit_code}):\n{output[-3000:]}",
                        result.exit_code, output) from e
     run = SuiteRun(outcomes, collection_errors, exit_code=result.exit_code, output=output,
-                   integrity=read_seal(output, nonce, report))
+                   integrity=read_seal(output, nonce, report, outcomes))
     if coverage:
         try:
             data = json.loads(ws.read_bytes(f"{run_dir}/coverage.json"))
-        except (PathError, ValueError) as e:
+            names = data["contexts"]
+            for path, lines in data["files"].items():
+                run.coverage[path] = {int(n): {names[i] for i in contexts} for n, contexts in lines.items()}
+        except (ValueError, RecursionError, LookupError, TypeError, AttributeError) as e:
             raise RuntimeError(f"coverage wrote no readable report:\n{output[-2000:]}") from e
-        for path, info in data["files"].items():
-            run.coverage[path] = {int(n): set(ctx) for n, ctx in info.get("contexts", {}).items()}
     return run

@@ -64,6 +64,7 @@ class SynthConfig:
     timeout: float = 900.0
     requirements: tuple[str, ...] = ()  # more packages the tests need (`--with`), beyond what the repo declares
     wheel_cache: Path | None = None  # where downloaded wheels are kept (default ~/.cache/shipyard/wheels)
+    index_url: str | None = None  # the package index for downloads (default: pip's configured one, else PyPI)
 
 
 @dataclass
@@ -78,6 +79,7 @@ class SynthReport:
     baseline_errors: list[str] = field(default_factory=list)  # pytest's lines for modules that failed to collect
     skipped: dict[str, str] = field(default_factory=dict)  # repo path → why it is in no task (links, special files)
     generated: list[str] = field(default_factory=list)  # .py files the editable build generated (kept)
+    sdists: list[str] = field(default_factory=list)  # requirements fetched as source and built in the sandbox
     seconds: float = 0.0
     cpu_seconds: float = 0.0
     unmeasured_sandboxes: int = 0  # sandboxes whose CPU time the host could not count (no cgroup cpu accounting)
@@ -197,8 +199,10 @@ class Synthesizer:
         self.out.mkdir(parents=True, exist_ok=True)
         self.log("preparing the environment (.venv, dependencies, editable install)")
         wheels = self.config.wheel_cache or Path.home() / ".cache" / "shipyard" / "wheels"
-        prepared = prepare(self.repo, self.base, wheels, timeout=self.config.timeout, extra=self.config.requirements)
+        prepared = prepare(self.repo, self.base, wheels, timeout=self.config.timeout, extra=self.config.requirements,
+                           index_url=self.config.index_url)
         self.report.skipped, self.report.generated = prepared.skipped, prepared.generated
+        self.report.sdists = prepared.sdists
         self.commit = source_commit(self.repo, self.base, prepared.files)
         scrub(self.base)
         self.test_files = self._test_files()

@@ -29,9 +29,9 @@ import pytest
 from shipyard.sandbox.host import host
 from shipyard.sandbox.run import sandbox_problem
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
-from shipyard.tasks.grade import Verdict, grade
+from shipyard.tasks.grade import Verdict, grade, read_gold
 from shipyard.tasks.patchparse import parse_patch
-from shipyard.tasks.patchscan import machinery
+from shipyard.tasks.patchscan import GRADER_KINDS, machinery
 from shipyard.tasks.redteam import Target, edited, target
 from shipyard.tasks.taskset import Task, TaskFormatError, list_tasks, load_task
 
@@ -156,47 +156,102 @@ _a.register(_bye)
 
 
 @needs_sandbox
-@pytest.mark.xfail(strict=True, reason="review A1: package code rewrites the not-yet-imported test files on disk, "
-                                       "sparing the canaries; the grader scores 1.0")
 def test_tests_rewritten_on_disk_at_import_do_not_score(t1):
+    """Review A1 (old code: graded, reward 1.0). Where the static gate lets the patch through, the launcher, which
+    read the test files before any project code ran, finds test functions that are not the code those bytes compile
+    to (the layer alone: test_test_integrity.py)."""
     if t1.target.test_file == "tests/test_inifile.py":
         pytest.skip("the attack needs a test module imported before the one holding the scored tests")
     v = t1.grade(append(t1, t1.package_init, REWRITE_TESTS_ON_DISK))
-    assert v.reward != 1.0, v.to_json()
+    assert v.reward == 0.0 and v.status in ("patch_rejected", "tampered"), v.to_json()
+    assert v.status != "tampered" or any("runs code that is not what the file held" in e for e in v.evidence)
 
 
 @needs_sandbox
-@pytest.mark.xfail(strict=True, reason="review A2: a package function swaps the __code__ of every collected test "
-                                       "function but the canaries; the grader scores 1.0")
 def test_test_functions_replaced_in_memory_do_not_score(t1):
+    """Review A2 (old code: graded, reward 1.0). Past the static gate, the launcher compares the function about to
+    run with the code its file compiles to before each test's call; a swapped `__code__` is a finding."""
     if t1.target.test_file == "tests/test_inifile.py" or t1.target.module_file.endswith("inifile.py"):
         pytest.skip("the attack triggers from parse_ini, which the first test module's tests call")
     rel = str(PurePosixPath(t1.target.module_file).parent / "inifile.py")
     v = t1.grade(append(t1, rel, REPLACE_TEST_CODE))
-    assert v.reward != 1.0, v.to_json()
+    assert v.reward == 0.0 and v.status in ("patch_rejected", "tampered"), v.to_json()
+    assert v.status != "tampered" or any("runs code that is not what the file held" in e for e in v.evidence)
 
 
 @needs_sandbox
-@pytest.mark.xfail(strict=True, reason="review A3: the seal opens the report through builtins.open, which package "
-                                       "code replaced; the report loses its failures and still matches the seal")
 def test_report_rewritten_through_builtins_open_does_not_score(t1):
+    """Review A3b (old code: graded, reward 1.0). Past the static gate, the seal reads the report through `os`
+    functions bound before project code ran, so the wrapper never sees it; replacing `builtins.open` is itself a
+    finding."""
     v = t1.grade(append(t1, t1.package_init, OPEN_REWRITES_REPORT))
-    assert v.reward != 1.0, v.to_json()
+    assert v.reward == 0.0 and v.status in ("patch_rejected", "tampered"), v.to_json()
+    assert v.status != "tampered" or "builtins.open was replaced" in v.evidence, v.evidence
+
+
+REWRITE_REPORT_FROM_THREAD = r'''
+
+def _watch():
+    import os
+    import re
+    import sys
+    import time
+    sys.setswitchinterval(1e-6)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    seen = {}
+    while True:
+        for d in os.listdir(root):
+            f = os.path.join(root, d, "junit.xml")
+            try:
+                st = os.stat(f)
+            except OSError:
+                continue
+            if seen.get(f) == st.st_mtime_ns:
+                continue
+            with open(f, "rb") as h:
+                data = h.read()
+            if data.rstrip().endswith(b"</testsuites>"):
+                new = re.sub(rb'(<testcase [^>]*\sname="(?!test_[0-9a-f]{12}")[^"]*"[^>]*>)(.*?)(</testcase>)',
+                             lambda m: m.group(1) + re.sub(rb"<(failure|error)\b.*?</\1>|<(failure|error)\b[^>]*/>",
+                                                           b"", m.group(2), flags=re.S) + m.group(3),
+                             data, flags=re.S)
+                if new != data:
+                    with open(f, "wb") as h:
+                        h.write(new)
+            seen[f] = os.stat(f).st_mtime_ns
+        time.sleep(0.0005)
+
+
+import threading as _t
+
+_t.Thread(target=_watch, daemon=True).start()
+'''
 
 
 @needs_sandbox
-@pytest.mark.xfail(strict=True, raises=LookupError,
-                   reason="review A4: ET.fromstring raises LookupError for an unknown encoding; nothing catches it")
+def test_report_rewritten_by_a_thread_before_the_seal_does_not_score(t1):
+    """Review A3 (old code: reward 1.0 whenever the thread won the race, 5/5 with a short switch interval): the seal
+    carries the digest of the node ids the launcher itself saw pass, so a report rewritten before the seal hashes
+    it no longer matches; if the thread loses the race, the failing tests fail honestly."""
+    v = t1.grade(append(t1, t1.package_init, REWRITE_REPORT_FROM_THREAD))
+    assert v.reward == 0.0 and v.status in ("patch_rejected", "tampered", "graded"), v.to_json()
+    if v.status == "tampered":
+        assert any("not those the test run saw pass" in e for e in v.evidence), v.evidence
+
+
+@needs_sandbox
 def test_report_with_unknown_encoding_gets_a_verdict(t1):
+    """Review A4 (old code: LookupError out of grade()): a report that cannot be parsed for any reason is no report;
+    the control run passes, so it is the patch's doing."""
     v = t1.grade(append(t1, t1.package_init,
                         report_at_exit("""b'<?xml version="1.0" encoding="x-unknown"?><testsuites/>'""")))
-    assert v.reward == 0.0 and v.status != "infra_error"
+    assert v.reward == 0.0 and v.status == "no_report", v.to_json()
 
 
 @needs_sandbox
-@pytest.mark.xfail(strict=True, reason="review A5: names of collection-error cases in a rewritten report reach the "
-                                       "verdict (50 x 200 characters of whatever the sandbox chose)")
 def test_collection_errors_carry_no_sandbox_text(t1):
+    """Review A5 (old code: the forged case's name, sandbox text, in `collection_errors`): the verdict keeps only
+    collection errors that name the task's own test modules."""
     body = ("""('<testsuites><testsuite><testcase classname="" name="LEAKED ' + open('/proc/version').read()[:60]"""
             """ + '"><error message="x"/></testcase></testsuite></testsuites>').encode()""")
     v = t1.grade(append(t1, t1.package_init, report_at_exit(body)))
@@ -218,52 +273,63 @@ def bare_task(taskset, tmp_path):
 
 
 @needs_sandbox
-@pytest.mark.xfail(strict=True, raises=OSError,
-                   reason="review A7: Path.is_symlink raises ENAMETOOLONG in patchscan.path_problem")
 def test_file_name_longer_than_name_max_is_rejected(bare_task):
+    """Review A7 (old code: OSError ENAMETOOLONG from `Path.is_symlink` out of grade(), with host paths): names
+    over NAME_MAX or paths over PATH_MAX are refused before the file system sees them."""
     task, task_dir = bare_task
     name = f"pocketlib/{'a' * 300}.py"
     patch = (f"diff --git a/{name} b/{name}\nnew file mode 100644\n--- /dev/null\n+++ b/{name}\n"
              "@@ -0,0 +1 @@\n+x = 1\n")
     v = grade(task, task_dir, patch, timeout=60)
-    assert v.reward == 0.0 and v.status in ("patch_rejected", "patch_failed")
+    assert v.reward == 0.0 and v.status == "patch_rejected" and "name too long" in v.detail, v.to_json()
 
 
-@pytest.mark.parametrize("kind", ["link", "directory"])
-@pytest.mark.xfail(strict=True, raises=OSError,
-                   reason="review T1: grade._read_gold raises OSError for a gold.patch that is a link or a directory")
+@pytest.mark.parametrize("kind", ["link", "directory", "fifo"])
 def test_gold_patch_that_is_not_a_file_is_a_task_format_error(bare_task, kind):
+    """Review T1 (old code: OSError ELOOP or IsADirectoryError out of grade() for every patch; a FIFO read as an
+    empty gold patch): the gold patch is read without following a link, and only a regular file is one."""
     task, task_dir = bare_task
     gold = task_dir / "gold.patch"
     gold.rename(task_dir / "gold.real")
     if kind == "link":
         os.symlink("gold.real", gold)
+    elif kind == "fifo":
+        os.mkfifo(gold)
     else:
         gold.mkdir()
-    with pytest.raises(TaskFormatError):
+    with pytest.raises(TaskFormatError, match="gold.patch"):
         grade(task, task_dir, "", timeout=60)
 
 
-@pytest.mark.xfail(strict=True, reason="review A6: patchparse._STAMP backtracks super-linearly over the spaces of a "
-                                       "---/+++ header; 40 KB of spaces hold the host-side gate for ~100 s")
+def test_missing_gold_patch_is_the_empty_patch(bare_task):
+    """Synthesis grades the empty patch before it writes gold.patch: a missing one is not a malformed task."""
+    _, task_dir = bare_task
+    (task_dir / "gold.patch").unlink()
+    assert read_gold(task_dir) == ""
+
+
 def test_traditional_header_with_many_spaces_parses_quickly():
-    patch = ("--- a/pkg/m.py" + " " * 10_000 + "x\n+++ b/pkg/m.py\n@@ -1 +1 @@\n-a = 1\n+a = 2\n")
+    """Review A6 (old code: patchparse._STAMP backtracked super-linearly over the spaces of a ---/+++ header: 6,000
+    spaces took seconds, 40 KB ~100 s, 8 MiB days); the worst case of every pattern: test_patchscan.py."""
+    patch = ("--- a/pkg/m.py" + " " * 6_000 + "x\n+++ b/pkg/m.py\n@@ -1 +1 @@\n-a = 1\n+a = 2\n")
     start = time.monotonic()
     parse_patch(patch)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 0.5
 
 
-@pytest.mark.parametrize("line", ["__eq__=lambda " * 16_000, "sys.modules[" * 16_000])
-@pytest.mark.xfail(strict=True, reason="review A6: patchscan.machinery's always-equal and sys.modules patterns scan "
-                                       "quadratically over one long added line")
+@pytest.mark.parametrize("line", ["__eq__=lambda " * 12_000, "sys.modules[" * 12_000])
 def test_machinery_screen_is_linear(line):
+    """Review A6 (old code: the always-equal and sys.modules patterns scanned quadratically over one long line)."""
     start = time.monotonic()
     machinery([line])
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 0.5
 
 
-def test_review_patterns_are_not_screened():
-    """The in-process attacks above pass the static screen: what makes them reach the sandbox at all."""
-    for code in (REWRITE_TESTS_ON_DISK, REPLACE_TEST_CODE, OPEN_REWRITES_REPORT):
-        found = [f for f in machinery(code.split("\n")) if f.kind != "exit"]
-        assert not found, found
+def test_review_patterns_are_screened():
+    """The static screen now knows what the in-process attacks above did (old code: no finding for any of them):
+    test files named on a file call, a function's `__code__` replaced, builtins rebound under an alias. Obfuscated
+    variants still pass it; the layers behind it are what the tests above hold to account."""
+    expected = {"test_files": REWRITE_TESTS_ON_DISK, "function_surgery": REPLACE_TEST_CODE,
+                "import_hooks": OPEN_REWRITES_REPORT}
+    for kind, code in expected.items():
+        assert kind in GRADER_KINDS and kind in {f.kind for f in machinery(code.split("\n"))}, kind
