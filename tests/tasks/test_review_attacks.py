@@ -1,20 +1,13 @@
-"""Attacks from the adversarial review of the reward-integrity grader (issue 13) that still work on today's code.
+"""Attacks from the adversarial review of the reward-integrity grader (issue 13): each worked against the first
+version of the new grader and is a regression test now.
 
-Each test asserts what the grader should do and is marked `xfail(strict=True)` while the attack works, so the suite
-stays green and the mark has to go when the hole is closed (an XPASS fails the run). The patches avoid every
-pattern of `patchscan.steering` and of the monitors: no pytest import, no `sys.modules` writes, no frames, no
-`gc`, no hard exits. Repro patches against a freshly synthesized example task set: /tmp/review-findings/.
-
-Reward 1.0 without the feature, in-process (the grader's canaries are singled out by their random names):
-- the package rewrites the other test files on disk when the first test module imports it;
-- a package function replaces the `__code__` of every collected test function (all modules are collected before
-  the first test runs);
-- the package wraps `builtins.open` (under an alias, which the screen does not match): the launcher's seal opens the
-  report through it, so the report is rewritten just before it is hashed.
-Host-side failures: a report with an unknown XML encoding (LookupError escapes `_in_sandbox`), a file name longer
-than NAME_MAX (OSError from `Path.is_symlink` in the static gate), a `gold.patch` that is a link or a directory,
-a `---` header with many spaces (the GNU timestamp regex backtracks super-linearly). Leak: collection errors carry
-arbitrary sandbox-chosen text into the verdict.
+Reward 1.0 without the feature, in-process (the grader's canaries singled out by their random names): the package
+rewrites the other test files on disk when the first test module imports it; a package function replaces the
+`__code__` of every collected test function; the package wraps `builtins.open` under an alias so the launcher's
+seal read a rewritten report; a thread rewrites the report before the seal. Host-side failures: a report with an
+unknown XML encoding, a file name longer than NAME_MAX, a `gold.patch` that is a link or a directory, a `---`
+header with many spaces (a super-linear regex). Leak: collection errors carrying sandbox-chosen text into the
+verdict. The original repro patches were written against a freshly synthesized example task set.
 """
 
 import dataclasses
