@@ -151,8 +151,8 @@ class Copier:
                 os.chown(name, *self.owner, dir_fd=dst, follow_symlinks=False)
             return
         if not stat.S_ISREG(st.st_mode):
-            raise self.refuse(path, f"is a {_kind(st.st_mode)}, not a regular file, directory or symlink (refused: "
-                              "remove it from the tree)")
+            raise self.refuse(path, f"is a {special_kind(st.st_mode)}, not a regular file, directory or symlink "
+                                    "(refused: remove it from the tree)")
         sfd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=src)
         try:
             if not stat.S_ISREG(os.fstat(sfd).st_mode):  # swapped since it was looked at
@@ -205,7 +205,8 @@ def _inside(path: str, root: str) -> bool:
     return real == root or real.startswith(root.rstrip("/") + "/")
 
 
-def _kind(mode: int) -> str:
+def special_kind(mode: int) -> str:
+    """What a non-regular, non-directory, non-link file is, in words."""
     for test, kind in ((stat.S_ISFIFO, "named pipe (FIFO)"), (stat.S_ISSOCK, "socket"),
                        (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
         if test(mode):

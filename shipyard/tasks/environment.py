@@ -62,7 +62,7 @@ from packaging.utils import canonicalize_name
 from shipyard.harness.confined import Tree
 from shipyard.sandbox.host import host
 from shipyard.sandbox.sandbox import Sandbox
-from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
+from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot, special_kind
 from shipyard.tasks.downloads import Downloader, DownloadError, Sdist
 from shipyard.tasks.patchscan import is_test_config
 
@@ -97,14 +97,6 @@ class Prepared:
     log: str = ""
 
 
-def _kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISFIFO, "named pipe (FIFO)"), (stat.S_ISSOCK, "socket"),
-                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
-        if test(mode):
-            return kind
-    return "special file"
-
-
 def _copy_file(name: str, dest: Path, dir_fd: int | None = None) -> str | None:
     """Copy the regular file `name` (its last component not followed) to the new file `dest`; why not, or None."""
     try:
@@ -114,7 +106,7 @@ def _copy_file(name: str, dest: Path, dir_fd: int | None = None) -> str | None:
     with os.fdopen(fd, "rb") as src:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):  # swapped since it was looked at
-            return f"is a {_kind(st.st_mode)}, not a regular file"
+            return f"is a {special_kind(st.st_mode)}, not a regular file"
         with open(dest, "xb") as out:
             shutil.copyfileobj(src, out, 1 << 20)
     os.chmod(dest, (stat.S_IMODE(st.st_mode) & 0o777) | 0o600)
@@ -141,7 +133,7 @@ def _materialise(root: str, rel: str, dest: Path) -> str | None:
     if stat.S_ISDIR(st.st_mode):
         return f"is a symbolic link to a directory ({target!r}); linked directories are not copied"
     if not stat.S_ISREG(st.st_mode):
-        return f"is a symbolic link to a {_kind(st.st_mode)}"
+        return f"is a symbolic link to a {special_kind(st.st_mode)}"
     return _copy_file(real, dest)
 
 
@@ -176,7 +168,7 @@ def copy_repository(repo: Path, dest: Path) -> dict[str, str]:
                 elif stat.S_ISLNK(st.st_mode):
                     why = _materialise(root, path, dest / path)
                 else:
-                    why = f"is a {_kind(st.st_mode)}, not a regular file"
+                    why = f"is a {special_kind(st.st_mode)}, not a regular file"
                 if why:
                     skipped[path] = why
         finally:
