@@ -19,6 +19,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
+from shipyard.harness.diff import MAX_DIFF_BYTES
 from shipyard.sandbox.host import host
 from shipyard.sandbox.run import sandbox_problem
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
@@ -275,6 +276,20 @@ def test_file_name_longer_than_name_max_is_rejected(bare_task):
              "@@ -0,0 +1 @@\n+x = 1\n")
     v = grade(task, task_dir, patch, timeout=60)
     assert v.reward == 0.0 and v.status == "patch_rejected" and "name too long" in v.detail, v.to_json()
+
+
+@needs_sandbox
+def test_patch_bound_is_in_bytes_and_text_no_file_holds_is_refused(bare_task):
+    """The reviewer's note on A7's class (old code: the bound counted characters, so 8 MiB of two-byte characters
+    was parsed and graded, and a lone surrogate reached `git apply` and crashed the sandbox stage): both are
+    refused unread, before any sandbox."""
+    task, task_dir = bare_task
+    body = "diff --git a/pocketlib/new.py b/pocketlib/new.py\nnew file mode 100644\n--- /dev/null\n" \
+           "+++ b/pocketlib/new.py\n@@ -0,0 +1 @@\n+x = '{}'\n"
+    for patch, why in ((body.format("é" * (MAX_DIFF_BYTES // 2)), "larger than"),
+                       (body.format("\ud800"), "no UTF-8 encoding")):
+        v = grade(task, task_dir, patch, timeout=60)
+        assert v.reward == 0.0 and v.status == "patch_rejected" and why in v.detail, v.to_json()
 
 
 @pytest.mark.parametrize("kind", ["link", "directory", "fifo"])
