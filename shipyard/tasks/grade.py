@@ -69,7 +69,7 @@ from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 from shipyard.tasks.patchparse import FileChange, parse_patch
 from shipyard.tasks.patchscan import change_problems, is_test_config, steering
 from shipyard.tasks.suite import Canary, NoReport, SuiteRun, canary_problems, printable, run_suite, top_level_configs
-from shipyard.tasks.taskset import Task, _read_capped, check_task, read_canonical
+from shipyard.tasks.taskset import Task, check_task, read_canonical, read_capped
 
 __all__ = ["DETAIL_CHARS", "Refused", "Verdict", "apply_patch", "control_run", "gate", "grade", "is_test_config",
            "not_regular", "patch_paths", "read_gold"]
@@ -125,7 +125,7 @@ def read_gold(task_dir: Path) -> str:
     path = Path(task_dir) / "gold.patch"
     if not os.path.lexists(path):
         return ""
-    return _read_capped(path, MAX_GOLD).decode(errors="replace")
+    return read_capped(path, MAX_GOLD).decode(errors="replace")
 
 
 def gate(changes: list[FileChange], task_dir: Path, gold: str | None = None) -> list[str]:

@@ -255,7 +255,7 @@ def read_canonical(task_dir: Path, rel: str, limit: int = MAX_TEST_FILE) -> byte
     return data
 
 
-def _read_capped(path: Path, limit: int) -> bytes:
+def read_capped(path: Path, limit: int) -> bytes:
     """The bytes of the regular file `path` (its last component not followed), at most `limit`."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -285,7 +285,7 @@ def load_task(tasks_dir: Path, task_id: str) -> tuple[Task, Path]:
             if Path(tasks_dir).is_dir() else []
         raise TaskFormatError(f"no task '{task_id}' in {tasks_dir} (no {path}); tasks there: "
                               f"{', '.join(known[:10]) or 'none'}{' …' if len(known) > 10 else ''}")
-    data = _read_capped(path, MAX_TASK_JSON)
+    data = read_capped(path, MAX_TASK_JSON)
     try:
         raw = from_json(data)
     except ValueError:
@@ -307,7 +307,7 @@ def list_tasks(tasks_dir: Path) -> list[str]:
     if not index.is_file():
         raise TaskFormatError(f"{tasks_dir} is not a task set (no tasks.jsonl); make one with `shipyard synth`")
     ids = []
-    for number, line in enumerate(_read_capped(index, MAX_INDEX).splitlines(), 1):
+    for number, line in enumerate(read_capped(index, MAX_INDEX).splitlines(), 1):
         if not line.strip():
             continue
         try:
