@@ -15,6 +15,7 @@ import pytest
 from servers import running_app
 
 from shipyard.harness.workspace import LocalWorkspace
+from shipyard.tasks.synth import SynthConfig, Synthesizer
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pocketlib"
 
@@ -38,3 +39,16 @@ def serve_app():
     """Start ASGI apps that live for the whole test session (`running_app`); returns a function app -> base URL."""
     with contextlib.ExitStack() as stack:
         yield lambda app: stack.enter_context(running_app(app))
+
+
+@pytest.fixture(scope="session")
+def taskset(tmp_path_factory):
+    """(task set directory, synthesis report, the repository it was made from): three tasks, one per tier,
+    synthesized from the example repository once per test session (≈ 25 s: the suite runs in sandboxes several
+    times). Tests only read it; each test that grades makes its own sandboxes. Modules that use it skip themselves
+    where bubblewrap cannot start, so the fixture never runs on such hosts."""
+    repo = tmp_path_factory.mktemp("src") / "pocketlib"
+    shutil.copytree(EXAMPLE, repo, ignore=shutil.ignore_patterns("__pycache__", ".ruff_cache", ".benchmarks"))
+    out = tmp_path_factory.mktemp("tasks")
+    report = Synthesizer(repo, out, SynthConfig(max_tasks=3), log=lambda m: None).run()
+    return out, report, repo

@@ -40,7 +40,8 @@ class Turn:
     parallel_width: int
     generate_seconds: float
     tools_seconds: float
-    policy_version: int = 0
+    policy_version: int = 0  # the oldest version among this turn's tokens
+    token_versions: list[int] = field(default_factory=list)  # per completion token, when they differ (else empty)
 
     @property
     def failed_calls(self) -> int:

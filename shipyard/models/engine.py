@@ -57,6 +57,9 @@ class GenerationRequest:
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     cancelled: Callable[[], bool] | None = None
+    # The conversation this request continues (a rollout id): engines keep its KV cache between turns, and a router
+    # sends every turn of one session to the same engine. None: a one-off request.
+    session: str | None = None
 
 
 class VersionConflict(ValueError):
@@ -72,8 +75,11 @@ class Completion:
     text: str
     finish_reason: Literal["stop", "length", "abort"]  # abort: stopped by `GenerationRequest.cancelled`
     prompt_tokens: int
-    policy_version: int = 0
+    policy_version: int = 0  # the version that sampled the first token (the oldest, when a completion spans updates)
     seconds: float = 0.0
+    # Per sampled token, the policy version that drew it, when weights changed during this completion (an update
+    # lands between decode steps); empty when every token is from `policy_version`.
+    token_versions: list[int] = field(default_factory=list)
 
 
 class Engine(Protocol):

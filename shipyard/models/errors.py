@@ -9,7 +9,13 @@ class ModelNotFound(ValueError):
     """A `--model` value that names no bundled model, directory, file or hub id."""
 
 
-class ServerUnreachable(ConnectionError):
+class InfraError(Exception):
+    """The infrastructure failed, not the model: an inference or environment server unreachable or erroring, a sandbox
+    that died. An episode that meets one ends with stop reason `infra_error`, keeps its trajectory, and is retried or
+    masked by the scheduler — never scored as the model's failure. Every such error in shipyard derives from this."""
+
+
+class ServerUnreachable(InfraError, ConnectionError):
     """An `openai:` server that does not answer."""
 
 

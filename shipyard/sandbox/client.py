@@ -25,6 +25,7 @@ import httpx
 
 from shipyard.httpguard import loopback_port, read_token
 from shipyard.models.bundled import shipyard_home
+from shipyard.models.errors import InfraError
 from shipyard.sandbox.sandbox import SessionWorkspace
 
 TOKEN_ENV = "SHIPYARD_ENV_TOKEN"
@@ -45,12 +46,12 @@ def _token_source(given: str | None, default: Path | None) -> str:
     return str(default) if default else "nowhere (a remote server: set $SHIPYARD_ENV_TOKEN)"
 
 
-class EnvServerUnreachable(ConnectionError):
-    pass
+class EnvServerUnreachable(InfraError, ConnectionError):
+    """The environment server did not answer (after the client's retries)."""
 
 
-class EnvServerError(RuntimeError):
-    pass
+class EnvServerError(InfraError, RuntimeError):
+    """The environment server answered with an error that is not the model's doing (its session died, 5xx, 401)."""
 
 
 class EnvClient:
