@@ -20,12 +20,12 @@ from pathlib import Path
 
 from _common import finish, table
 
-from shipyard.cli import EXAMPLE_REPO
 from shipyard.harness.loop import Agent, LoopConfig, ToolExecutor
 from shipyard.harness.parse import ToolCallParser
 from shipyard.harness.tools import ToolContext, default_tools
 from shipyard.harness.workspace import LocalWorkspace
 from shipyard.models.replay import ReplayEngine
+from shipyard.rollout.demo import EXAMPLE_REPO
 
 
 def tagged(name: str, **args) -> str:

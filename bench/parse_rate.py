@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import tempfile
-from pathlib import Path
 
 from _common import finish, table
 
-from shipyard.cli import DEMO_BUG, DEMO_TASK, EXAMPLE_REPO
-from shipyard.harness.loop import Agent, LoopConfig
 from shipyard.harness.parse import ToolCallParser
 from shipyard.harness.tools import default_tools
-from shipyard.harness.workspace import LocalWorkspace
 from shipyard.models.bundled import DEFAULT_MODEL
 from shipyard.models.resolve import make_engine
+from shipyard.rollout.demo import DEMO_TASK, copy_example, plant_bug
+from shipyard.rollout.episode import episode_config, run_on_repo
 
 
 def main() -> None:
@@ -39,15 +36,11 @@ def main() -> None:
     counts = {"turns": 0, "strict_parsed": 0, "lenient_parsed": 0, "final": 0, "calls": 0, "valid_calls": 0}
     episodes, seed = [], 0
     while counts["turns"] < args.turns:
-        work = Path(tempfile.mkdtemp(prefix="shipyard-bench-")) / "repo"
-        shutil.copytree(EXAMPLE_REPO, work)
-        path, good, bad = DEMO_BUG
-        (work / path).write_text((work / path).read_text().replace(good, bad, 1))
-        ws = LocalWorkspace(work)
-        cfg = LoopConfig(max_turns=min(args.max_turns, args.turns - counts["turns"]), temperature=args.temperature,
-                         seed=seed, max_new_tokens=512, untagged_calls="accept")
-        traj = Agent(engine, ws, cfg).run(DEMO_TASK)
-        ws.close()
+        work = copy_example()
+        plant_bug(work)
+        cfg = episode_config(args.model, max_turns=min(args.max_turns, args.turns - counts["turns"]),
+                             temperature=args.temperature, seed=seed, max_new_tokens=512, untagged_calls="accept")
+        traj = run_on_repo(DEMO_TASK, work, engine, cfg)
         shutil.rmtree(work.parent, ignore_errors=True)
         for turn in traj.turns:
             s, le = strict.parse(turn.text), lenient.parse(turn.text)

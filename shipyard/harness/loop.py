@@ -11,7 +11,20 @@ One loop serves the CLI agent and RL rollouts alike. Per turn:
 
 The episode stops for exactly one explicit reason: `finished` (a turn with no call), `max_turns`,
 `max_tokens` (the context budget is spent), `wall_time`, or `repeated_failures` (that many consecutive turns
-in which every call failed, a model that is stuck).
+in which every call failed, a model that is stuck) — the model's doing, all of them — or one that is not:
+
+- `infra_error`: the engine or the workspace raised `InfraError` (an inference or environment server unreachable or
+  erroring, a sandbox that could not be restarted). Faults are data: the episode ends there, the trajectory keeps
+  every turn so far (the turn in flight too, with its completion and no calls when its tools failed), and
+  `meta["infra_error"]` says where and what (`"tools: EnvServerUnreachable: …"`). The rollout side masks or retries
+  it; it is never scored as the model's failure. Any other exception is a bug and propagates.
+- `cancelled`: the `cancelled` callback returned True. It is polled before every turn and passed to the engine with
+  each request (`GenerationRequest.cancelled`), so a long generation stops between decode steps (the engine returns
+  it with finish_reason "abort"; that partial turn is kept, its calls are not run).
+
+Every request carries `session` (the rollout id): engines keep the conversation's KV cache between turns and a
+router keeps the conversation on one engine. A turn records the policy version of its oldest token, and per-token
+versions when a weight update landed during its completion.
 """
 
 from __future__ import annotations
@@ -28,9 +41,10 @@ from shipyard.harness.tools.base import display_path
 from shipyard.harness.trajectory import CallRecord, Trajectory, Turn
 from shipyard.harness.wire import SYSTEM_PROMPT, ChatFormat
 from shipyard.harness.workspace import PathError, Workspace
-from shipyard.models.engine import Engine, GenerationRequest, SamplingParams
+from shipyard.models.engine import Completion, Engine, GenerationRequest, SamplingParams
+from shipyard.models.errors import InfraError
 
-STOP_REASONS = ("finished", "max_turns", "max_tokens", "wall_time", "repeated_failures")
+STOP_REASONS = ("finished", "max_turns", "max_tokens", "wall_time", "repeated_failures", "infra_error", "cancelled")
 ANYWHERE = "*"
 
 
@@ -119,6 +133,8 @@ class ToolExecutor:
         start = time.perf_counter()
         try:
             output, error = self.tools[call.name].run(self.ctx, **call.arguments), None
+        except InfraError:  # not the model's doing (many are OSErrors): the episode ends, see Agent.run
+            raise
         except (ToolError, PathError, OSError, UnicodeError) as e:
             message = str(e) if isinstance(e, ToolError | PathError) else f"{type(e).__name__}: {e}"
             error = f"tool call #{call.index + 1} ({call.name}) failed: {message}"
@@ -150,11 +166,14 @@ def workspace_overview(workspace: Workspace, max_entries: int) -> str:
 
 
 class Agent:
-    """Runs episodes of one engine in one workspace. `on_turn` is called after each turn (for display)."""
+    """Runs episodes of one engine in one workspace. `on_turn` is called after each turn (for display); `session` is
+    sent with every request (the rollout id); `cancelled`, polled between turns and between decode steps, stops the
+    episode with stop reason `cancelled`."""
 
     def __init__(self, engine: Engine, workspace: Workspace, config: LoopConfig | None = None,
                  tools: list[Tool] | None = None, system_prompt: str = SYSTEM_PROMPT,
-                 on_turn: TurnCallback | None = None):
+                 on_turn: TurnCallback | None = None, *, session: str | None = None,
+                 cancelled: Callable[[], bool] | None = None):
         self.engine = engine
         self.workspace = workspace
         self.config = config or LoopConfig()
@@ -162,63 +181,115 @@ class Agent:
         self.format = ChatFormat(engine.tokenizer, self.tools, system_prompt)
         self.parser = ToolCallParser(self.tools, self.config.untagged_calls)
         self.on_turn = on_turn
+        self.session = session
+        self.cancelled = cancelled
 
     def run(self, task: str, out: str | None = None) -> Trajectory:
         cfg = self.config
         start = time.monotonic()
-        first = task + workspace_overview(self.workspace, cfg.overview_entries)
-        traj = Trajectory(task=task, model=self.engine.name, prompt_ids=self.format.prompt_ids(first),
+        traj = Trajectory(task=task, model=self.engine.name, prompt_ids=[],
                           meta={"tools": [t.name for t in self.tools], "config": vars(cfg).copy()})
         ctx = ToolContext(self.workspace, max_output_bytes=cfg.max_output_bytes)
         executor = ToolExecutor(self.tools, ctx, cfg.max_parallel)
-        context = list(traj.prompt_ids)
-        failed_streak = 0
         try:
-            while traj.stop_reason is None:
-                budget = cfg.max_tokens - len(context)
-                if budget <= 0:
-                    traj.stop_reason = "max_tokens"
-                    break
-                if time.monotonic() - start > cfg.wall_time:
-                    traj.stop_reason = "wall_time"
-                    break
-                sampling = SamplingParams(
-                    max_tokens=min(cfg.max_new_tokens, budget), temperature=cfg.temperature, top_p=cfg.top_p,
-                    stop_token_ids=self.format.stop_token_ids,
-                    seed=None if cfg.seed is None else cfg.seed + len(traj.turns))
-                t0 = time.perf_counter()
-                completion = self.engine.generate([GenerationRequest(context, sampling)])[0]
-                gen_seconds = time.perf_counter() - t0
-                parsed = self.parser.parse(completion.text)
-                t1 = time.perf_counter()
-                records = executor.execute(parsed.calls) if parsed.calls else []
-                tool_seconds = time.perf_counter() - t1
-                observation = (self.format.continuation_ids(completion.token_ids, [r.output for r in records])
-                               if records else [])
-                turn = Turn(index=len(traj.turns), text=completion.text, completion_ids=completion.token_ids,
-                            logprobs=completion.logprobs, finish_reason=completion.finish_reason,
-                            observation_ids=observation, calls=records,
-                            parallel_width=len(parsed.valid_calls), generate_seconds=gen_seconds,
-                            tools_seconds=tool_seconds, policy_version=completion.policy_version)
-                traj.turns.append(turn)
-                context += completion.token_ids + observation
-                failed_streak = failed_streak + 1 if records and turn.failed_calls == len(records) else 0
-                if parsed.is_final:
-                    traj.stop_reason = "finished"
-                elif failed_streak >= cfg.max_failed_turns:
-                    traj.stop_reason = "repeated_failures"
-                elif len(traj.turns) >= cfg.max_turns:
-                    traj.stop_reason = "max_turns"
-                traj.seconds = time.monotonic() - start
-                if self.on_turn is not None:
-                    self.on_turn(turn, parsed)
-                if out is not None:
-                    traj.save(out)
+            try:
+                overview = workspace_overview(self.workspace, cfg.overview_entries)
+            except InfraError as e:
+                overview = ""
+                _infra_error(traj, "workspace", e)
+            traj.prompt_ids = self.format.prompt_ids(task + overview)
+            self._turns(traj, executor, start, out)
         finally:
             executor.close()
-            ctx.close()
-        traj.patch = self.workspace.diff()
+            try:
+                ctx.close()  # stops background jobs: a request to the workspace
+            except InfraError as e:
+                if traj.stop_reason != "infra_error":
+                    _infra_error(traj, "close", e)
+        try:
+            traj.patch = self.workspace.diff()
+        except InfraError as e:  # after an infra error too: a dead engine leaves a workspace worth a look
+            if traj.stop_reason != "infra_error":
+                _infra_error(traj, "diff", e)
         traj.seconds = time.monotonic() - start
         if out is not None:
             traj.save(out)
         return traj
+
+    def _turns(self, traj: Trajectory, executor: ToolExecutor, start: float, out: str | None) -> None:
+        cfg = self.config
+        context = list(traj.prompt_ids)
+        failed_streak = 0
+        while traj.stop_reason is None:
+            budget = cfg.max_tokens - len(context)
+            if budget <= 0:
+                traj.stop_reason = "max_tokens"
+                break
+            if time.monotonic() - start > cfg.wall_time:
+                traj.stop_reason = "wall_time"
+                break
+            if self.cancelled is not None and self.cancelled():
+                traj.stop_reason = "cancelled"
+                break
+            sampling = SamplingParams(
+                max_tokens=min(cfg.max_new_tokens, budget), temperature=cfg.temperature, top_p=cfg.top_p,
+                stop_token_ids=self.format.stop_token_ids,
+                seed=None if cfg.seed is None else cfg.seed + len(traj.turns))
+            t0 = time.perf_counter()
+            try:
+                completion = self.engine.generate([GenerationRequest(context, sampling, self.cancelled,
+                                                                     self.session)])[0]
+            except InfraError as e:
+                _infra_error(traj, "generate", e)
+                break
+            gen_seconds = time.perf_counter() - t0
+            aborted = completion.finish_reason == "abort"
+            parsed = self.parser.parse("" if aborted else completion.text)
+            t1 = time.perf_counter()
+            records: list[CallRecord] = []
+            try:
+                records = executor.execute(parsed.calls) if parsed.calls else []
+                observation = (self.format.continuation_ids(completion.token_ids, [r.output for r in records])
+                               if records else [])
+            except InfraError as e:
+                records, observation = [], []
+                _infra_error(traj, "tools", e)
+            turn = self._turn(traj, completion, records, observation, len(parsed.valid_calls), gen_seconds,
+                              time.perf_counter() - t1)
+            context += completion.token_ids + observation
+            failed_streak = failed_streak + 1 if records and turn.failed_calls == len(records) else 0
+            if traj.stop_reason is not None:
+                pass
+            elif aborted:  # the engine stopped it between decode steps: only `cancelled` asks for that
+                if self.cancelled is not None and self.cancelled():
+                    traj.stop_reason = "cancelled"
+                else:
+                    _infra_error(traj, "generate", InfraError(f"{self.engine.name} aborted the completion"))
+            elif parsed.is_final:
+                traj.stop_reason = "finished"
+            elif failed_streak >= cfg.max_failed_turns:
+                traj.stop_reason = "repeated_failures"
+            elif len(traj.turns) >= cfg.max_turns:
+                traj.stop_reason = "max_turns"
+            traj.seconds = time.monotonic() - start
+            if self.on_turn is not None:
+                self.on_turn(turn, parsed)
+            if out is not None:
+                traj.save(out)
+
+    @staticmethod
+    def _turn(traj: Trajectory, completion: Completion, records: list[CallRecord], observation: list[int],
+              width: int, gen_seconds: float, tool_seconds: float) -> Turn:
+        turn = Turn(index=len(traj.turns), text=completion.text, completion_ids=completion.token_ids,
+                    logprobs=completion.logprobs, finish_reason=completion.finish_reason,
+                    observation_ids=observation, calls=records, parallel_width=width if records else 0,
+                    generate_seconds=gen_seconds, tools_seconds=tool_seconds,
+                    policy_version=completion.policy_version, token_versions=list(completion.token_versions))
+        traj.turns.append(turn)
+        return turn
+
+
+def _infra_error(traj: Trajectory, stage: str, error: BaseException) -> None:
+    """End the episode on an infrastructure failure: stop reason `infra_error`, the cause in `meta`."""
+    traj.stop_reason = "infra_error"
+    traj.meta["infra_error"] = f"{stage}: {type(error).__name__}: {error}"[:1000]

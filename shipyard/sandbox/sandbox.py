@@ -58,6 +58,7 @@ from typing import Any
 import shipyard
 from shipyard.harness.process import ExecResult, Job, kill_group
 from shipyard.harness.workspace import Entry, Kind, PathError
+from shipyard.models.errors import InfraError
 from shipyard.sandbox.bwrap import WORKSPACE, Cgroups, Limits, bwrap_argv, preexec
 from shipyard.sandbox.host import Host, host
 from shipyard.sandbox.layout import Layout
@@ -79,6 +80,11 @@ def _new_launcher() -> None:
 
 _new_launcher()
 os.register_at_fork(after_in_child=_new_launcher)
+
+
+class SandboxFailed(InfraError, RuntimeError):
+    """The sandbox is gone: its exec session could not be started (or restarted after dying), or it was used after
+    `close()`. An `InfraError`: an episode that meets it ends with `infra_error`, its trajectory kept."""
 
 
 class SessionRestarted(OSError):
@@ -306,7 +312,7 @@ class Sandbox(SessionWorkspace):
     ignored_lines = 0  # lines on the reply pipe that were not a sealed reply to a call in flight
 
     def _start(self) -> None:
-        """Start a session and wait for its first answer; raise RuntimeError if it does not give one."""
+        """Start a session and wait for its first answer; raise `SandboxFailed` if it does not give one."""
         if self._channel is not None:
             self._channel.close()
         request_read, request_write = os.pipe()
@@ -322,9 +328,11 @@ class Sandbox(SessionWorkspace):
                 subprocess.Popen, argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 pass_fds=(request_read, reply_write), cwd="/", env={}, start_new_session=True,
                 preexec_fn=preexec(self.h, self.limits, self.cgroups)).result()
-        except BaseException:
+        except BaseException as e:
             os.close(request_write)
             os.close(reply_read)
+            if isinstance(e, OSError):  # out of descriptors or processes on the host: not the model's doing
+                raise SandboxFailed(f"the exec session of sandbox {self.id} could not be started: {e}") from e
             raise
         finally:
             os.close(request_read)
@@ -347,7 +355,7 @@ class Sandbox(SessionWorkspace):
             kill_group(proc.pid)
             proc.wait()
             channel.close()
-            raise RuntimeError(f"the exec session of sandbox {self.id} did not start ({problem}); "
+            raise SandboxFailed(f"the exec session of sandbox {self.id} did not start ({problem}); "
                                "check that this host can start sandboxes: `shipyard sandbox exec --repo DIR -- "
                                "true`") from None
 
@@ -417,7 +425,7 @@ class Sandbox(SessionWorkspace):
 
     def _call(self, method: str, wait: float = 120, **params: Any) -> Any:
         if self._closed:
-            raise RuntimeError(f"sandbox {self.id} is closed")
+            raise SandboxFailed(f"sandbox {self.id} is closed")
         channel, reply = self._exchange(method, wait, params)
         if tampered(reply):  # the session exited: restart it; send the call again if it had not started it
             self._restart(channel)

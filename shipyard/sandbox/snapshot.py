@@ -43,7 +43,7 @@ import os
 import re
 import stat
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -375,6 +375,19 @@ def make_snapshot(source: str | Path, h: Host, name: str | None = None, *, bound
         if not source.is_dir():
             raise FileNotFoundError(f"{source} is not a directory")
     return _build(h, name, lambda fd: copy_tree(Path(source), fd, bounds or TRUSTED, _owner(h), within))
+
+
+@contextlib.contextmanager
+def snapshot_of(source: str | Path, h: Host, name: str | None = None, *, bounds: CopyBounds | None = None,
+                within: Sequence[Path] = ()) -> Iterator[Path]:
+    """`make_snapshot` for the length of a with-block: `with snapshot_of(repo, host()) as snap: Sandbox(snap)…`. The
+    snapshot is removed when the block ends, however it ends (a leftover of a killed process is removed by the next
+    process's recovery: its owner record names a dead pid)."""
+    path = make_snapshot(source, h, name, bounds=bounds, within=within)
+    try:
+        yield path
+    finally:
+        remove_snapshot(path)
 
 
 def snapshot_episode(lower: Path, upper: Path, h: Host, name: str | None = None, *,

@@ -65,7 +65,7 @@ from shipyard.harness.diff import MAX_DIFF_BYTES
 from shipyard.harness.workspace import MAX_DIR_ENTRIES
 from shipyard.sandbox.host import host
 from shipyard.sandbox.sandbox import Sandbox
-from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
+from shipyard.sandbox.snapshot import snapshot_of
 from shipyard.tasks.patchparse import FileChange, parse_patch
 from shipyard.tasks.patchscan import change_problems, is_test_config, steering
 from shipyard.tasks.suite import Canary, NoReport, SuiteRun, canary_problems, printable, run_suite, top_level_configs
@@ -308,50 +308,50 @@ def _in_sandbox(verdict: Verdict, task: Task, task_dir: Path, patch: str, change
     expected_files = {t.split("::", 1)[0] for t in [*task.fail_to_pass, *task.pass_to_pass]}
     canaries = [Canary.new(rel) for rel in sorted(expected_files & set(canonical)) if rel.endswith(".py")]
     configs = top_level_configs(list(canonical))
-    made = None
     try:
-        if snapshot is None:
-            made = snapshot = make_snapshot(task_dir / "snapshot", host())
-        try:
-            sb = Sandbox(snapshot)
-        except (OSError, RuntimeError) as e:
-            verdict.conclude("infra_error", f"the grading sandbox did not start ({type(e).__name__})", reward=None)
-            return
-        failure = ""
-        try:
-            if changes:
-                apply_patch(sb, patch, changes)
-            verdict.restored = _restore(sb, canonical, canaries)
-            run = run_suite(sb, timeout=timeout, configs=configs, canaries=canaries)
-        except Refused as r:
-            verdict.conclude(r.status, r.detail)
-            return
-        except TimeoutError:
-            verdict.conclude("timeout", f"the test suite ran past its timeout of {timeout:g} s")
-            return
-        except NoReport as e:
-            failure = f"no_report:the test run ended (exit {e.exit_code}) without a readable report"
-        except (OSError, RuntimeError, ValueError) as e:
-            failure = f"crashed:the sandbox failed during grading ({type(e).__name__})"
-        finally:
-            _close(sb)
-        if failure:
-            status, what = failure.split(":", 1)
-            if control_run(snapshot, configs, timeout):
-                verdict.conclude(status, f"{what}; a control run over the pristine snapshot passed, so the "
-                                         "failure is the patch's doing")
-            else:
-                verdict.conclude("infra_error", f"{what}, and a control run over the pristine snapshot failed too: "
-                                                "the infrastructure is broken", reward=None)
-            return
-        _score(verdict, task, run, canaries)
-    except (OSError, RuntimeError) as e:  # making or removing the snapshot: before any patch reached a sandbox
+        with (contextlib.nullcontext(snapshot) if snapshot is not None
+              else snapshot_of(task_dir / "snapshot", host())) as snapshot:
+            _run_and_score(verdict, task, patch, changes, canonical, timeout, snapshot, configs, canaries)
+    except (OSError, RuntimeError) as e:  # making the snapshot: before any patch reached a sandbox
         verdict.conclude("infra_error", f"the grading sandbox's snapshot could not be made ({type(e).__name__})",
                          reward=None)
+
+
+def _run_and_score(verdict: Verdict, task: Task, patch: str, changes: list[FileChange], canonical: dict[str, bytes],
+                   timeout: float, snapshot: Path, configs: list[str], canaries: list[Canary]) -> None:
+    try:
+        sb = Sandbox(snapshot)
+    except (OSError, RuntimeError) as e:
+        verdict.conclude("infra_error", f"the grading sandbox did not start ({type(e).__name__})", reward=None)
+        return
+    failure = ""
+    try:
+        if changes:
+            apply_patch(sb, patch, changes)
+        verdict.restored = _restore(sb, canonical, canaries)
+        run = run_suite(sb, timeout=timeout, configs=configs, canaries=canaries)
+    except Refused as r:
+        verdict.conclude(r.status, r.detail)
+        return
+    except TimeoutError:
+        verdict.conclude("timeout", f"the test suite ran past its timeout of {timeout:g} s")
+        return
+    except NoReport as e:
+        failure = f"no_report:the test run ended (exit {e.exit_code}) without a readable report"
+    except (OSError, RuntimeError, ValueError) as e:
+        failure = f"crashed:the sandbox failed during grading ({type(e).__name__})"
     finally:
-        if made is not None:
-            with contextlib.suppress(OSError):  # a leftover is removed by the next process's recovery
-                remove_snapshot(made)
+        _close(sb)
+    if failure:
+        status, what = failure.split(":", 1)
+        if control_run(snapshot, configs, timeout):
+            verdict.conclude(status, f"{what}; a control run over the pristine snapshot passed, so the "
+                                     "failure is the patch's doing")
+        else:
+            verdict.conclude("infra_error", f"{what}, and a control run over the pristine snapshot failed too: "
+                                            "the infrastructure is broken", reward=None)
+        return
+    _score(verdict, task, run, canaries)
 
 
 def _close(sb: Sandbox) -> None:

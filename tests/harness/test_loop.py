@@ -175,3 +175,102 @@ def test_random_model_episode_ends_normally(workspace):
     assert traj.stop_reason in ("finished", "max_turns", "repeated_failures")
     assert time.monotonic() - start < 60
     assert all(len(t.logprobs) == len(t.completion_ids) for t in traj.turns)
+
+
+# Faults are data: infrastructure failures and cancellation end the episode with their own stop reason -------------
+
+class Scripted:
+    """A replay engine that records every request and runs `hooks[k]` before answering request k (0-based): a real
+    `Engine`, whose hook may raise what a failing server raises or break the workspace mid-episode."""
+
+    def __init__(self, messages, hooks=None, versions=None):
+        self.replay = ReplayEngine(messages)
+        self.name, self.tokenizer, self.policy_version = "scripted", self.replay.tokenizer, -1
+        self.requests, self.hooks, self.versions = [], hooks or {}, versions
+
+    def generate(self, requests):
+        k = len(self.requests)
+        self.requests += requests
+        if k in self.hooks:
+            self.hooks[k]()
+        out = self.replay.generate(requests)
+        if self.versions is not None:
+            for c in out:
+                c.token_versions = [self.versions(i) for i in range(len(c.token_ids))]
+        return out
+
+    def close(self):
+        pass
+
+
+class FailingWorkspace:
+    """A local workspace whose `run` fails as an unreachable environment server's would once `broken` is set."""
+
+    def __init__(self, inner):
+        self.inner, self.broken = inner, False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def run(self, argv, **kwargs):
+        from shipyard.sandbox.client import EnvServerUnreachable
+
+        if self.broken:  # an OSError (ConnectionError) too: must not be reported to the model as a tool error
+            raise EnvServerUnreachable("cannot reach the environment server at http://127.0.0.1:9")
+        return self.inner.run(argv, **kwargs)
+
+
+def test_engine_infra_error_ends_the_episode_and_keeps_the_trajectory(workspace, tmp_path):
+    from shipyard.models.errors import ServerUnreachable
+
+    def lost():
+        raise ServerUnreachable("lost the server at http://127.0.0.1:9/v1")
+
+    engine = Scripted([call("list_dir", path="."), call("list_dir", path="."), "done"], hooks={1: lost})
+    out = tmp_path / "t.json"
+    traj = Agent(engine, workspace).run("look", out=str(out))
+    assert traj.stop_reason == "infra_error" and len(traj.turns) == 1 and traj.turns[0].calls[0].error is None
+    assert traj.meta["infra_error"].startswith("generate: ServerUnreachable: lost the server")
+    assert traj.patch == "" and Trajectory.load(out).stop_reason == "infra_error"
+
+
+def test_workspace_infra_error_is_not_a_tool_error(workspace):
+    ws = FailingWorkspace(workspace)
+    engine = Scripted([call("run_terminal", command="echo one"), call("run_terminal", command="echo two"), "done"],
+                      hooks={1: lambda: setattr(ws, "broken", True)})
+    traj = Agent(engine, ws).run("shell")
+    assert traj.stop_reason == "infra_error", [c.output for t in traj.turns for c in t.calls]
+    assert len(traj.turns) == 2 and "one" in traj.turns[0].calls[0].output
+    assert traj.turns[1].calls == [] and traj.turns[1].observation_ids == []  # its completion kept, nothing run
+    assert traj.meta["infra_error"].startswith("tools: EnvServerUnreachable")
+    assert len(traj.token_ids()) == len(traj.loss_mask()) == len(traj.sampler_logprobs())
+
+
+def test_cancelled_between_turns_and_passed_to_every_request(workspace):
+    engine = Scripted([call("list_dir", path=".")] * 5 + ["done"])
+    cancel = lambda: len(engine.requests) >= 2  # noqa: E731
+    traj = Agent(engine, workspace, session="g/3", cancelled=cancel).run("look")
+    assert traj.stop_reason == "cancelled" and len(traj.turns) == 2
+    assert all(r.cancelled is cancel and r.session == "g/3" for r in engine.requests)
+
+
+def test_generation_aborted_by_cancel_keeps_the_partial_turn_and_runs_none_of_it(workspace):
+    flag = {"set": False}
+
+    class Aborting(Scripted):
+        def generate(self, requests):
+            out = super().generate(requests)
+            if requests[0].cancelled():  # what an engine does between decode steps once cancelled
+                out[0].finish_reason, out[0].token_ids = "abort", out[0].token_ids[:5]
+            return out
+
+    engine = Aborting([call("list_dir", path="."), call("write_file", path="x.txt", content="x"), "done"],
+                      hooks={1: lambda: flag.update(set=True)})
+    traj = Agent(engine, workspace, cancelled=lambda: flag["set"]).run("look")
+    assert traj.stop_reason == "cancelled" and len(traj.turns) == 2
+    assert traj.turns[1].finish_reason == "abort" and traj.turns[1].calls == [] and "x.txt" not in traj.patch
+
+
+def test_turns_carry_per_token_versions(workspace):
+    traj = Agent(Scripted(["done"], versions=lambda i: 3 if i < 2 else 4), workspace).run("x")
+    assert traj.turns[0].token_versions[:3] == [3, 3, 4]

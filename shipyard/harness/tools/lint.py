@@ -33,6 +33,7 @@ from ruff.__main__ import find_ruff_bin
 
 from shipyard.harness.tools.base import Tool, ToolContext, ToolError, params, truncate_middle
 from shipyard.harness.workspace import IGNORED_DIRS, PathError
+from shipyard.models.errors import InfraError
 
 MAX_FINDINGS = 100
 MAX_FILES = 5000
@@ -82,6 +83,8 @@ def project_overrides(ctx: ToolContext) -> tuple[list[str], str]:
             continue
         try:  # through the workspace: a link pointing out, a FIFO or a huge file is refused
             parsed = tomllib.loads(ws.read_bytes(ws.resolve(name)).decode())
+        except InfraError:  # the workspace is gone (an OSError too): the episode ends, not a note to the model
+            raise
         except (PathError, OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as e:
             return [], f"\n(note: {name} was not used: {str(e)[:300]})"
         config = parsed

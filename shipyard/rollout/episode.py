@@ -1,0 +1,183 @@
+"""One episode as a library call: task → sandbox from the task's snapshot → agent loop → patch → grade → `Rollout`.
+
+Everything that runs the agent goes through here — the rollout scheduler (in-process or on Ray), `shipyard eval`,
+the CLI's `agent` and `demo` and the benchmarks — so there is one configuration path (`episode_config`): the prompt
+a policy is trained on is the prompt it is evaluated and shipped with, and its turns are parsed with the same
+settings. In particular the untagged-call setting (`shipyard.harness.parse`) defaults to the bundled model's
+recorded one ('accept' for all of them: they write bare or fenced JSON out of the box) and to 'reject' for any
+other model; before, the CLI accepted untagged calls while a bare `LoopConfig` rejected them.
+
+`run_episode` never raises for an infrastructure failure. Where the episode ends decides what the record says:
+
+| what happened                                   | status          | reward | trajectory       |
+|-------------------------------------------------|-----------------|--------|------------------|
+| the agent stopped (finished, max_turns, …)      | the verdict's   | 1 / 0  | all of it        |
+| no sandbox (snapshot, start)                    | infra_error     | None   | none: never ran  |
+| engine or workspace raised InfraError mid-way   | infra_error     | None   | every turn so far|
+| cancelled (callback true, between turns/steps)  | cancelled       | None   | every turn so far|
+| the grader's control run failed too             | infra_error     | None   | all of it        |
+
+`infra_cause` says what failed in one line. A malformed task (`TaskFormatError`) is not infrastructure: it
+propagates, as does any other exception (a bug). Monitors (`shipyard.tasks.monitors.monitor`) run on every
+trajectory, whatever its status: an attempt to game the grader is worth seeing even when the episode was cut short.
+
+Timings (seconds): `sandbox` (making the workspace and tearing it down, the task's snapshot on first use included),
+`agent` (the loop), `generate` and `tools` (summed over turns), `grade`, `total`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from shipyard.harness.loop import Agent, LoopConfig, TurnCallback
+from shipyard.harness.trajectory import Trajectory
+from shipyard.harness.workspace import LocalWorkspace, Workspace
+from shipyard.models.bundled import BUNDLED
+from shipyard.models.engine import Engine
+from shipyard.models.errors import InfraError
+from shipyard.rollout.environment import Environment
+from shipyard.rollout.record import EpisodeSpec, Rollout
+from shipyard.sandbox.host import host
+from shipyard.sandbox.sandbox import Sandbox
+from shipyard.sandbox.snapshot import snapshot_of
+from shipyard.tasks.grade import read_gold
+from shipyard.tasks.monitors import monitor
+from shipyard.tasks.patchparse import parse_patch
+from shipyard.tasks.taskset import load_task
+
+UNTAGGED = ("reject", "accept")
+_LOOP_FIELDS = frozenset(f.name for f in fields(LoopConfig))
+
+
+@dataclass
+class EpisodeConfig:
+    loop: LoopConfig = field(default_factory=LoopConfig)  # its seed is replaced per rollout by the spec's
+    grade_timeout: float = 900.0  # seconds the task's test suite may take when grading
+    monitors: bool = True  # run the trajectory monitors on every rollout
+
+
+def default_untagged(model: str) -> str:
+    """The untagged-call setting for `model` when none is given: the bundled model's recorded one, else 'reject'."""
+    return BUNDLED[model].untagged_calls if model in BUNDLED else "reject"
+
+
+def episode_config(model: str, **overrides: Any) -> EpisodeConfig:
+    """THE configuration of an episode of `model`: `LoopConfig` and `EpisodeConfig` fields by name (untagged_calls
+    None or absent: `default_untagged(model)`). ValueError for an unknown field or setting."""
+    unknown = set(overrides) - _LOOP_FIELDS - {f.name for f in fields(EpisodeConfig)} | ({"loop"} & set(overrides))
+    if unknown:
+        raise ValueError(f"episode_config takes LoopConfig and EpisodeConfig fields by name, not {sorted(unknown)}")
+    loop = {k: v for k, v in overrides.items() if k in _LOOP_FIELDS}
+    untagged = loop.get("untagged_calls")
+    if untagged is None:
+        loop["untagged_calls"] = default_untagged(model)
+    elif untagged not in UNTAGGED:
+        raise ValueError(f"untagged_calls must be 'reject' or 'accept', not {untagged!r}")
+    return EpisodeConfig(LoopConfig(**loop), **{k: v for k, v in overrides.items() if k not in _LOOP_FIELDS})
+
+
+def deleted_source(task_dir: Path) -> list[str]:
+    """The code the task deleted, as the gold patch restores it (one text per file): what the `verbatim` monitor
+    compares a patch against."""
+    return ["\n".join(change.added) for change in parse_patch(read_gold(task_dir)) if change.added]
+
+
+def run_episode(spec: EpisodeSpec, engine: Engine, env: Environment, config: EpisodeConfig,
+                cancelled: Callable[[], bool] | None = None) -> Rollout:
+    """Run sample `spec.index` of `spec.task_id` and grade it (see the module docstring for what comes back)."""
+    start = time.monotonic()
+    task, task_dir = load_task(spec.tasks_dir, spec.task_id)  # TaskFormatError: the task set is broken, not infra
+    rollout = Rollout(task_id=spec.task_id, group_id=spec.group_id, index=spec.index, seed=spec.seed,
+                      status="infra_error", reward=None, attempt=spec.attempt, engine=engine.name)
+    timings = rollout.timings
+    traj: Trajectory | None = None
+    agent_seconds = 0.0
+    try:
+        with env.workspace(spec) as workspace:
+            agent_start = time.monotonic()
+            agent = Agent(engine, workspace, replace(config.loop, seed=spec.seed), session=spec.rollout_id,
+                          cancelled=cancelled)
+            traj = agent.run(task.statement)
+            agent_seconds = time.monotonic() - agent_start
+    except InfraError as e:
+        if traj is None:  # no sandbox: the agent never ran
+            rollout.infra_cause = f"workspace: {type(e).__name__}: {e}"[:1000]
+        else:  # the agent's run is over, its patch in hand: a sandbox that failed to close changes nothing
+            traj.meta["close_error"] = f"{type(e).__name__}: {e}"[:1000]
+    timings["agent"] = agent_seconds
+    timings["sandbox"] = time.monotonic() - start - agent_seconds
+    rollout.trajectory = traj
+    if traj is not None:
+        rollout.stop_reason = traj.stop_reason
+        timings["generate"] = sum(t.generate_seconds for t in traj.turns)
+        timings["tools"] = sum(t.tools_seconds for t in traj.turns)
+        _conclude(rollout, traj, spec, env, config, cancelled)
+        if config.monitors:
+            rollout.monitor_flags = [asdict(f) for f in monitor(traj, deleted_source(task_dir))]
+    timings["total"] = time.monotonic() - start
+    return rollout
+
+
+def _conclude(rollout: Rollout, traj: Trajectory, spec: EpisodeSpec, env: Environment, config: EpisodeConfig,
+              cancelled: Callable[[], bool] | None) -> None:
+    """Status, reward and verdict of a rollout whose agent ran."""
+    if rollout.infra_cause is not None:
+        return
+    if traj.stop_reason == "infra_error":
+        rollout.infra_cause = traj.meta.get("infra_error", "the agent loop stopped on an infrastructure failure")
+        return
+    if traj.stop_reason == "cancelled" or (cancelled is not None and cancelled()):
+        rollout.status, rollout.reward = "cancelled", None  # a finished one too: its budget is spent before grading
+        return
+    grade_start = time.monotonic()
+    try:
+        verdict = env.grade(spec, traj.patch or "", config.grade_timeout)
+    except InfraError as e:  # a remote grader that could not be reached
+        rollout.infra_cause = f"grade: {type(e).__name__}: {e}"[:1000]
+        return
+    finally:
+        rollout.timings["grade"] = time.monotonic() - grade_start
+    rollout.verdict = verdict.to_json()
+    rollout.status, rollout.reward = verdict.status, verdict.reward
+    if verdict.status == "infra_error":
+        rollout.reward = None
+        rollout.infra_cause = f"grade: {verdict.detail}"[:1000]
+
+
+# The CLI's `agent`: one episode on a user's repository, no task and no grading ------------------------------------
+
+def run_on_repo(task: str, repo: Path, engine: Engine, config: EpisodeConfig, *, sandbox: bool = False,
+                out: Path | None = None, on_turn: TurnCallback | None = None,
+                on_workspace: Callable[[Workspace], None] | None = None) -> Trajectory:
+    """Run the agent on `repo`: in place, or with `sandbox` in a sandbox over a snapshot of it (`repo` is never
+    modified; the trajectory's `patch` is the result). The trajectory is saved to `out` after every turn;
+    `on_workspace` is called with the workspace before the first turn (to say where the agent works)."""
+    if not Path(repo).is_dir():
+        raise FileNotFoundError(f"{repo} is not a directory")
+    agent_out = str(out) if out is not None else None
+    session = f"agent-{uuid.uuid4().hex[:12]}"  # one conversation: an engine keeps its KV cache between turns
+    if not sandbox:
+        workspace = LocalWorkspace(repo)
+        try:
+            if on_workspace is not None:
+                on_workspace(workspace)
+            return Agent(engine, workspace, config.loop, on_turn=on_turn, session=session).run(task, out=agent_out)
+        finally:
+            workspace.close()
+    with snapshot_of(repo, host()) as snapshot, Sandbox(snapshot) as workspace:
+        if on_workspace is not None:
+            on_workspace(workspace)
+        return Agent(engine, workspace, config.loop, on_turn=on_turn, session=session).run(task, out=agent_out)
+
+
+def save_artifacts(traj: Trajectory, directory: Path) -> None:
+    """A sandboxed run's results beside its trajectory: `patch.diff` (apply with `git apply`) and `summary.json`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "patch.diff").write_text(traj.patch or "")
+    (directory / "summary.json").write_text(json.dumps(traj.summary(), indent=2) + "\n")
