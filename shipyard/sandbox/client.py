@@ -12,10 +12,21 @@ writes by default (`token_file(PORT)`: `$SHIPYARD_HOME/env-server/PORT.token`, `
 file per port, so servers on one host never overwrite each other's token. While none is found the client looks
 again before each request (a server started next to it writes its file a moment later). A 401 becomes an
 `EnvServerError` saying where the token was looked for.
+
+Tasks: `task_sandbox(task_dir)` is a sandbox over the server's cached snapshot of a task directory on the server's
+host, and `grade(task_dir, patch, timeout)` the grader's `Verdict`, graded there from that snapshot — so rollout
+workers on other machines grade without a copy of the task set. Faults keep their meaning: a malformed task is a
+`TaskFormatError` (as grading locally), a verdict with status `infra_error` comes back as a verdict (the grader
+decided it), and a server that fails, refuses or cannot be reached is an `EnvServerError`/`EnvServerUnreachable`
+(both `InfraError`s: the episode is retried or masked, never scored). A patch the grader would refuse unread (over
+`MAX_DIFF_BYTES`, or text no file can hold) is the model's doing, so it gets the grader's `patch_rejected` verdict
+here, without a request: the server would refuse it with a 413 that must not become an infrastructure failure.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import time
 from pathlib import Path
@@ -26,9 +37,12 @@ import httpx
 from shipyard.httpguard import loopback_port, read_token
 from shipyard.models.bundled import shipyard_home
 from shipyard.models.errors import InfraError
-from shipyard.sandbox.sandbox import SessionWorkspace
+from shipyard.sandbox.sandbox import SandboxFailed, SessionWorkspace
+from shipyard.tasks.grade import Verdict, unreadable
+from shipyard.tasks.taskset import TaskFormatError
 
 TOKEN_ENV = "SHIPYARD_ENV_TOKEN"
+TASK_COPY_WAIT = 900.0  # seconds a task request may wait while the server copies the task's snapshot
 
 
 def token_file(port: int) -> Path:
@@ -80,14 +94,16 @@ class EnvClient:
         return (f"{where}: set ${TOKEN_ENV} (or ${TOKEN_ENV}_FILE) to the token the server wrote at start — by "
                 f"default to {default} of the user running `shipyard env-server`, or where its --token-file said")
 
-    def request(self, method: str, path: str, json: dict | None = None, timeout: float | None = None) -> Any:
+    def request(self, method: str, path: str, json: dict | None = None, timeout: float | None = None,
+                content: bytes | None = None) -> Any:
         deadline = time.monotonic() + self.retry_for
         connect_failures = 0
         if not self.token:
             self._find_token()
         while True:
             try:
-                resp = self.http.request(method, path, json=json, timeout=timeout or self.http.timeout)
+                resp = self.http.request(method, path, json=json, content=content, timeout=timeout or self.http.timeout,
+                                         headers={"Content-Type": "application/json"} if content is not None else None)
             except httpx.TransportError as e:
                 connect_failures += 1
                 if connect_failures >= 3 or time.monotonic() > deadline:
@@ -108,6 +124,8 @@ class EnvClient:
                 message = error.get("message", resp.text) if isinstance(error, dict) else resp.text[:2000]
                 if resp.status_code == 401:
                     message = f"{message}; {self._unauthorized()}"
+                if resp.status_code == 400 and isinstance(error, dict) and error.get("type") == "TaskFormatError":
+                    raise TaskFormatError(message)
                 raise EnvServerError(f"{method} {path} → {resp.status_code}: {message}")
             return body
 
@@ -120,6 +138,27 @@ class EnvClient:
     def sandbox(self, snapshot_id: str, limits: dict[str, int] | None = None) -> RemoteSandbox:
         body = self.request("POST", "/sandboxes", {"snapshot": snapshot_id, "limits": limits})
         return RemoteSandbox(self, body["id"])
+
+    def task_sandbox(self, task_dir: str | Path, limits: dict[str, int] | None = None) -> RemoteSandbox:
+        """A sandbox over the task's snapshot (`task_dir/snapshot` on the server's host, cached there; the first
+        request for a task waits for its copy, hence the long timeout)."""
+        body = self.request("POST", "/tasks/sandboxes", {"task": str(task_dir), "limits": limits},
+                            timeout=TASK_COPY_WAIT)
+        return RemoteSandbox(self, body["id"])
+
+    def grade(self, task_dir: str | Path, patch: str, timeout: float = 900.0) -> Verdict:
+        """The grader's verdict on `patch` for the task directory `task_dir` on the server's host (a suite
+        `timeout` in seconds; the request itself may take several times that: patch, control run, queue)."""
+        refused = unreadable(patch)  # the grader's own bounds, checked before sending
+        if refused:
+            return Verdict(Path(task_dir).name, "graded", 0.0).conclude("patch_rejected", refused)
+        data = patch.encode("utf-8", "surrogateescape")
+        body = json.dumps({"task": str(task_dir), "patch_b64": base64.b64encode(data).decode(), "timeout": timeout})
+        reply = self.request("POST", "/grade", content=body.encode(), timeout=2 * timeout + 900)
+        try:
+            return Verdict(**reply)
+        except TypeError as e:
+            raise EnvServerError(f"POST /grade → a reply that is not a verdict ({e})") from None
 
     def metrics(self) -> dict[str, Any]:
         return self.request("GET", "/metrics")
@@ -136,7 +175,7 @@ class RemoteSandbox(SessionWorkspace):
 
     def _call(self, method: str, wait: float = 120, **params: Any) -> Any:
         if self._closed:
-            raise RuntimeError(f"sandbox {self.id} is closed")
+            raise SandboxFailed(f"sandbox {self.id} is closed")
         reply = self.client.request("POST", f"/sandboxes/{self.id}/call",
                                     {"method": method, "params": params, "wait": wait}, timeout=wait + 30)
         return self._unwrap(reply)

@@ -9,8 +9,15 @@ API (JSON; every endpoint but `/health` needs `Authorization: Bearer TOKEN`):
 - `POST /sandboxes/{id}/snapshot {"name"?: ID}` → `{"id"}`: the sandbox's workspace as it is now, as a new
   snapshot (fork rollouts from a shared prefix, resume a task).
 - `DELETE /sandboxes/{id}`, `DELETE /snapshots/{id}`; `GET /metrics`; `GET /health`.
-Errors are `{"error": {"type", "message"}}`: 401, 403 (outside the allowed roots), 404, 409 (name taken), 413, 422
-(the reason: a body, name, limit or tree refused), 429 (too many snapshots), 503 + `Retry-After` (over capacity).
+- Tasks (a task directory of a task set on the server's host, under an allowed root; `shipyard.sandbox.task_snapshots`):
+  `POST /tasks/sandboxes {"task": DIR, "limits"?}` → `{"id", "start_ms"}`: a sandbox over the task's snapshot;
+  `POST /grade {"task": DIR, "patch_b64", "timeout"}` → the grader's `Verdict` as JSON. Both use one snapshot per task,
+  copied by the first request and cached (no copy per call). The patch travels as base64 of its bytes (UTF-8 with
+  surrogate escapes, as `tree_diff` writes undecodable bytes), so the server grades exactly the string the client
+  holds; over `MAX_DIFF_BYTES` it is refused (413) before the task is even opened.
+Errors are `{"error": {"type", "message"}}`: 400 (a malformed task: type `TaskFormatError`), 401, 403 (outside the
+allowed roots, or through a link), 404, 409 (name taken), 413, 422 (the reason: a body, name, limit or tree refused),
+429 (too many snapshots), 503 + `Retry-After` (over capacity, or shutting down).
 
 Security model (docs/security.md). The server acts with its operator's privileges (often root) and any local user
 can reach its port, so a client must prove the token, and the token buys only what the operator allowed:
@@ -29,15 +36,20 @@ are taken), so a create that finds one returns in about a millisecond instead of
 start. Pooled sandboxes count towards `max_live`; creates with custom limits always start cold.
 
 Admission control — bursty RL load must be shed, never hang: at most `max_starting` sandboxes start at once
-(starting is the CPU-heavy part), at most `max_live` exist, and at most `max_queue` requests wait for a start slot.
+(starting is the CPU-heavy part), at most `max_live` exist, and at most `max_queue` requests wait for a start slot;
+at most `max_grading` grades run at once (each on its own thread, off the event loop) and `max_grade_queue` wait.
 Past that the answer is `503` with `Retry-After`, which `EnvClient` honours. Sandboxes idle for `idle_timeout`
 seconds (no call in flight) are reaped. Shutting the server down closes every sandbox (processes, cgroups, upper
-dirs) and every snapshot it made.
+dirs) and every snapshot it made, task snapshots included. A grade still running then is abandoned: its
+verdict could blame the patch for sandboxes the shutdown killed, so it is never sent (the client sees the connection
+close, an `EnvServerUnreachable`, or a 503) and its thread, a daemon, does not hold the process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import functools
 import os
 import queue
@@ -45,7 +57,7 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -56,6 +68,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, create_model
 
 from shipyard import httpguard
+from shipyard.harness.diff import MAX_DIFF_BYTES
 from shipyard.harness.workspace import PathError
 from shipyard.sandbox.bwrap import Limits
 from shipyard.sandbox.host import host
@@ -68,8 +81,12 @@ from shipyard.sandbox.snapshot import (
     remove_snapshot,
     snapshot_episode,
 )
+from shipyard.sandbox.task_snapshots import TaskRefused, TaskSnapshots, open_task
+from shipyard.tasks.grade import grade
+from shipyard.tasks.taskset import TaskFormatError
 
 MAX_WAIT = 86400.0  # the longest a call may wait for its reply (seconds)
+MAX_PATCH_B64 = 4 * -(-MAX_DIFF_BYTES // 3)  # base64 characters of the largest patch the grader reads
 
 
 @dataclass
@@ -94,6 +111,12 @@ class ServerConfig:
     extra_call_threads: int = 32  # threads shared by sandboxes' second and later parallel calls
     control_threads: int = 8  # destroy, delete, reap
     copy_threads: int = 2  # snapshot copies at once
+    max_grading: int = 4  # grades running at once (each runs a test suite in a sandbox)
+    max_grade_queue: int = 64  # grades waiting for a slot; beyond: 503
+    max_grade_timeout: float = 7200.0  # the longest test-suite timeout a client may ask for (seconds)
+    max_task_snapshots: int = 64  # task snapshots cached (least recently used removed first)
+    max_task_snapshot_bytes: int = 32 << 30  # their bytes together
+    shutdown_grace: float = 5.0  # seconds shutdown waits for running grades before removing their snapshots
 
 
 def _check_config(config: ServerConfig) -> tuple[Path, ...]:
@@ -148,6 +171,22 @@ class CallRequest(BaseModel):
     wait: float = Field(120.0, gt=0, le=MAX_WAIT, allow_inf_nan=False)
 
 
+TaskPath = Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class TaskSandboxRequest(BaseModel):
+    model_config = Strict
+    task: TaskPath
+    limits: LimitsRequest | None = None
+
+
+class GradeRequest(BaseModel):
+    model_config = Strict
+    task: TaskPath
+    patch_b64: str  # bounded by the body limit of /grade, then decoded and counted before anything else
+    timeout: float = Field(900.0, gt=0, allow_inf_nan=False)
+
+
 @dataclass
 class Live:
     sandbox: Sandbox
@@ -155,6 +194,14 @@ class Live:
     slots: asyncio.Semaphore  # calls in flight for this sandbox
     first: asyncio.Lock = field(default_factory=asyncio.Lock)  # holds this sandbox's thread in the calls pool
     busy: int = 0
+    release: Any = None  # called once the sandbox is closed (a task sandbox gives back its cached snapshot)
+
+    def close(self) -> None:
+        try:
+            self.sandbox.close()
+        finally:
+            if self.release is not None:
+                self.release()
 
 
 class Overloaded(Exception):
@@ -183,6 +230,10 @@ class EnvServer:
         self.copier = ThreadPoolExecutor(config.copy_threads, "shipyard-copy")
         self.control = ThreadPoolExecutor(config.control_threads, "shipyard-control")
         self.refills: queue.Queue[str | None] = queue.Queue()
+        self.tasks = TaskSnapshots(host(), config.copy, config.max_task_snapshots, config.max_task_snapshot_bytes)
+        self.grade_slots = threading.BoundedSemaphore(config.max_grading)
+        self.grades_waiting = self.grading = self.grades = 0
+        self.closing = False
         self.refiller = threading.Thread(target=self._refill_loop, name="shipyard-warm-pool", daemon=True)
         self.refiller.start()
 
@@ -282,14 +333,72 @@ class EnvServer:
                 self.warm_hits += 1
                 self.refills.put(snapshot_id)
                 return snapshot, live
-            if len(self.live) + self.pooled() + self.waiting >= self.config.max_live:
-                self.failures["over_capacity"] += 1
-                raise Overloaded(f"{len(self.live)} sandboxes live (max {self.config.max_live})")
-            if self.waiting >= self.config.max_queue:
-                self.failures["queue_full"] += 1
-                raise Overloaded(f"{self.waiting} sandbox starts queued (max {self.config.max_queue})")
-            self.waiting += 1
+            self._queue_start()
         return snapshot, None
+
+    def _queue_start(self) -> None:
+        """Under the lock: a place in the start queue, or Overloaded."""
+        if len(self.live) + self.pooled() + self.waiting >= self.config.max_live:
+            self.failures["over_capacity"] += 1
+            raise Overloaded(f"{len(self.live)} sandboxes live (max {self.config.max_live})")
+        if self.waiting >= self.config.max_queue:
+            self.failures["queue_full"] += 1
+            raise Overloaded(f"{self.waiting} sandbox starts queued (max {self.config.max_queue})")
+        self.waiting += 1
+
+    def task_snapshot(self, raw: str) -> tuple[Path, Any]:
+        """On a copier thread: the cached snapshot of the task directory `raw` and a queued start over it; the
+        second item gives the snapshot back (`start` calls it when the sandbox closes, or fails to start)."""
+        with open_task(raw, self.roots, self.tasks.links) as t:
+            cached = self.tasks.acquire(t)
+        try:
+            with self.lock:
+                self._queue_start()
+        except BaseException:
+            self.tasks.release(cached)
+            raise
+        return cached.path, functools.partial(self.tasks.release, cached)
+
+    def admit_grade(self) -> None:
+        with self.lock:
+            if self.closing:
+                raise Overloaded("the server is shutting down")
+            if self.grades_waiting + self.grading >= self.config.max_grading + self.config.max_grade_queue:
+                self.failures["grade_queue_full"] += 1
+                raise Overloaded(f"{self.grading} grades running and {self.grades_waiting} queued (max "
+                                 f"{self.config.max_grading} and {self.config.max_grade_queue})")
+            self.grades_waiting += 1
+
+    def grade(self, raw: str, patch: str, timeout: float) -> dict[str, Any]:
+        """On a grading thread, after `admit_grade`: the verdict of `patch` on the task directory `raw`, graded in
+        a fresh sandbox over the task's cached snapshot."""
+        with self.grade_slots:
+            with self.lock:
+                self.grades_waiting -= 1
+                self.grading += 1
+            try:
+                if self.closing:
+                    raise Overloaded("the server is shutting down")
+                with open_task(raw, self.roots, self.tasks.links) as t:
+                    cached = self.tasks.acquire(t)
+                    try:
+                        verdict = grade(t.task, t.dir, patch, timeout, snapshot=cached.path)
+                    except TaskFormatError as e:
+                        raise TaskRefused(400, t.hide(str(e))) from None
+                    except Exception as e:  # the grader gives every patch a verdict: this is the server's failure
+                        raise HTTPException(500, t.hide(f"grading failed: {type(e).__name__}: {e}")) from None
+                    finally:
+                        self.tasks.release(cached)
+            finally:
+                with self.lock:
+                    self.grading -= 1
+        with self.lock:
+            self.grades += 1
+            if verdict.status == "infra_error":
+                self.failures["grade:infra_error"] += 1
+        if self.closing:  # the shutdown may have killed its sandboxes: the verdict proves nothing
+            raise Overloaded("the server shut down during grading; grade again")
+        return verdict.to_json()
 
     def _register(self, sandbox: Sandbox) -> Live:
         """Under the lock: a started sandbox becomes live."""
@@ -299,7 +408,7 @@ class EnvServer:
         self.start_times.append(time.monotonic())
         return live
 
-    def start(self, snapshot: Path, limits: Limits | None) -> tuple[str, float]:
+    def start(self, snapshot: Path, limits: Limits | None, release=None) -> tuple[str, float]:
         """In a starter thread, after `admit` queued it: start a sandbox."""
         try:
             with self.start_slots:
@@ -307,6 +416,8 @@ class EnvServer:
                 try:
                     sandbox = Sandbox(snapshot, limits)
                 except Exception as e:
+                    if release is not None:
+                        release()
                     self.failures[f"start:{type(e).__name__}"] += 1
                     raise HTTPException(500, f"the sandbox could not start ({type(e).__name__}: {e}); the server's "
                                         "host may be out of memory or processes — retry, or check GET /health") from e
@@ -315,7 +426,7 @@ class EnvServer:
             with self.lock:
                 self.waiting -= 1
         with self.lock:
-            self._register(sandbox)
+            self._register(sandbox).release = release
             self.latencies.append(ms)
         return sandbox.id, ms
 
@@ -332,7 +443,7 @@ class EnvServer:
             live = self.live.pop(sandbox_id, None)
         if live is None:
             raise HTTPException(404, f"no live sandbox '{sandbox_id}'")
-        live.sandbox.close()
+        live.close()
 
     def reap(self) -> int:
         now = time.monotonic()
@@ -340,7 +451,7 @@ class EnvServer:
             idle = [k for k, v in self.live.items() if not v.busy and now - v.last_used > self.config.idle_timeout]
             victims = [self.live.pop(k) for k in idle]
         for v in victims:
-            v.sandbox.close()
+            v.close()
         self.failures["reaped_idle"] += len(victims)
         return len(victims)
 
@@ -352,7 +463,8 @@ class EnvServer:
         mem = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
         kb = lambda key: int(mem[key].split()[0])  # noqa: E731
         return {"live": len(self.live), "queued": self.waiting, "starts_total": self.starts,
-                "warm_pool": self.pooled(), "warm_hits": self.warm_hits,
+                "warm_pool": self.pooled(), "warm_hits": self.warm_hits, "grading": self.grading,
+                "grades_queued": self.grades_waiting, "grades_total": self.grades, "task_snapshots": self.tasks.stats(),
                 "starts_per_s": round(recent / 10, 2), "start_latency_ms": {"p50": pick(0.5), "p99": pick(0.99)},
                 "failures": dict(self.failures), "snapshots": len(self.snapshots),
                 "calls_in_flight": sum(v.busy for v in list(self.live.values())),
@@ -361,16 +473,24 @@ class EnvServer:
                 "memory_total_mb": kb("MemTotal") // 1024}
 
     def shutdown(self) -> None:
+        self.closing = True
         self.refills.put(None)
         self.refiller.join(timeout=60)
         with self.lock:
-            victims = [v.sandbox for v in self.live.values()] + [sb for q in self.pool.values() for sb in q]
+            victims = [*self.live.values()]
+            pooled = [sb for q in self.pool.values() for sb in q]
             snapshots = list(self.snapshots.values())
             self.live, self.pool, self.snapshots = {}, {}, {}
-        for sandbox in victims:
+        for live in victims:
+            live.close()
+        for sandbox in pooled:
             sandbox.close()
         for path in snapshots:
             remove_snapshot(path)
+        deadline = time.monotonic() + self.config.shutdown_grace
+        while self.grading and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.tasks.close()
         for pool in (self.calls, self.extra_calls, self.starter, self.copier, self.control):
             pool.shutdown(wait=False, cancel_futures=True)
 
@@ -380,6 +500,19 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     async def run(pool: ThreadPoolExecutor, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
+
+    async def off_loop(fn, *args):
+        """`fn(*args)` on a daemon thread of its own (a grade: minutes, never holding the process at exit)."""
+        done: Future = Future()
+
+        def target() -> None:
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:
+                done.set_exception(e)
+
+        threading.Thread(target=target, name="shipyard-grade", daemon=True).start()
+        return await asyncio.wrap_future(done)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -391,11 +524,13 @@ def create_app(config: ServerConfig) -> FastAPI:
         task = asyncio.create_task(reaper())
         yield
         task.cancel()
+        env.closing = True
         await asyncio.to_thread(env.shutdown)
 
     app = FastAPI(title="shipyard environment server", lifespan=lifespan)
     app.state.env = env
-    httpguard.install(app, token=config.token, max_body=config.max_body)
+    httpguard.install(app, token=config.token, max_body=config.max_body,
+                      path_max_body={"/grade": MAX_PATCH_B64 + (64 << 10)})
 
     @app.exception_handler(Overloaded)
     async def overloaded(_, exc: Overloaded) -> JSONResponse:
@@ -406,6 +541,12 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def http_error(_, exc: HTTPException) -> JSONResponse:
         kind = "InvalidRequest" if exc.status_code == 422 else "HTTPError"
         return httpguard.error_response(exc.status_code, kind, str(exc.detail))
+
+    @app.exception_handler(TaskRefused)
+    async def task_refused(_, exc: TaskRefused) -> JSONResponse:
+        kind = {400: "TaskFormatError", 503: "Overloaded"}.get(exc.status, "TaskRefused")
+        headers = {"Retry-After": str(config.retry_after)} if exc.status == 503 else None
+        return httpguard.error_response(exc.status, kind, str(exc), headers)
 
     @app.exception_handler(SnapshotRefused)
     async def refused(_, exc: SnapshotRefused) -> JSONResponse:
@@ -487,6 +628,31 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def save_snapshot(sandbox_id: SandboxId, req: EpisodeSnapshotRequest) -> dict[str, str]:
         sb = env.get(sandbox_id).sandbox
         return await new_snapshot(req.name, snapshot_episode, sb.snapshot, sb.layout.upper, sb.h, bounds=config.copy)
+
+    @app.post("/tasks/sandboxes")
+    async def task_sandbox(req: TaskSandboxRequest) -> dict[str, Any]:
+        limits = env.limits(req.limits)
+        snapshot, release = await run(env.copier, env.task_snapshot, req.task)
+        sandbox_id, ms = await run(env.starter, env.start, snapshot, limits, release=release)
+        return {"id": sandbox_id, "start_ms": round(ms, 2)}
+
+    @app.post("/grade")
+    async def grade_patch(req: GradeRequest) -> dict[str, Any]:
+        too_big = f"the patch is larger than {MAX_DIFF_BYTES} bytes (the grader's bound); it is refused unread"
+        if len(req.patch_b64) > MAX_PATCH_B64:
+            raise HTTPException(413, too_big)
+        try:
+            data = base64.b64decode(req.patch_b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise HTTPException(422, "invalid request: patch_b64: not base64 (the patch's UTF-8 bytes, base64)"
+                                ) from None
+        if len(data) > MAX_DIFF_BYTES:
+            raise HTTPException(413, too_big)
+        if req.timeout > config.max_grade_timeout:
+            raise HTTPException(422, f"invalid request: timeout: {req.timeout:g} s is over this server's maximum of "
+                                     f"{config.max_grade_timeout:g} s")
+        env.admit_grade()
+        return await off_loop(env.grade, req.task, data.decode("utf-8", "surrogateescape"), req.timeout)
 
     @app.delete("/sandboxes/{sandbox_id}")
     async def destroy(sandbox_id: SandboxId) -> dict[str, bool]:

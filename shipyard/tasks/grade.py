@@ -279,7 +279,7 @@ def grade(task: Task, task_dir: Path, patch: str, timeout: float = 900, snapshot
     gold = read_gold(task_dir)
     verdict = Verdict(task.id, "graded", 0.0)
     try:
-        why = _unreadable(patch)
+        why = unreadable(patch)
         if why:
             return verdict.conclude("patch_rejected", why)
         changes = parse_patch(patch)
@@ -293,7 +293,7 @@ def grade(task: Task, task_dir: Path, patch: str, timeout: float = 900, snapshot
         verdict.seconds = round(time.monotonic() - start, 2)
 
 
-def _unreadable(patch: str) -> str:
+def unreadable(patch: str) -> str:
     """Why `patch` is refused unread ('' when it may be parsed): over `MAX_DIFF_BYTES` bytes (the bound is on bytes,
     as `tree_diff` writes them, not on characters), or text that no file can hold (a lone surrogate)."""
     try:
