@@ -23,10 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from shipyard.harness.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from shipyard.rollout.batches import RolloutBatch
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,28 @@ class Batch:
         sample_mask = torch.tensor([0.0 if f else 1.0 for f in failed])
         targets = [place_hint(trajectories[h.sample], h, header_ids) for h in hints]
         return cls(input_ids, attention, mask, lps, adv, versions, sample_mask, targets, pad_id)
+
+
+    @classmethod
+    def from_rollouts(cls, batch: RolloutBatch, *, pad_id: int, header_ids: tuple[int, ...] = ()) -> Batch:
+        """A scheduler's `RolloutBatch` as tensors: one row per rollout in batch order, its advantage on every
+        token, `sample_mask` 0 for masked rollouts (no reward), `hints` from the batch's hint slot, and per-token
+        versions — `Turn.token_versions` where a completion spanned a weight update, else the turn's version."""
+        rollouts = batch.rollouts
+        trajectories = [r.trajectory or Trajectory(task=r.task_id, model="", prompt_ids=[]) for r in rollouts]
+        out = cls.from_trajectories(trajectories, batch.advantages, pad_id=pad_id,
+                                    failed=[m == 0 for m in batch.masks], hints=batch.hints, header_ids=header_ids)
+        for b, traj in enumerate(trajectories):
+            pos = len(traj.prompt_ids)
+            for turn in traj.turns:
+                n = len(turn.completion_ids)
+                if turn.token_versions:
+                    if len(turn.token_versions) != n:
+                        raise ValueError(f"rollout {rollouts[b].rollout_id} turn {turn.index}: "
+                                         f"{len(turn.token_versions)} token versions for {n} tokens")
+                    out.versions[b, pos:pos + n] = torch.tensor(turn.token_versions, dtype=torch.long)
+                pos += n + len(turn.observation_ids)
+        return out
 
 
 def turn_span(traj: Trajectory, turn: int) -> tuple[int, int]:

@@ -1,0 +1,97 @@
+"""Group-relative advantages against hand-computed formulas; masked rollouts; shaping terms."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from schedfakes import turn
+
+from shipyard.harness.trajectory import Trajectory
+from shipyard.rollout.advantages import EffortPenalty, ParallelBonus, group_advantages, no_signal, shaped_reward
+from shipyard.rollout.record import Rollout
+
+
+def test_mean_baseline_by_hand():
+    # rewards 1, 0, 0, 1 -> mean 0.5
+    assert group_advantages([1.0, 0.0, 0.0, 1.0]) == [0.5, -0.5, -0.5, 0.5]
+
+
+def test_std_normalised_by_hand():
+    # rewards 1, 0, 0, 0: mean 0.25, population std sqrt(0.75*0.25) = 0.4330127
+    std = math.sqrt(((0.75) ** 2 + 3 * 0.25 ** 2) / 4)
+    adv = group_advantages([1.0, 0.0, 0.0, 0.0], std_normalize=True, eps=0.0)
+    assert adv == pytest.approx([0.75 / std, -0.25 / std, -0.25 / std, -0.25 / std])
+
+
+def test_leave_one_out_by_hand():
+    rewards = [1.0, 0.0, 0.5]
+    expected = [1.0 - (0.0 + 0.5) / 2, 0.0 - (1.0 + 0.5) / 2, 0.5 - (1.0 + 0.0) / 2]
+    assert group_advantages(rewards, leave_one_out=True) == pytest.approx(expected)
+
+
+def test_masked_rollouts_are_excluded_and_get_zero():
+    # the None is neither a zero reward nor a baseline member: stats over [1, 0] only
+    assert group_advantages([1.0, None, 0.0]) == [0.5, 0.0, -0.5]
+    assert group_advantages([1.0, None, 0.0], leave_one_out=True) == [1.0, 0.0, -1.0]
+    # a zero in place of the None would have changed the baseline
+    assert group_advantages([1.0, 0.0, 0.0]) != [0.5, 0.0, -0.5]
+
+
+def test_groups_without_a_baseline_get_zero():
+    assert group_advantages([1.0]) == [0.0]
+    assert group_advantages([None, 1.0, None]) == [0.0, 0.0, 0.0]
+    assert group_advantages([None, None]) == [0.0, 0.0]
+
+
+@given(st.lists(st.one_of(st.none(), st.floats(-10, 10)), min_size=1, max_size=12), st.booleans(), st.booleans())
+def test_advantages_sum_to_zero_over_rewarded_rollouts(rewards, std, loo):
+    adv = group_advantages(rewards, std_normalize=std, leave_one_out=loo)
+    assert len(adv) == len(rewards)
+    assert all(a == 0.0 for a, r in zip(adv, rewards, strict=True) if r is None)
+    assert abs(sum(adv)) < 1e-6 * max(1.0, max(abs(a) for a in adv)) * len(adv)
+
+
+def test_no_signal():
+    assert no_signal([1.0, 1.0, 1.0])
+    assert no_signal([0.0, None, 0.0])
+    assert no_signal([1.0, None, None])
+    assert no_signal([None, None])
+    assert not no_signal([1.0, 0.0, None])
+
+
+def rollout(reward, tokens=10, widths=(1,)):
+    traj = Trajectory(task="t", model="m", prompt_ids=[1])
+    for i, w in enumerate(widths):
+        t = turn(i, 0, tokens)
+        t.parallel_width = w
+        traj.turns.append(t)
+    return Rollout("t", "t@0", 0, 1, "graded" if reward is not None else "infra_error", reward, trajectory=traj)
+
+
+def test_effort_penalty_is_soft_and_bounded():
+    pen = EffortPenalty(free=100, limit=300, coef=0.2)
+    assert pen(rollout(1.0, tokens=50, widths=(1, 1))) == 0.0  # 100 tokens: free
+    assert pen(rollout(1.0, tokens=100, widths=(1, 1))) == pytest.approx(-0.1)  # 200: halfway
+    assert pen(rollout(1.0, tokens=1000)) == pytest.approx(-0.2)  # capped
+    with pytest.raises(ValueError):
+        EffortPenalty(free=10, limit=10)
+
+
+def test_parallel_bonus_only_on_solved():
+    bonus = ParallelBonus(coef=0.3, cap=4)
+    assert bonus(rollout(1.0, widths=(4, 2))) == pytest.approx(0.3 * (3 - 1) / 3)
+    assert bonus(rollout(0.0, widths=(4, 4))) == 0.0
+    assert bonus(rollout(1.0, widths=(1, 1))) == 0.0
+
+
+def test_shaped_reward_records_terms_and_keeps_the_grader_reward():
+    r = rollout(1.0, tokens=200, widths=(4,))
+    total = shaped_reward(r, [EffortPenalty(free=100, limit=300, coef=0.2), ParallelBonus(coef=0.3, cap=4)])
+    assert r.shaping == pytest.approx({"effort": -0.1, "parallel": 0.3})
+    assert total == pytest.approx(1.2)
+    assert r.reward == 1.0
+    masked = rollout(None)
+    assert shaped_reward(masked, [EffortPenalty()]) is None and masked.shaping == {}

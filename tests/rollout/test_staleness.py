@@ -1,0 +1,179 @@
+"""Bounded staleness under a fake trainer that bumps versions: the invariant, the synchronous special case, drops."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schedfakes import Outcome, ScriptedTransport
+
+from shipyard.rollout.scheduler import Scheduler, SchedulerConfig
+from shipyard.rollout.staleness import StalenessGate
+from shipyard.tasks.curriculum import Curriculum, Difficulty
+
+TASKS = Path("/nonexistent-tasks")
+
+
+def make(script, *, capacity=4, **config):
+    transport = ScriptedTransport(script, capacity=capacity)
+    cfg = SchedulerConfig(**{"group_size": 2, "groups_per_step": 2, **config})
+    cur = Curriculum({t: Difficulty(1, 1, 1, 1) for t in ("a", "b", "c")})
+    return Scheduler(cfg, transport, TASKS, cur), transport
+
+
+async def train(sched: Scheduler, steps: int, train_seconds: float):
+    """A fake trainer: take a batch, check it, 'train', push the next version."""
+    out = []
+    for v in range(steps):
+        batch = await sched.next_batch()
+        assert batch.trainer_version == v
+        out.append(batch)
+        await asyncio.sleep(train_seconds)
+        await sched.update_weights(v + 1, {})
+    await sched.close()
+    return out
+
+
+def test_gate_quota():
+    gate = StalenessGate(max_staleness=1, groups_per_step=3)
+    assert gate.quota() == 6
+    for _ in range(6):
+        assert gate.may_start()
+        gate.started()
+    assert not gate.may_start()
+    gate.released()
+    assert gate.may_start()
+    gate.started()
+    gate.advance(1)
+    assert gate.quota() == 9 and gate.may_start()
+    with pytest.raises(ValueError, match="must grow"):
+        gate.advance(1)
+    with pytest.raises(ValueError):
+        StalenessGate(max_staleness=-1, groups_per_step=1)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(eta=st.integers(0, 3), seed=st.integers(0, 2**16), capacity=st.integers(1, 6),
+       train_ms=st.sampled_from([0, 2, 10]))
+def test_no_accepted_sample_is_older_than_the_bound(eta, seed, capacity, train_ms):
+    rng = random.Random(seed)
+    durations = {}
+
+    def script(spec):
+        # heavy-tailed turn times: most rollouts are quick, a few are stragglers spanning several updates
+        d = durations.setdefault(spec.rollout_id, min(0.05, rng.paretovariate(1.2) * 0.001))
+        return Outcome(reward=float(spec.index % 2), turns=rng.randint(1, 3), turn_seconds=d)
+
+    sched, _ = make(script, capacity=capacity, max_staleness=eta)
+    got = asyncio.run(asyncio.wait_for(train(sched, 6, train_ms / 1000), timeout=60))
+    for batch in got:
+        for r in batch.rollouts:
+            assert min(r.versions) >= batch.trainer_version - eta
+        assert max(batch.staleness()) <= eta
+    stats = sched.stats()
+    assert stats["max_observed_staleness"] <= eta
+    assert sum(stats["staleness_histogram"].values()) == 6 * 2 * 2
+
+
+def test_max_staleness_zero_is_the_synchronous_algorithm():
+    rng = random.Random(3)
+    sched, transport = make(lambda s: Outcome(reward=float(s.index % 2), turn_seconds=rng.random() * 0.01),
+                            capacity=3, max_staleness=0)
+    got = asyncio.run(asyncio.wait_for(train(sched, 4, 0.02), timeout=30))
+    # every rollout of batch k started at version k, and exactly batch k's rollouts did
+    for k, batch in enumerate(got):
+        started = [(spec.rollout_id, v) for spec, v in transport.starts if v == k]
+        assert sorted(rid for rid, _ in started) == sorted(r.rollout_id for r in batch.rollouts)
+        assert all(v == k for r in batch.rollouts for v in r.versions)
+    assert len(transport.starts) == 4 * 2 * 2  # nothing ran ahead
+    assert sched.stats()["max_observed_staleness"] == 0
+
+
+def test_async_generation_overlaps_training():
+    sched, transport = make(lambda s: Outcome(reward=float(s.index % 2), turn_seconds=0.005), max_staleness=2)
+    asyncio.run(asyncio.wait_for(train(sched, 3, 0.1), timeout=30))
+    # while the trainer 'trained' on version 0's batch, the next (η = 2) batches' worth started at version 0
+    assert sum(v == 0 for _, v in transport.starts) == 3 * 2 * 2
+
+
+def test_a_straggler_past_the_bound_is_dropped_and_counted():
+    def script(spec):
+        if spec.group_id == "a@0":
+            return Outcome(reward=float(spec.index % 2), turns=1, turn_seconds=0.5)
+        return Outcome(reward=float(spec.index % 2), turns=1, turn_seconds=0.002)
+
+    transport = ScriptedTransport(script, capacity=4)
+    cfg = SchedulerConfig(group_size=2, groups_per_step=1, max_staleness=1)
+    sched = Scheduler(cfg, transport, TASKS, Curriculum({"a": Difficulty(1, 1, 1, 1)}))
+
+    async def go():
+        taken = []
+        for v in range(200):
+            batch = await sched.next_batch()
+            taken += [g.group_id for g in batch.groups]
+            await asyncio.sleep(0.01)
+            await sched.update_weights(v + 1, {})
+            if sched.stats()["dropped_stale_groups"]:
+                break
+        await sched.close()
+        return taken
+
+    taken = asyncio.run(asyncio.wait_for(go(), timeout=30))
+    stats = sched.stats()
+    assert stats["dropped_stale_groups"] == 1 and stats["dropped_stale_rollouts"] == 2
+    assert "a@0" not in taken
+
+
+def test_engines_that_never_receive_the_weights_are_an_error_not_a_loop():
+    class Deaf(ScriptedTransport):
+        async def update_weights(self, version, tensors):  # drops the weights on the floor
+            pass
+
+    transport = Deaf(lambda s: Outcome(reward=float(s.index % 2)), capacity=4)
+    sched = Scheduler(SchedulerConfig(group_size=2, groups_per_step=2, max_staleness=0), transport, TASKS,
+                      Curriculum({"a": Difficulty(1, 1, 1, 1)}))
+
+    async def go():
+        try:
+            await sched.next_batch()
+            await sched.update_weights(1, {})
+            with pytest.raises(RuntimeError, match="not receiving the weights"):
+                await sched.next_batch()
+        finally:
+            await sched.close()
+
+    asyncio.run(asyncio.wait_for(go(), timeout=30))
+    assert sched.stats()["dropped_stale_groups"] == 2 * 1 * 2 + 1
+
+
+def test_a_group_doomed_by_an_update_is_cancelled_early_and_dropped():
+    def script(spec):
+        if spec.group_id == "a@0":  # 50 turns of 20 ms: would outlive several updates
+            return Outcome(reward=float(spec.index % 2), turns=50, turn_seconds=0.02)
+        return Outcome(reward=float(spec.index % 2), turns=1, turn_seconds=0.002)
+
+    transport = ScriptedTransport(script, capacity=4)
+    cfg = SchedulerConfig(group_size=2, groups_per_step=1, max_staleness=1)
+    sched = Scheduler(cfg, transport, TASKS, Curriculum({"a": Difficulty(1, 1, 1, 1)}))
+
+    async def go():
+        taken = []
+        for v in range(3):
+            batch = await sched.next_batch()
+            taken += [g.group_id for g in batch.groups]
+            await sched.update_weights(v + 1, {})
+        await asyncio.sleep(0.1)  # the doomed episodes notice at their next turn
+        stats = sched.stats()
+        await sched.close()
+        return taken, stats
+
+    taken, stats = asyncio.run(asyncio.wait_for(go(), timeout=30))
+    assert "a@0" not in taken
+    # doomed at the update to version 2 (it began at 0, η = 1), cancelled long before its 50 turns (1 s)
+    assert stats["doomed_groups"] == 1 and stats["cancelled"] == 2
+    assert stats["dropped_stale_groups"] == 1 and stats["dropped_stale_rollouts"] == 2
+    assert stats["dropped_zero_variance"] == 0  # a doomed group does not use up a refill
