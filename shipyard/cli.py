@@ -7,11 +7,8 @@ printed as one clear line and exit with status 2, not as a traceback.
 from __future__ import annotations
 
 import json
-import os
 import runpy
-import shutil
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,7 +25,6 @@ out = Console()
 
 MODEL_HELP = (f"Model: a bundled name ({', '.join(BUNDLED)}), a local directory, a .gguf file, a hub id, "
               "random:tiny, replay:FILE.jsonl or openai:BASE_URL.")
-EXAMPLE_REPO = Path(__file__).resolve().parent.parent / "examples" / "pocketlib"
 
 
 class UserError(Exception):
@@ -58,8 +54,12 @@ UNTAGGED_HELP = ("Tool calls written without <tool_call> tags (bare or fenced JS
 
 
 def untagged_setting(model: str, given: str | None) -> str:
+    """The untagged-call setting of an episode of `model`: `given`, else the library's default for the model
+    (`shipyard.rollout.episode.default_untagged`, the one configuration path)."""
+    from shipyard.rollout.episode import default_untagged
+
     if given is None:
-        return BUNDLED[model].untagged_calls if model in BUNDLED else "reject"
+        return default_untagged(model)
     if given not in ("reject", "accept"):
         raise UserError(f"--untagged must be 'reject' or 'accept', not {given!r}")
     return given
@@ -68,38 +68,32 @@ def untagged_setting(model: str, given: str | None) -> str:
 def run_agent(task: str, repo: Path, model: str, max_turns: int, out_path: Path | None, temperature: float,
               seed: int | None, max_new_tokens: int, device: str, tokenizer: str | None, untagged: str | None,
               sandbox_dir: Path | None = None):
-    """Run one episode. With `sandbox_dir`, the agent works in a sandbox over a snapshot of `repo` (which is never
-    modified) and the patch, trajectory and a summary are written to `sandbox_dir`."""
+    """Run one episode (`shipyard.rollout.episode.run_on_repo`) and show it. With `sandbox_dir`, the agent works in a
+    sandbox over a snapshot of `repo` (which is never modified) and the patch, trajectory and a summary are written
+    to `sandbox_dir`."""
     from shipyard.harness.display import render_end, render_turn
-    from shipyard.harness.loop import Agent, LoopConfig
-    from shipyard.harness.workspace import LocalWorkspace
     from shipyard.models.resolve import make_engine
+    from shipyard.rollout.episode import episode_config, run_on_repo, save_artifacts
 
     if not repo.is_dir():
         raise UserError(f"--repo {repo} is not a directory")
-    untagged = untagged_setting(model, untagged)
+    config = episode_config(model, max_turns=max_turns, temperature=temperature, seed=seed,
+                            max_new_tokens=max_new_tokens, untagged_calls=untagged_setting(model, untagged))
     with console.status(f"loading model {model}"):
         engine = make_engine(model, device=device, tokenizer=tokenizer, status=_status)
-    snapshot = None
-    if sandbox_dir is None:
-        workspace = LocalWorkspace(repo)
-    else:
+    if sandbox_dir is not None:
         from shipyard.sandbox.host import host
-        from shipyard.sandbox.sandbox import Sandbox
-        from shipyard.sandbox.snapshot import make_snapshot
 
-        h = host()
-        for note in h.notes:
+        for note in host().notes:
             console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
         sandbox_dir.mkdir(parents=True, exist_ok=True)
         out_path = out_path or sandbox_dir / "trajectory.json"
-        snapshot = make_snapshot(repo, h)
-        workspace = Sandbox(snapshot)
-        console.print(f"[dim]· sandbox {workspace.id} over a snapshot of {repo}; {repo} will not be modified[/]")
-    console.print(f"[dim]· tool calls without <tool_call> tags: {untagged}[/]")
-    config = LoopConfig(max_turns=max_turns, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
-                        untagged_calls=untagged)
+    console.print(f"[dim]· tool calls without <tool_call> tags: {config.loop.untagged_calls}[/]")
     status = console.status("generating")
+
+    def on_workspace(workspace) -> None:
+        if sandbox_dir is not None:
+            console.print(f"[dim]· sandbox {workspace.id} over a snapshot of {repo}; {repo} will not be modified[/]")
 
     def on_turn(turn, parsed):
         status.stop()
@@ -108,23 +102,20 @@ def run_agent(task: str, repo: Path, model: str, max_turns: int, out_path: Path 
 
     try:
         with status:
-            traj = Agent(engine, workspace, config, on_turn=on_turn).run(
-                task, out=str(out_path) if out_path else None)
+            traj = run_on_repo(task, repo, engine, config, sandbox=sandbox_dir is not None, out=out_path,
+                               on_turn=on_turn, on_workspace=on_workspace)
     finally:
-        workspace.close()
         engine.close()
-        if snapshot is not None:
-            from shipyard.sandbox.snapshot import remove_snapshot
-
-            remove_snapshot(snapshot)
     render_end(console, traj)
     if sandbox_dir is not None:
-        (sandbox_dir / "patch.diff").write_text(traj.patch or "")
-        (sandbox_dir / "summary.json").write_text(json.dumps(traj.summary(), indent=2) + "\n")
+        save_artifacts(traj, sandbox_dir)
         console.print(f"[dim]patch, trajectory and summary written to {sandbox_dir}; apply the patch with "
                       f"`git apply {sandbox_dir / 'patch.diff'}` in {repo}[/]", soft_wrap=True)
     elif out_path:
         console.print(f"[dim]trajectory saved to {out_path}[/]")
+    if traj.stop_reason == "infra_error":
+        raise UserError(f"the episode stopped on an infrastructure failure, not the model's doing: "
+                        f"{traj.meta.get('infra_error')}")
     return traj
 
 
@@ -156,11 +147,6 @@ def agent(
                   untagged, artifacts if sandbox else None)
 
 
-DEMO_TASK = ("The test suite of this repository fails. Run the tests with `python -m pytest -q`, find the bug in "
-             "the library code (not in the tests) and fix it with search_replace. Then run the tests again.")
-DEMO_BUG = ("pocketlib/roman.py", "        while number >= value:", "        while number > value:")
-
-
 @app.command()
 def demo(
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP),
@@ -169,30 +155,23 @@ def demo(
     untagged: str | None = typer.Option(None, help=UNTAGGED_HELP),
 ) -> None:
     """Plant a bug in a copy of the bundled example library and let the agent find and fix it."""
+    from shipyard.rollout.demo import DEMO_REPLAY, DEMO_TASK, copy_example, plant_bug, run_tests
+
     with user_errors():
-        if not EXAMPLE_REPO.is_dir():
-            raise UserError(f"the example repository is missing at {EXAMPLE_REPO}; run from a source checkout")
-        work = Path(tempfile.mkdtemp(prefix="shipyard-demo-")) / "pocketlib"
-        shutil.copytree(EXAMPLE_REPO, work, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
-        path, good, bad = DEMO_BUG
-        source = (work / path).read_text()
-        (work / path).write_text(source.replace(good, bad, 1))
-        console.print(f"[bold]demo[/]: planted a bug in {work / path}; the agent ({model}) must find it.")
+        work = copy_example()
+        planted = plant_bug(work)
+        console.print(f"[bold]demo[/]: planted a bug in {planted}; the agent ({model}) must find it.")
         run_agent(DEMO_TASK, work, model, max_turns, work.parent / "trajectory.json", 0.3, seed, 768, "cpu", None,
                   untagged)
-        import subprocess
-
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=work,
-                                capture_output=True, text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
-        verdict = "[green]tests pass — fixed[/]" if result.returncode == 0 else "[red]tests still fail[/]"
-        console.print(f"after the episode: {verdict} ({result.stdout.strip().splitlines()[-1]})")
-        if result.returncode != 0:
-            replay = EXAMPLE_REPO.parent / "replays" / "demo_fix.jsonl"
+        fixed, last_line = run_tests(work)
+        verdict = "[green]tests pass — fixed[/]" if fixed else "[red]tests still fail[/]"
+        console.print(f"after the episode: {verdict} ({last_line})")
+        if not fixed:
             console.print("[dim]Small models are not yet trained for this harness (that is what shipyard's RL is for; "
                           "see docs/benchmarks.md). Try --model qwen2.5-coder-1.5b, or watch a scripted episode with "
-                          f"--model replay:{replay}[/]")
+                          f"--model replay:{DEMO_REPLAY}[/]")
         console.print(f"[dim]workspace and trajectory kept in {work.parent}[/]")
-        if result.returncode != 0:  # the demo's outcome is the fix: an agent that did not fix the bug is a failure
+        if not fixed:  # the demo's outcome is the fix: an agent that did not fix the bug is a failure
             raise typer.Exit(1)
 
 
@@ -257,7 +236,7 @@ def sandbox_exec(
     from shipyard.sandbox.bwrap import Limits
     from shipyard.sandbox.host import host
     from shipyard.sandbox.run import run_in_sandbox
-    from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
+    from shipyard.sandbox.snapshot import snapshot_of
 
     with user_errors():
         if not repo.is_dir():
@@ -265,12 +244,9 @@ def sandbox_exec(
         h = host()
         for note in h.notes:
             console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
-        snapshot = make_snapshot(repo, h)
-        try:
+        with snapshot_of(repo, h) as snapshot:
             limits = Limits(memory_mb=memory, pids=pids, disk_mb=disk)
             result = run_in_sandbox(snapshot, command, timeout=timeout, limits=limits)
-        finally:
-            remove_snapshot(snapshot)
     sys.stdout.buffer.write(result.output)
     if result.dropped_bytes:
         console.print(f"[yellow][... {result.dropped_bytes} bytes of output dropped from the middle][/]")
@@ -299,8 +275,16 @@ def env_server(
     max_snapshot_files: int = typer.Option(200_000, "--max-snapshot-files", min=1, help="Most entries in a snapshot."),
     keep_outward_links: bool = typer.Option(False, "--keep-outward-links", help="Copy symlinks that lead out of a "
                                             "snapshot's tree (a .venv's bin/python) instead of refusing the tree."),
+    max_grading: int = typer.Option(4, "--max-grading", min=1, help="Most grades (test-suite runs) at once."),
+    max_grade_queue: int = typer.Option(64, "--max-grade-queue", min=0, help="Most grades waiting; beyond: 503."),
+    max_task_snapshots: int = typer.Option(64, "--max-task-snapshots", min=1, help="Task snapshots kept cached for "
+                                           "task sandboxes and grading (least recently used removed first)."),
+    max_task_snapshot_gb: int = typer.Option(32, "--max-task-snapshot-gb", min=1, help="Their bytes together."),
+    shutdown_grace: float = typer.Option(5, "--shutdown-grace", min=0, help="Seconds a shutdown waits for requests "
+                                         "in flight (grades take minutes: past this they are abandoned)."),
 ) -> None:
-    """Serve sandboxes over HTTP (create from snapshots, exec, files, diff, destroy; /metrics).
+    """Serve sandboxes over HTTP (create from snapshots, exec, files, diff, destroy; /metrics), and tasks: sandboxes
+    over a task directory's cached snapshot (POST /tasks/sandboxes) and grading from it (POST /grade).
 
     Every request but /health needs the bearer token: $SHIPYARD_ENV_TOKEN (or the file in $SHIPYARD_ENV_TOKEN_FILE)
     if set, else a fresh one written to --token-file, where `EnvClient` on this host finds it."""
@@ -327,7 +311,10 @@ def env_server(
                               max_live=max_live, max_starting=max_starting, max_queue=max_queue,
                               idle_timeout=idle_timeout, warm_pool=warm_pool, max_body=max_body_mb << 20,
                               copy=CopyBounds(max_bytes=max_snapshot_mb << 20, max_files=max_snapshot_files,
-                                              keep_outward_links=keep_outward_links))
+                                              keep_outward_links=keep_outward_links),
+                              max_grading=max_grading, max_grade_queue=max_grade_queue,
+                              max_task_snapshots=max_task_snapshots, max_task_snapshot_bytes=max_task_snapshot_gb << 30,
+                              shutdown_grace=shutdown_grace)
         server_app = create_app(config)  # checks the config before the token is written anywhere
         if where is None:
             where = store_token(token_file, token, TOKEN_ENV)
@@ -335,7 +322,7 @@ def env_server(
     console.print(f"token: {where}" + (f" = {token}" if print_token else ""), soft_wrap=True)
     console.print(f"clients may snapshot directories under: {', '.join(str(r) for r in server_app.state.env.roots)}",
                   soft_wrap=True)
-    uvicorn.run(server_app, host=host_, port=port, log_level="warning")
+    uvicorn.run(server_app, host=host_, port=port, log_level="warning", timeout_graceful_shutdown=shutdown_grace)
 
 
 @app.command()
@@ -407,6 +394,148 @@ def grade(
             raise UserError(str(e)) from None
     out.print_json(json.dumps(verdict.to_json()))
     raise typer.Exit(0 if verdict.reward == 1.0 else 3 if verdict.reward is None else 1)
+
+
+@app.command("eval")
+def eval_(
+    tasks: Path | None = typer.Option(None, "--tasks", help="A task-set directory made by `shipyard synth` (held-out "
+                                      "tasks)."),
+    model: str | None = typer.Option(None, "--model", "-m", help=MODEL_HELP + " replay:gold replays each task's "
+                                     "gold patch with the harness's tools (pass@1 must be 1.0)."),
+    samples: int = typer.Option(1, "--samples", min=1, help="Rollouts per task (pass@k needs k <= samples)."),
+    k: list[int] | None = typer.Option(None, "--k", min=1, help="Report pass@k for this k (repeatable). Default: "
+                                       "1, 2, 4, … and --samples."),
+    out_path: Path | None = typer.Option(None, "--out", help="Write the results (or, with --compare, the comparison) "
+                                         "as JSON here."),
+    markdown_path: Path | None = typer.Option(None, "--markdown", help="Also write the markdown table here."),
+    rollouts_path: Path | None = typer.Option(None, "--rollouts", help="Append every rollout record, trajectory "
+                                              "included, to this JSON-lines file."),
+    compare_files: tuple[Path, Path] | None = typer.Option(
+        None, "--compare", show_default=False, help="Compare two result files (A B): B − A per task and overall. "
+        "Runs no eval."),
+    task: list[str] | None = typer.Option(None, "--task", help="Evaluate only this task id (repeatable)."),
+    concurrency: int = typer.Option(4, "--concurrency", min=1, help="Episodes at once."),
+    max_turns: int = typer.Option(30, "--max-turns", min=1),
+    max_new_tokens: int = typer.Option(1024, "--max-new-tokens", min=1, help="Token budget of one turn."),
+    temperature: float = typer.Option(0.7, min=0.0),
+    seed: int = typer.Option(0, help="Run seed: sample i of task T draws with a seed derived from (seed, T, i)."),
+    grade_timeout: float = typer.Option(900, "--grade-timeout", min=1, help="Seconds a task's test suite may take."),
+    rollout_timeout: float | None = typer.Option(None, "--rollout-timeout", min=1, help="Seconds one attempt may "
+                                                 "take; past it the rollout is cancelled and masked."),
+    retries: int = typer.Option(2, "--retries", min=0, help="Attempts after an infrastructure failure, then masked."),
+    env_server: str | None = typer.Option(None, "--env-server", help="Run sandboxes and grading on this environment "
+                                          "server (http://HOST:PORT; it must see --tasks at the same path). "
+                                          "Default: bubblewrap sandboxes in this process."),
+    device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, …"),
+    tokenizer: str | None = typer.Option(None, help="Tokenizer for openai:/replay: models (default: inferred)."),
+    untagged: str | None = typer.Option(None, help=UNTAGGED_HELP),
+) -> None:
+    """Evaluate a model on held-out tasks without training: pass@1, unbiased pass@k, effort, infra failures and
+    monitor flags per task and overall (a markdown table on stdout; JSON with --out). Exit 0 when the eval ran
+    (pass@1 0 included), 1 when no rollout could be scored (infrastructure), 2 for a usage error."""
+    from shipyard.rollout.eval import EvalConfig, EvalFailed, check_scored, compare, compare_markdown, load_results
+    from shipyard.rollout.eval import markdown as results_markdown
+
+    with user_errors():
+        if compare_files is not None:
+            if model is not None or tasks is not None:
+                raise UserError("--compare reads two result files and runs no eval: leave out --model and --tasks")
+            doc = compare(*(load_results(p) for p in compare_files))
+            table = compare_markdown(doc)
+        else:
+            if tasks is None or model is None:
+                raise UserError("eval needs --tasks DIR and --model M (or --compare A.json B.json)")
+            config = EvalConfig(samples=samples, ks=k or None, seed=seed, concurrency=concurrency,
+                                max_infra_retries=retries, rollout_time_budget=rollout_timeout)
+            doc = _run_eval(tasks, model, task, config, max_turns=max_turns, max_new_tokens=max_new_tokens,
+                            temperature=temperature, grade_timeout=grade_timeout, env_server=env_server, device=device,
+                            tokenizer=tokenizer, untagged=untagged, rollouts_path=rollouts_path)
+            table = results_markdown(doc)
+        if out_path is not None:
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            out_path.write_text(json.dumps(doc, indent=1) + "\n")
+        if markdown_path is not None:
+            markdown_path.parent.mkdir(parents=True, exist_ok=True)
+            markdown_path.write_text(table)
+    sys.stdout.write(table)
+    sys.stdout.flush()
+    if out_path is not None:
+        console.print(f"[dim]results written to {out_path}[/]")
+    if compare_files is None:
+        try:
+            check_scored(doc)
+        except EvalFailed as e:
+            console.print(f"[bold red]eval failed:[/] {e}", soft_wrap=True)
+            raise typer.Exit(1) from None
+
+
+def _run_eval(tasks: Path, model: str, only: list[str] | None, config, *, max_turns: int, max_new_tokens: int,
+              temperature: float, grade_timeout: float, env_server: str | None, device: str, tokenizer: str | None,
+              untagged: str | None, rollouts_path: Path | None) -> dict:
+    from shipyard.tasks.taskset import list_tasks, load_task
+
+    if not tasks.is_dir():
+        raise UserError(f"--tasks {tasks} is not a directory")
+    task_ids = list(dict.fromkeys(only)) if only else list_tasks(tasks)
+    for task_id in task_ids:
+        load_task(tasks, task_id)  # an unknown or malformed task is one line now, not a failure mid-run
+    if not task_ids:
+        raise UserError(f"{tasks} holds no tasks")
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from shipyard.models.replay import ReplayEngine
+    from shipyard.rollout.episode import episode_config
+    from shipyard.rollout.eval import passed, run_eval
+    from shipyard.rollout.record import append_jsonl
+    episode = episode_config(model, max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature,
+                             grade_timeout=grade_timeout, untagged_calls=untagged_setting(model, untagged))
+    with console.status(f"loading model {model}"):
+        if model == "replay:gold":
+            from shipyard.models.resolve import load_tokenizer
+            from shipyard.rollout.gold import gold_engine
+
+            engine = gold_engine(tasks, task_ids, load_tokenizer(tokenizer) if tokenizer else None)
+        else:
+            from shipyard.models.resolve import make_engine
+
+            engine = make_engine(model, device=device, tokenizer=tokenizer, status=_status)
+    if isinstance(engine, ReplayEngine) and engine.longest() + 1 > episode.loop.max_new_tokens:
+        episode.loop.max_new_tokens = engine.longest() + 1  # a replayed turn is replayed whole
+        _status(f"a turn's token budget is raised to {episode.loop.max_new_tokens}, the longest recorded message")
+    if env_server is None:
+        from shipyard.rollout.environment import LocalEnvironment
+        from shipyard.sandbox.run import sandbox_problem
+
+        problem = sandbox_problem()
+        if problem:
+            raise UserError(f"this host cannot start bubblewrap sandboxes: {problem}; use --env-server URL")
+        env = LocalEnvironment()
+    else:
+        from shipyard.rollout.remote import RemoteEnvironment
+        from shipyard.sandbox.client import EnvClient
+
+        env = RemoteEnvironment(EnvClient(env_server))
+    total = len(task_ids) * config.samples
+    counts = {"passed": 0, "infra": 0}
+    try:
+        with Progress(TextColumn("[bold]eval[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[passed]} passed · {task.fields[infra]} masked"), TimeElapsedColumn(),
+                      console=console) as bar:
+            job = bar.add_task(model, total=total, passed=0, infra=0)
+
+            def progress(rollout) -> None:
+                counts["passed"] += passed(rollout)
+                counts["infra"] += rollout.masked
+                bar.update(job, advance=1, **counts)
+                if rollouts_path is not None:
+                    append_jsonl(rollouts_path, [rollout.to_json()])
+
+            return run_eval(engine, env, tasks, task_ids, episode, config, progress=progress,
+                            describe={"model": model, "tasks_dir": str(tasks.resolve()), "engine": engine.name,
+                                      "environment": env.name})
+    finally:
+        env.close()
+        engine.close()
 
 
 @app.command()

@@ -1,15 +1,30 @@
-"""`ReplayEngine`: replays recorded assistant messages instead of sampling — for debugging, tests and demos.
+"""`ReplayEngine`: replays recorded assistant messages instead of sampling — for debugging, tests, demos and eval.
 
-The file is JSON Lines, each line one JSON string: the full text of one assistant turn, tool-call blocks
-included. Each request consumes the next message, which is tokenized (with the byte-level tokenizer unless
-another is given) and ended with the stop token, exactly as if a model had sampled it. Logprobs are 0.0:
-there was no sampler, and a replayed trajectory must never be mistaken for on-policy data
-(`policy_version` is -1).
+A replay file is JSON Lines. A line is either
+
+* a JSON string: the full text of one assistant turn, tool-call blocks included. The string lines, in order, are
+  the file's **default script**; or
+* a JSON object `{"task": ID, "messages": ["…", "…"]}`: the **script of task ID** (keyed scripts; a file written by
+  `shipyard.rollout.gold.write_gold_replay` holds one per task, so one replay engine serves a whole task set).
+
+Each conversation replays its script from the start. A conversation is a request's `session` (the rollout id, see
+`shipyard.rollout.record`: `"<group id>/<index>[~attempt]"`; the scheduler's group ids are the task id, `@` and the
+group's number or `eval`, e.g. `"add-roman@eval/0~1"`); requests without a session share one conversation, so a
+single agent run (the CLI) consumes the default script line by line, as it always has. A keyed script is chosen by
+the task id the session begins with: the longest script key that is the whole session or is followed in it by a
+character no task id holds (anything but letters, digits, `.`, `_` and `-`; `session_task`). A session no keyed
+script matches replays the default script, and with no default script it is an error (`ReplayExhausted`) that
+names the session.
+
+Each request consumes its conversation's next message, which is tokenized (with the byte-level tokenizer unless
+another is given) and ended with the stop token, exactly as if a model had sampled it. Logprobs are 0.0: there was
+no sampler, and a replayed trajectory must never be mistaken for on-policy data (`policy_version` is -1).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,52 +36,118 @@ from shipyard.models.engine import Completion, GenerationRequest
 from shipyard.models.errors import ReplayExhausted
 from shipyard.models.tokenizer import byte_tokenizer
 
+TASK_ID_CHAR = re.compile(r"[A-Za-z0-9._-]")  # the characters of a task id (shipyard.sandbox.snapshot.NAME_RE)
+EXAMPLE_LINE = '"I will read it.\\n<tool_call>…</tool_call>"'
 
-def load_replay(path: str | Path) -> list[str]:
-    """Read a replay file, with line-numbered errors for anything that is not one JSON string per line."""
+
+def session_task(session: str, keys: Mapping[str, object] | set[str]) -> str | None:
+    """The key of `keys` that `session` (a rollout id) belongs to: the longest key that is the whole session or is
+    followed by a character no task id holds; None when none is."""
+    best = None
+    for key in keys:
+        ends = len(session) == len(key) or not TASK_ID_CHAR.fullmatch(session[len(key):len(key) + 1])
+        if session.startswith(key) and ends and (best is None or len(key) > len(best)):
+            best = key
+    return best
+
+
+def _keyed(path: Path, number: int, obj: dict) -> tuple[str, list[str]]:
+    where = f"{path}:{number}"
+    if set(obj) != {"task", "messages"}:
+        raise ValueError(f'{where}: expected a JSON string (an assistant message) or a keyed script {{"task": ID, '
+                         f'"messages": [...]}}; this object has the keys {", ".join(map(repr, sorted(obj))) or "none"}')
+    task, messages = obj["task"], obj["messages"]
+    if not isinstance(task, str) or not task:
+        raise ValueError(f"{where}: 'task' must be a non-empty string")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, str) for m in messages):
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of strings (assistant turns)")
+    return task, messages
+
+
+def load_scripts(path: str | Path) -> tuple[list[str], dict[str, list[str]]]:
+    """(default script, keyed scripts by task id) of a replay file, with line-numbered errors."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"replay file {path} does not exist")
-    messages = []
+    default: list[str] = []
+    keyed: dict[str, list[str]] = {}
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            message = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: not valid JSON ({e.msg}); each line must be one JSON string "
-                             'holding an assistant message, e.g. "I will read it.\\n<tool_call>…</tool_call>"') from e
-        if not isinstance(message, str):
-            raise ValueError(f"{path}:{number}: expected a JSON string, got {type(message).__name__}")
-        messages.append(message)
-    if not messages:
+            item = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as e:
+            why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+            raise ValueError(f"{path}:{number}: not valid JSON ({why}); each line must be one JSON string holding an "
+                             f'assistant message, e.g. {EXAMPLE_LINE}, or {{"task": ID, "messages": [...]}}') from e
+        if isinstance(item, str):
+            default.append(item)
+        elif isinstance(item, dict):
+            task, messages = _keyed(path, number, item)
+            if task in keyed:
+                raise ValueError(f"{path}:{number}: a second script for task {task!r}")
+            keyed[task] = messages
+        else:
+            raise ValueError(f"{path}:{number}: expected a JSON string (an assistant message) or an object "
+                             f'{{"task": ID, "messages": [...]}}, got {type(item).__name__}')
+    if not default and not keyed:
         raise ValueError(f"{path} holds no messages")
-    return messages
+    return default, keyed
+
+
+def load_replay(path: str | Path) -> list[str]:
+    """The default script of a replay file (one JSON string per line); keyed scripts are refused here."""
+    default, keyed = load_scripts(path)
+    if keyed:
+        raise ValueError(f"{path} holds keyed scripts; read it with load_scripts")
+    return default
 
 
 class ReplayEngine:
-    def __init__(self, messages: list[str], tokenizer: PreTrainedTokenizerBase | None = None, name: str = "replay"):
-        self.messages = list(messages)
+    def __init__(self, messages: list[str] | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
+                 name: str = "replay", scripts: Mapping[str, list[str]] | None = None):
+        self.messages = list(messages or [])
+        self.scripts = {task: list(script) for task, script in (scripts or {}).items()}
+        if not self.messages and not self.scripts:
+            raise ValueError("a replay engine needs messages or keyed scripts")
         self.tokenizer = tokenizer or byte_tokenizer()
         self.name = name
         self.policy_version = -1
-        self._next = 0
+        self._cursors: dict[str | None, int] = {}  # conversation -> index of its next message
         self._lock = threading.Lock()
 
     @classmethod
     def from_file(cls, path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> ReplayEngine:
-        return cls(load_replay(path), tokenizer, name=f"replay:{path}")
+        default, keyed = load_scripts(path)
+        return cls(default, tokenizer, name=f"replay:{path}", scripts=keyed)
+
+    def script(self, session: str | None) -> tuple[str | None, list[str]]:
+        """(the task whose keyed script the conversation replays, or None for the default script; that script)."""
+        task = session_task(session, self.scripts) if session is not None else None
+        if task is not None:
+            return task, self.scripts[task]
+        if not self.messages:
+            raise ReplayExhausted(f"{self.name} has no script for session {session!r}: its keyed scripts are for "
+                                  f"{', '.join(sorted(self.scripts)[:10])}{' …' if len(self.scripts) > 10 else ''}, "
+                                  "and it has no default script (lines that are JSON strings)")
+        return None, self.messages
+
+    def _next_message(self, session: str | None) -> str:
+        task, script = self.script(session)
+        with self._lock:
+            index = self._cursors.get(session, 0)
+            if index >= len(script):
+                which = f"task {task!r}'s script" if task is not None else "the script"
+                raise ReplayExhausted(f"{self.name}: all {len(script)} recorded messages were replayed ({which}) "
+                                      "and the agent asked for another; end the script with a message that makes no "
+                                      "tool call")
+            self._cursors[session] = index + 1
+        return script[index]
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         out = []
         for req in requests:
-            with self._lock:
-                if self._next >= len(self.messages):
-                    raise ReplayExhausted(f"{self.name}: all {len(self.messages)} recorded messages were replayed "
-                                          "and the agent asked for another; end the script with a message that "
-                                          "makes no tool call")
-                text = self.messages[self._next]
-                self._next += 1
+            text = self._next_message(req.session)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             finish = "length" if len(ids) > req.sampling.max_tokens else "stop"
             ids = ids[: req.sampling.max_tokens]
@@ -75,6 +156,11 @@ class ReplayEngine:
             out.append(Completion(ids, [0.0] * len(ids), self.tokenizer.decode(ids, skip_special_tokens=True),
                                   finish, len(req.prompt_ids), self.policy_version))
         return out
+
+    def longest(self) -> int:
+        """Tokens in the longest recorded message (a turn's token budget must be at least this to replay it whole)."""
+        scripts = [self.messages, *self.scripts.values()]
+        return max((len(self.tokenizer.encode(m, add_special_tokens=False)) for s in scripts for m in s), default=0)
 
     def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         raise TypeError("a replay engine has no weights to update")
