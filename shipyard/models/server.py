@@ -8,8 +8,10 @@ like vLLM. So `OpenAIEngine` is tested against a real server, and other harnesse
 `POST /v1/weights` loads a versioned weight payload (bf16 or MXFP8 safetensors bytes, see `shipyard.train.sync`):
 the trainer's push. Completions report the `policy_version` they were sampled with.
 
-Concurrent requests are batched: a worker thread takes whatever is queued (up to `max_batch`, after waiting
-`batch_window` seconds for stragglers) and runs it as one `engine.generate` call.
+Concurrent requests are batched. A `LocalEngine` batches continuously by itself: every sequence is submitted to it
+at once and joins the running decode batch as soon as a slot is free (`LocalEngine(max_batch=…)`), so a short request
+never waits for a long one to finish. Other engines (`replay:`, `openai:`) get what is queued as one `engine.generate`
+call from a worker thread (up to `max_batch`, after waiting `batch_window` seconds for stragglers).
 
 Any client on the port is untrusted (docs/security.md), so:
 
@@ -19,8 +21,8 @@ Any client on the port is untrusted (docs/security.md), so:
 * **Bounded work.** Bodies are size-limited (small for completions, `max_weights_body` for weights). `max_tokens`
   is refused over `max_tokens` or when prompt + max_tokens exceeds the model's context (vLLM's rule: refuse, never
   clamp silently — a client must know what it gets), and a request holds at most `max_sequences` sequences.
-  The engine batches statically (a running batch admits no one), so these caps bound every other client's wait.
-  A full queue answers 503.
+  These caps bound the work one request can cause; sequences waiting for a slot beyond `max_queue` make the
+  server answer 503.
 * **No work for what would be refused.** Tokenizing costs time in proportion to the text (8 MB: ~10 s), so prompt
   sizes are checked before it: a text prompt longer than (context − max_tokens) × `chars_per_token` characters
   cannot fit and is refused untokenized (`chars_per_token`: the tokenizer's longest token, at most
@@ -28,8 +30,8 @@ Any client on the port is untrusted (docs/security.md), so:
   tokenized in order and the first one over the context ends it. Big tokenizations run off the event loop, at most
   `TOKENIZE_SLOTS` at once, and small ones never queue behind them.
 * **Isolation.** Every field is validated by one pydantic schema (and the vocabulary / context checks) before
-  anything is queued; if `engine.generate` still raises for a batch, each request is retried alone, so only the
-  faulty one fails.
+  anything is queued; a `LocalEngine` fails only the sequence that raised, and if another engine's `generate` still
+  raises for a batch, each request is retried alone, so only the faulty one fails.
 * **Cancellation.** A client that disconnects has its queued requests dropped and its running ones stopped at the
   next decode step (`GenerationRequest.cancelled`). On SIGTERM (`run`) every generation stops between two steps,
   in-flight clients get 503, and the process exits within about a second.
@@ -93,7 +95,7 @@ class ServeConfig:
     api_key: str | None = None  # when set, /v1/completions and /v1/models need it
     max_tokens: int = 4096  # most tokens one completion may ask for
     max_model_len: int | None = None  # most prompt + completion tokens; None: the engine's context length
-    max_batch: int = 8
+    max_batch: int = 8  # sequences decoded together (a LocalEngine's max_batch), or per generate call
     batch_window: float = 0.01  # seconds the worker waits for stragglers before starting a batch
     max_sequences: int = 64  # prompts × n in one request
     max_queue: int = 1024  # sequences waiting for the worker; beyond: 503
@@ -141,17 +143,25 @@ class Gone(RuntimeError):
 
 
 class Batcher:
-    """Collects requests from many HTTP handlers into `engine.generate` batches on one worker thread.
+    """Hands the requests of many HTTP handlers to the engine: straight to a `LocalEngine`'s continuous batching
+    (`submit`), or, for other engines, as `engine.generate` batches from one worker thread.
 
     `stopping` is a plain attribute so a signal handler can set it: then queued requests fail with `ShuttingDown` and
-    the requests `create_app` makes report themselves cancelled, so the running batch ends at its next step."""
+    the requests `create_app` makes report themselves cancelled, so running sequences end at their next step."""
 
     def __init__(self, engine: Engine, max_batch: int = 8, batch_window: float = 0.01, max_queue: int = 1024):
         self.engine, self.max_batch, self.batch_window, self.max_queue = engine, max_batch, batch_window, max_queue
         self.stopping = False
         self.queue: queue.Queue[tuple[GenerationRequest, Future] | None] = queue.Queue()
         self.thread = threading.Thread(target=self._work, name="shipyard-batcher", daemon=True)
-        self.thread.start()
+        if not isinstance(engine, LocalEngine):
+            self.thread.start()
+
+    def waiting(self) -> int:
+        """Sequences waiting for the engine (queued, not yet decoding)."""
+        if isinstance(self.engine, LocalEngine):
+            return max(0, self.engine.load() - self.engine.max_batch)
+        return self.queue.qsize()
 
     def _work(self) -> None:
         while (item := self.queue.get()) is not None:
@@ -208,8 +218,11 @@ class Batcher:
         """Queue requests (from the event loop's thread); their futures. Raises `ShuttingDown` or `Overloaded`."""
         if self.stopping:
             raise ShuttingDown("the server is shutting down")
-        if self.queue.qsize() + len(requests) > self.max_queue:
-            raise Overloaded(f"{self.queue.qsize()} sequences are waiting (limit {self.max_queue})")
+        waiting = self.waiting()
+        if waiting + len(requests) > self.max_queue:
+            raise Overloaded(f"{waiting} sequences are waiting (limit {self.max_queue})")
+        if isinstance(self.engine, LocalEngine):
+            return [asyncio.wrap_future(self.engine.submit(req)) for req in requests]
         futures = []
         for req in requests:
             fut: Future = Future()
@@ -218,9 +231,10 @@ class Batcher:
         return futures
 
     def close(self) -> None:
-        self.stopping = True
-        self.queue.put(None)
-        self.thread.join(timeout=1)
+        self.stopping = True  # a LocalEngine's running sequences see it at their next step (their `cancelled`)
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join(timeout=1)
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -230,6 +244,8 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 
 def create_app(engine: Engine, served_name: str, config: ServeConfig | None = None) -> FastAPI:
     config = config or ServeConfig()
+    if isinstance(engine, LocalEngine):
+        engine.max_batch = config.max_batch  # sequences decoded together (read by the engine at every step)
     batcher = Batcher(engine, max_batch=config.max_batch, batch_window=config.batch_window,
                       max_queue=config.max_queue)
     context = (config.max_model_len or (engine.max_model_len if isinstance(engine, LocalEngine) else None)
@@ -315,6 +331,8 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
                 requests.append(GenerationRequest(p, sampling, cancelled))
         try:
             futures = batcher.submit(requests)
+        except ValueError as e:  # the engine's own checks (a LocalEngine: ids in its model's vocabulary)
+            raise HTTPException(400, f"the engine refused this request: {e}") from None
         except ShuttingDown:
             raise HTTPException(503, "the server is shutting down; send the request to another server") from None
         except Overloaded as e:
@@ -409,6 +427,8 @@ def _response(engine: Engine, served_name: str, body: CompletionRequest, prompts
     for i, c in enumerate(results):
         choice: dict[str, Any] = {"index": i, "text": c.text, "finish_reason": c.finish_reason,
                                   "token_ids": c.token_ids, "logprobs": None, "policy_version": c.policy_version}
+        if c.token_versions:  # the completion spans a weight update: the version of each token
+            choice["token_versions"] = c.token_versions
         if body.logprobs is not None:
             tokens = ([f"token_id:{t}" for t in c.token_ids] if body.return_tokens_as_token_ids
                       else tok.convert_ids_to_tokens(c.token_ids))

@@ -1,5 +1,6 @@
 """`shipyard serve` and `OpenAIEngine` against each other: a real uvicorn server on 127.0.0.1."""
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -14,22 +15,10 @@ from shipyard.models.resolve import TINY, load_hf
 from shipyard.models.server import ServeConfig, create_app
 
 
-class CountingEngine(LocalEngine):
-    """A LocalEngine that records the size of every batch it is given."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.batches: list[int] = []
-
-    def generate(self, requests):
-        self.batches.append(len(requests))
-        return super().generate(requests)
-
-
 @pytest.fixture(scope="module")
 def served(serve_app):
     model, tok = load_hf(TINY, dtype=torch.float32)
-    engine = CountingEngine(model, tok, max_batch=8)
+    engine = LocalEngine(model, tok, max_batch=8)
     return engine, serve_app(create_app(engine, TINY, ServeConfig(max_batch=8))) + "/v1"
 
 
@@ -49,13 +38,33 @@ def test_client_matches_local_engine(served):
 def test_concurrent_requests_are_batched(served):
     engine, url = served
     client = OpenAIEngine.connect(url)
-    engine.batches.clear()
+    engine.stats["max_running"] = 0
     reqs = [GenerationRequest(client.tokenizer.encode(f"prompt {i}", add_special_tokens=False),
-                              SamplingParams(max_tokens=4, temperature=0.0)) for i in range(6)]
+                              SamplingParams(max_tokens=32, temperature=0.0)) for i in range(6)]
     with ThreadPoolExecutor(2) as pool:  # two callers, three requests each
         results = list(pool.map(lambda chunk: client.generate(chunk), [reqs[:3], reqs[3:]]))
     assert sum(len(r) for r in results) == 6
-    assert max(engine.batches) > 1 and sum(engine.batches) == 6
+    assert engine.stats["max_running"] > 1  # decoded together
+    for req, got in zip(reqs, results[0] + results[1], strict=True):
+        assert got.token_ids == engine.generate([req])[0].token_ids
+    client.close()
+
+
+def test_short_request_is_answered_while_a_long_one_decodes(served):
+    """Continuous batching behind the server: a short request joins the running batch instead of waiting for it."""
+    engine, url = served
+    client = OpenAIEngine.connect(url)
+    long_req = GenerationRequest([65] * 8, SamplingParams(max_tokens=400, temperature=0.0, stop_token_ids=()))
+    short_req = GenerationRequest([66] * 8, SamplingParams(max_tokens=4, temperature=0.0))
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(client.generate, [long_req])
+        steps = engine.stats["decode_steps"]
+        deadline = time.monotonic() + 30
+        while engine.stats["decode_steps"] < steps + 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        short = client.generate([short_req])[0]
+        assert len(short.token_ids) == 4 and not long.done()
+        assert len(long.result(timeout=120)[0].token_ids) == 400
     client.close()
 
 

@@ -1,0 +1,129 @@
+"""`EngineRouter`: one `Engine` over several (engine actors, `shipyard serve` / vLLM / SGLang servers).
+
+Routing follows the two rules that keep a fleet of caching engines busy:
+
+* **Sticky sessions.** Every turn of a conversation (`GenerationRequest.session`, a rollout id) goes to the engine
+  that served its previous turn: that engine holds its KV cache and prefills only the new tokens. Anywhere else the
+  whole history is prefilled again.
+* **Least loaded for new sessions.** A session's first request (and any request without a session) goes to the live
+  engine with the fewest requests in flight through this router — a cheap, local signal that follows stragglers: an
+  engine stuck on long generations accumulates in-flight requests and stops receiving new conversations.
+
+**Failover.** Requests are token ids in, token ids out, with no server-side state a retry depends on (a lost cache
+only costs a prefill), so an engine that raises `InfraError` (unreachable, 5xx, its actor died) is marked down for
+`cooldown` seconds, its sessions are forgotten, and the request is retried on another engine. Only when no engine
+is left does the router raise `InfraError` — which the episode turns into stop reason `infra_error`. Other errors
+(a request the engine refuses) are the request's and propagate unchanged.
+
+`update_weights` goes to every engine; `policy_version` is the oldest version among them (what a sample may have
+been drawn with).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from shipyard.models.engine import Completion, Engine, GenerationRequest
+from shipyard.models.errors import InfraError
+
+MAX_SESSIONS = 100_000  # sticky assignments remembered (least recently used forgotten first)
+
+
+class NoEngineLeft(InfraError):
+    """Every engine behind the router is down."""
+
+
+class EngineRouter:
+    def __init__(self, engines: list[Engine], name: str | None = None, cooldown: float = 30.0,
+                 max_concurrency: int = 256):
+        if not engines:
+            raise ValueError("EngineRouter needs at least one engine")
+        self.engines = list(engines)
+        self.name = name or "router[" + ", ".join(e.name for e in engines) + "]"
+        self.tokenizer = engines[0].tokenizer
+        self.cooldown = cooldown
+        self.inflight = [0] * len(engines)  # requests in flight through this router, per engine
+        self.failures: list[str] = [""] * len(engines)  # the last InfraError of each engine
+        self._down_until = [0.0] * len(engines)
+        self._sessions: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="shipyard-router")
+
+    @property
+    def policy_version(self) -> int:
+        return min(e.policy_version for e in self.engines)
+
+    def live(self) -> list[int]:
+        now = time.monotonic()
+        return [i for i in range(len(self.engines)) if self._down_until[i] <= now]
+
+    def _pick(self, session: str | None) -> int:
+        with self._lock:
+            live = self.live()
+            if not live:
+                causes = "; ".join(f"{e.name}: {c}" for e, c in zip(self.engines, self.failures, strict=True) if c)
+                raise NoEngineLeft(f"all {len(self.engines)} engines behind {self.name} are down ({causes})")
+            if session is not None and (i := self._sessions.get(session)) is not None and i in live:
+                self._sessions.move_to_end(session)
+            else:
+                i = min(live, key=lambda j: (self.inflight[j], j))
+                if session is not None:
+                    self._sessions[session] = i
+                    while len(self._sessions) > MAX_SESSIONS:
+                        self._sessions.popitem(last=False)
+            self.inflight[i] += 1
+            return i
+
+    def _mark_down(self, i: int, error: InfraError) -> None:
+        with self._lock:
+            self._down_until[i] = time.monotonic() + self.cooldown
+            self.failures[i] = f"{type(error).__name__}: {error}"
+            for s in [s for s, j in self._sessions.items() if j == i]:
+                del self._sessions[s]
+
+    def route(self, request: GenerationRequest) -> Completion:
+        """One request: sticky or least loaded, retried on another engine after an `InfraError`."""
+        while True:
+            i = self._pick(request.session)
+            try:
+                return self.engines[i].generate([request])[0]
+            except InfraError as e:
+                self._mark_down(i, e)
+            finally:
+                with self._lock:
+                    self.inflight[i] -= 1
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        if len(requests) == 1:
+            return [self.route(requests[0])]
+        return [f.result() for f in [self.submit(r) for r in requests]]
+
+    def submit(self, request: GenerationRequest) -> Future:
+        return self._pool.submit(self.route, request)
+
+    async def agenerate(self, request: GenerationRequest) -> Completion:
+        return await asyncio.wrap_future(self.submit(request))
+
+    def load(self) -> int:
+        return sum(self.inflight)
+
+    def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Every live engine loads the weights (an engine that fails with `InfraError` is marked down: it comes back
+        with old weights, and its samples say so by their version)."""
+        for i in self.live():
+            try:
+                self.engines[i].update_weights(version, tensors)
+            except InfraError as e:
+                self._mark_down(i, e)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for e in self.engines:
+            e.close()

@@ -1,0 +1,135 @@
+"""`EngineRouter` over real engines: two `LocalEngine`s on the tiny model for stickiness and least-loaded placement,
+and `OpenAIEngine`s against real `shipyard serve` apps (uvicorn on 127.0.0.1) that shut down or refuse, for
+failover."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from servers import running_app
+
+from shipyard.models.engine import GenerationRequest, SamplingParams
+from shipyard.models.errors import InfraError
+from shipyard.models.local import LocalEngine
+from shipyard.models.openai import OpenAIEngine, ServerError
+from shipyard.models.resolve import TINY, make_engine, tiny_model
+from shipyard.models.router import EngineRouter, NoEngineLeft
+from shipyard.models.server import ServeConfig, create_app
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = tiny_model()
+    return model.float(), tok
+
+
+def ids(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def wait_for(predicate, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_sessions_stick_and_new_ones_go_to_the_least_loaded(tiny):
+    model, tok = tiny
+    a, b = LocalEngine(model, tok, name="a"), LocalEngine(model, tok, name="b")
+    router = EngineRouter([a, b])
+    context = ids("system prompt. task: x")
+    first = router.generate([GenerationRequest(context, GREEDY, session="x")])[0]
+    assert a.stats["prefills"] == 1 and b.stats["prefills"] == 0  # both idle: the first engine
+    stop = threading.Event()
+    busy = router.submit(GenerationRequest(ids("long"), SamplingParams(max_tokens=100_000, temperature=0.0),
+                                           cancelled=stop.is_set, session="long"))
+    try:
+        assert wait_for(lambda: a.stats["prefills"] == 2)  # idle again: "long" went to a too
+        # x's next turn goes back to a, its cache, although b is idle; it prefills only the new tokens.
+        before = a.stats["prefill_tokens"]
+        context = context + first.token_ids + ids(" observation")
+        router.generate([GenerationRequest(context, GREEDY, session="x")])
+        assert a.stats["prefill_tokens"] - before == len(ids(" observation")) + 1 and b.stats["prefills"] == 0
+        # A new session goes to the least loaded engine: b.
+        router.generate([GenerationRequest(ids("another rollout"), GREEDY, session="y")])
+        assert b.stats["prefills"] == 1
+        assert router.inflight == [1, 0] and router.load() == 1
+    finally:
+        stop.set()
+    assert busy.result(30).finish_reason == "abort"
+    router.close()
+
+
+def test_update_weights_fans_out(tiny):
+    model, tok = tiny
+    engines = []
+    for name in ("a", "b"):
+        clone = type(model)(model.config)
+        clone.load_state_dict(model.state_dict())
+        engines.append(LocalEngine(clone.eval(), tok, name=name))
+    router = EngineRouter(engines)
+    new = tiny_model(seed=5)[0].state_dict()
+    router.update_weights(4, new)
+    assert [e.policy_version for e in engines] == [4, 4] and router.policy_version == 4
+    for e in engines:
+        torch.testing.assert_close(e.model.state_dict()["model.norm.weight"], new["model.norm.weight"])
+    out = router.generate([GenerationRequest(ids("after the update"), GREEDY)])[0]
+    assert out.policy_version == 4
+    router.close()
+
+
+def test_a_shut_down_server_fails_over_to_another_engine(tiny):
+    model, tok = tiny
+    local = LocalEngine(model, tok, name="local")
+    served = LocalEngine(model, tok, name="served")
+    with running_app(create_app(served, TINY, ServeConfig())) as url:
+        remote = OpenAIEngine.connect(url + "/v1")
+        router = EngineRouter([remote, local], cooldown=3600)
+        req = GenerationRequest(ids("a rollout's first turn"), GREEDY, session="r")
+        first = router.generate([req])[0]
+        assert served.stats["prefills"] == 1 and local.stats["prefills"] == 0
+    # The server is gone: the session's next turn is retried on the local engine, with the same result.
+    second = router.generate([req])[0]
+    assert second.token_ids == first.token_ids and local.stats["prefills"] == 1
+    assert router.live() == [1] and "ServerUnreachable" in router.failures[0]
+    local.close()
+    with pytest.raises(NoEngineLeft, match="2 engines") as caught:  # the local engine closed as well
+        router.generate([GenerationRequest(ids("nobody left"), GREEDY)])
+    assert isinstance(caught.value, InfraError)
+    router.close()
+
+
+def test_a_server_answering_503_is_an_infra_error_and_fails_over(tiny):
+    model, tok = tiny
+    served = LocalEngine(model, tok, name="served")
+    app = create_app(served, TINY, ServeConfig())
+    with running_app(app) as url:
+        remote = OpenAIEngine.connect(url + "/v1")
+        app.state.batcher.stopping = True  # shutting down: every completion gets 503
+        with pytest.raises(ServerError, match="503"):
+            remote.generate([GenerationRequest(ids("refused"), GREEDY)])
+        local = LocalEngine(model, tok, name="local")
+        router = EngineRouter([remote, local])
+        out = router.generate([GenerationRequest(ids("refused"), GREEDY)])[0]
+        assert len(out.token_ids) == 6 and router.live() == [1]
+        remote.close()
+    local.close()
+
+
+def test_make_engine_with_several_urls_builds_a_router(tiny):
+    model, tok = tiny
+    engines = [LocalEngine(model, tok, name=f"e{i}") for i in range(2)]
+    with running_app(create_app(engines[0], TINY, ServeConfig())) as u1, \
+            running_app(create_app(engines[1], TINY, ServeConfig())) as u2:
+        router = make_engine(f"openai:{u1}/v1,{u2}/v1")
+        assert isinstance(router, EngineRouter) and len(router.engines) == 2
+        out = router.generate([GenerationRequest(ids(f"request {i}"), GREEDY, session=f"s{i}") for i in range(4)])
+        assert [len(c.token_ids) for c in out] == [6] * 4
+        assert sum(e.stats["prefills"] for e in engines) == 4
+        router.close()
