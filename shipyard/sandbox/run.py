@@ -35,15 +35,11 @@ def sandbox_problem() -> str | None:
     """Why sandboxes cannot start on this host (bwrap missing, user namespaces disabled, …), or None."""
     import tempfile
 
-    from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
+    from shipyard.sandbox.snapshot import snapshot_of
 
     try:
-        with tempfile.TemporaryDirectory(prefix="shipyard-probe-") as empty:
-            snapshot = make_snapshot(empty, host())
-        try:
+        with tempfile.TemporaryDirectory(prefix="shipyard-probe-") as empty, snapshot_of(empty, host()) as snapshot:
             probe = run_in_sandbox(snapshot, ["true"], timeout=30)
-        finally:
-            remove_snapshot(snapshot)
     except (OSError, RuntimeError) as e:
         return str(e)
     return None if probe.exit_code == 0 else probe.output.decode(errors="replace").strip()

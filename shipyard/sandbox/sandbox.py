@@ -206,13 +206,26 @@ def shipyard_source(h: Host) -> Path:
     files = sorted(p for p in package.rglob("*.py"))
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()[:16]
     dest = h.state_dir / "src" / digest
-    if not dest.exists():
-        tmp = dest.with_name(digest + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
+    if dest.exists():
+        return dest
+    # Processes (two test runs, a server and a CLI) and threads (a server's starters) may build it at once: each
+    # builds its own partial copy and publishes it with one rename; a loser finds the winner's in place and uses it.
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(dest.parent, dest.parent.stat().st_mode & 0o7777 | 0o555)  # a+rX: the sandbox uid traverses it
+    for stale in dest.parent.glob("*.partial-*"):  # left by a killed build: its pid is gone
+        pid = stale.name.split(".partial-", 1)[1].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = dest.with_name(f"{digest}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
         shutil.copytree(package, tmp / "shipyard", ignore=shutil.ignore_patterns("__pycache__"))
         compileall.compile_dir(tmp / "shipyard", quiet=1, ddir=f"{SOURCE_MOUNT}/shipyard")
-        subprocess.run(["chmod", "-R", "a+rX", str(tmp), str(tmp.parent)], check=True)
-        tmp.replace(dest)
+        subprocess.run(["chmod", "-R", "a+rX", str(tmp)], check=True)
+        os.rename(tmp, dest)  # fails once another build is in place (a non-empty directory)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not dest.is_dir():  # only a rename publishes it, so one that exists is complete
+            raise
     return dest
 
 

