@@ -18,6 +18,10 @@ engine for `update_s`; a trainer step takes `train_s`.
   engines and each engine runs its share as one static batch until its longest completion ends (rows that finished
   early still occupy the batch); then tools; the next turn waits for the slowest tool. After the batch, a trainer
   step, then the weight update.
+- **sync-continuous** (max_staleness 0, the batch's G·N rollouts in flight): the synchronous algorithm on the async
+  mode's machinery — continuous-batching engines, least-loaded sticky routing — but no generation while the trainer
+  trains and the batch waits for its slowest rollout. The stronger synchronous baseline (what a synchronous
+  framework on a continuous-batching server does); `ratio_vs_sync_continuous` is measured against it.
 - **async** (max_staleness ≥ 1, up to `--workers` rollouts in flight): continuous-batching engines admit new
   sequences as others finish, new rollouts go to the least-loaded engine and stay there (their KV cache), and
   generation continues while the trainer trains.
@@ -58,6 +62,7 @@ from shipyard.rollout.scheduler import Scheduler, SchedulerConfig
 from shipyard.tasks.curriculum import Curriculum, Difficulty
 
 TASK = "straggler"
+MODES = ("sync", "sync-continuous", "async")
 MAX_STEPS = 400
 
 
@@ -224,7 +229,7 @@ class LockstepEngines:
 class SimTransport:
     """Runs simulated episodes: per turn, generation on an engine, then the tool time in a 'sandbox' (a sleep)."""
 
-    mode: str  # "sync" | "async"
+    mode: str  # "sync" | "sync-continuous" | "async"
     cost: Cost
     engines: int
     workers: int
@@ -236,14 +241,15 @@ class SimTransport:
     sandbox_busy_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.mode == "sync":
+        self.lockstep_mode = self.mode == "sync"
+        if self.lockstep_mode:
             self.lockstep = LockstepEngines(self.engines, self.cost, self.cohort)
         else:
             self.pool = [ContinuousEngine(f"engine{i}", self.cost, self.oldest_first) for i in range(self.engines)]
         self._sticky: dict[str, ContinuousEngine] = {}
 
     def _route(self, session: str) -> Callable:
-        if self.mode == "sync":
+        if self.lockstep_mode:
             return self.lockstep.generate
         engine = self._sticky.get(session)
         if engine is None:
@@ -267,13 +273,13 @@ class SimTransport:
                 self.sandbox_busy_s += time.perf_counter() - t0
         finally:
             self._sticky.pop(spec.rollout_id, None)
-            if self.mode == "sync":
+            if self.lockstep_mode:
                 self.lockstep.episode_done()
         return Rollout(spec.task_id, spec.group_id, spec.index, spec.seed, "graded", prof.reward, trajectory=traj,
                        stop_reason="finished", engine="sim")
 
     async def update_weights(self, version: int, tensors) -> None:
-        if self.mode == "sync":
+        if self.lockstep_mode:
             await self.lockstep.update_weights(version)
         else:
             await asyncio.gather(*(e.update_weights(version) for e in self.pool))
@@ -282,10 +288,10 @@ class SimTransport:
         return self.workers
 
     def usage(self) -> list[Usage]:
-        return self.lockstep.usage if self.mode == "sync" else [e.usage for e in self.pool]
+        return self.lockstep.usage if self.lockstep_mode else [e.usage for e in self.pool]
 
     async def close(self) -> None:
-        if self.mode == "async":
+        if not self.lockstep_mode:
             await asyncio.gather(*(e.close() for e in self.pool))
 
 
@@ -314,11 +320,12 @@ class Result:
 
 async def run_mode(mode: str, args, cost: Cost) -> Result:
     batch = args.groups * args.group_size
-    workers = batch if mode == "sync" else args.workers
+    synchronous = mode.startswith("sync")
+    workers = batch if synchronous else args.workers
     transport = SimTransport(mode, cost, args.engines, workers, args.scale, args.max_steps, cohort=batch,
                              oldest_first=args.oldest_first)
     config = SchedulerConfig(group_size=args.group_size, groups_per_step=args.groups, run_seed=args.seed,
-                             max_staleness=0 if mode == "sync" else args.max_staleness, max_in_flight=workers)
+                             max_staleness=0 if synchronous else args.max_staleness, max_in_flight=workers)
     sched = Scheduler(config, transport, Path("/sim"), Curriculum({TASK: Difficulty(1, 1, 1, 1)}))
     marks, batches = [], []
     t0 = time.perf_counter()
@@ -363,7 +370,7 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=MAX_STEPS, help="longest generation of a turn, in steps")
     ap.add_argument("--scale", type=float, default=0.2, help="time scale: a, b, update, train and tool times are "
                     "multiplied by it (the ratio and bound fraction do not depend on it, down to sleep resolution)")
-    ap.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--oldest-first", action="store_true", help="async engines admit the oldest group's requests "
                     "first (a priority queue) instead of in arrival order")
@@ -398,7 +405,7 @@ def main() -> None:
     table("work-conserving bound (accepted work / capacity)",
           ["mode", "window", "engines s", "sandboxes s", "longest s", "bound s", "measured s", "fraction"],
           bound_rows)
-    if len(results) < 2:
+    if not {"sync", "async"} <= set(results):
         return
     a = results["async"]
 
@@ -406,7 +413,10 @@ def main() -> None:
         (s_rate, s_frac), (a_rate, a_frac) = figures[("sync", steady)], figures[("async", steady)]
         return {"sync_rollouts_per_s": round(s_rate, 3), "async_rollouts_per_s": round(a_rate, 3),
                 "ratio": round(a_rate / s_rate, 3), "bound_fraction": round(a_frac, 3),
-                "sync_bound_fraction": round(s_frac, 3)}
+                "sync_bound_fraction": round(s_frac, 3),
+                **({"sync_continuous_rollouts_per_s": round(figures[("sync-continuous", steady)][0], 3),
+                    "ratio_vs_sync_continuous": round(a_rate / figures[("sync-continuous", steady)][0], 3)}
+                   if "sync-continuous" in results else {})}
 
     finish("rollout", {
         **summary(steady=True), "window": "steady state: from the first batch to the last",
