@@ -10,7 +10,7 @@ import json
 import runpy
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import typer
@@ -35,11 +35,12 @@ class UserError(Exception):
 def user_errors():
     from shipyard.httpguard import TokenError
     from shipyard.models.errors import ModelNotFound, ReplayExhausted, ServerUnreachable
+    from shipyard.rollout.setup import SandboxesUnavailable
 
     try:
         yield
     except (UserError, ModelNotFound, ServerUnreachable, ReplayExhausted, TokenError, FileNotFoundError,
-            ValueError) as e:
+            ValueError, SandboxesUnavailable) as e:
         console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
         raise typer.Exit(2) from None
 
@@ -291,17 +292,15 @@ def env_server(
     import uvicorn
 
     from shipyard.httpguard import new_token, store_token, token_from_env
+    from shipyard.rollout.setup import check_sandboxes
     from shipyard.sandbox.client import TOKEN_ENV
     from shipyard.sandbox.client import token_file as default_token_file
     from shipyard.sandbox.host import host
-    from shipyard.sandbox.run import sandbox_problem
     from shipyard.sandbox.server import ServerConfig, create_app
     from shipyard.sandbox.snapshot import CopyBounds
 
     with user_errors():
-        problem = sandbox_problem()
-        if problem:
-            raise UserError(f"this host cannot start bubblewrap sandboxes: {problem}")
+        check_sandboxes()  # SandboxesUnavailable: one line, exit 2
         for note in host().notes:
             console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
         given = token_from_env(TOKEN_ENV)
@@ -382,16 +381,13 @@ def grade(
     """Grade a patch in a fresh sandbox; print the verdict as JSON (exit 0 reward 1, 1 reward 0 — failed, rejected,
     tampered with, crashed or timed out —, 3 infra error: reward null, the control run failed too)."""
     from shipyard.tasks.grade import grade as grade_patch
-    from shipyard.tasks.taskset import TaskFormatError, load_task
+    from shipyard.tasks.taskset import load_task
 
-    with user_errors():
+    with user_errors():  # a malformed task set or task is a TaskFormatError, a ValueError: one line, exit 2
         if not patch.is_file():
             raise UserError(f"--patch {patch} is not a file")
-        try:
-            loaded, task_dir = load_task(tasks, task)
-            verdict = grade_patch(loaded, task_dir, patch.read_text(errors="replace"), timeout=timeout)
-        except TaskFormatError as e:
-            raise UserError(str(e)) from None
+        loaded, task_dir = load_task(tasks, task)
+        verdict = grade_patch(loaded, task_dir, patch.read_text(errors="replace"), timeout=timeout)
     out.print_json(json.dumps(verdict.to_json()))
     raise typer.Exit(0 if verdict.reward == 1.0 else 3 if verdict.reward is None else 1)
 
@@ -433,27 +429,31 @@ def eval_(
     """Evaluate a model on held-out tasks without training: pass@1, unbiased pass@k, effort, infra failures and
     monitor flags per task and overall (a markdown table on stdout; JSON with --out). Exit 0 when the eval ran
     (pass@1 0 included), 1 when no rollout could be scored (infrastructure), 2 for a usage error."""
-    from shipyard.rollout.eval import EvalConfig, EvalFailed, check_scored, compare, compare_markdown, load_results
-    from shipyard.rollout.eval import markdown as results_markdown
+    from shipyard.rollout import eval as evaluation
+    from shipyard.rollout.setup import select_tasks
 
     with user_errors():
         if compare_files is not None:
             if model is not None or tasks is not None:
                 raise UserError("--compare reads two result files and runs no eval: leave out --model and --tasks")
-            doc = compare(*(load_results(p) for p in compare_files))
-            table = compare_markdown(doc)
+            doc = evaluation.compare(*(evaluation.load_results(p) for p in compare_files))
+            table = evaluation.compare_markdown(doc)
         else:
             if tasks is None or model is None:
                 raise UserError("eval needs --tasks DIR and --model M (or --compare A.json B.json)")
-            config = EvalConfig(samples=samples, ks=k or None, seed=seed, concurrency=concurrency,
-                                max_infra_retries=retries, rollout_time_budget=rollout_timeout)
-            doc = _run_eval(tasks, model, task, config, max_turns=max_turns, max_new_tokens=max_new_tokens,
-                            temperature=temperature, grade_timeout=grade_timeout, env_server=env_server, device=device,
-                            tokenizer=tokenizer, untagged=untagged, rollouts_path=rollouts_path)
-            table = results_markdown(doc)
+            config = evaluation.EvalConfig(samples=samples, ks=k or None, seed=seed, concurrency=concurrency,
+                                           max_infra_retries=retries, rollout_time_budget=rollout_timeout)
+            if not tasks.is_dir():
+                raise UserError(f"--tasks {tasks} is not a directory")
+            task_ids = select_tasks(tasks, task)
+            from shipyard.rollout.episode import episode_config  # imports torch: after the checks above
+
+            episode = episode_config(model, max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature,
+                                     grade_timeout=grade_timeout, untagged_calls=untagged_setting(model, untagged))
+            doc = _run_eval(tasks, task_ids, model, config, episode, env_server, device, tokenizer, rollouts_path)
+            table = evaluation.markdown(doc)
         if out_path is not None:
-            out_path.parent.mkdir(parents=True, exist_ok=True)
-            out_path.write_text(json.dumps(doc, indent=1) + "\n")
+            evaluation.save_results(doc, out_path)
         if markdown_path is not None:
             markdown_path.parent.mkdir(parents=True, exist_ok=True)
             markdown_path.write_text(table)
@@ -463,79 +463,44 @@ def eval_(
         console.print(f"[dim]results written to {out_path}[/]")
     if compare_files is None:
         try:
-            check_scored(doc)
-        except EvalFailed as e:
+            evaluation.check_scored(doc)
+        except evaluation.EvalFailed as e:
             console.print(f"[bold red]eval failed:[/] {e}", soft_wrap=True)
             raise typer.Exit(1) from None
 
 
-def _run_eval(tasks: Path, model: str, only: list[str] | None, config, *, max_turns: int, max_new_tokens: int,
-              temperature: float, grade_timeout: float, env_server: str | None, device: str, tokenizer: str | None,
-              untagged: str | None, rollouts_path: Path | None) -> dict:
-    from shipyard.tasks.taskset import list_tasks, load_task
-
-    if not tasks.is_dir():
-        raise UserError(f"--tasks {tasks} is not a directory")
-    task_ids = list(dict.fromkeys(only)) if only else list_tasks(tasks)
-    for task_id in task_ids:
-        load_task(tasks, task_id)  # an unknown or malformed task is one line now, not a failure mid-run
-    if not task_ids:
-        raise UserError(f"{tasks} holds no tasks")
+def _run_eval(tasks: Path, task_ids: list[str], model: str, config, episode, env_server: str | None, device: str,
+              tokenizer: str | None, rollouts_path: Path | None) -> dict:
+    """Open the engine and the environment, run the eval with a progress bar, close both (`shipyard.rollout.setup`)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from shipyard.models.replay import ReplayEngine
-    from shipyard.rollout.episode import episode_config
     from shipyard.rollout.eval import passed, run_eval
-    from shipyard.rollout.record import append_jsonl
-    episode = episode_config(model, max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature,
-                             grade_timeout=grade_timeout, untagged_calls=untagged_setting(model, untagged))
+    from shipyard.rollout.setup import SandboxesUnavailable, fit_turn_budget, open_engine, open_environment
+
     with console.status(f"loading model {model}"):
-        if model == "replay:gold":
-            from shipyard.models.resolve import load_tokenizer
-            from shipyard.rollout.gold import gold_engine
-
-            engine = gold_engine(tasks, task_ids, load_tokenizer(tokenizer) if tokenizer else None)
-        else:
-            from shipyard.models.resolve import make_engine
-
-            engine = make_engine(model, device=device, tokenizer=tokenizer, status=_status)
-    if isinstance(engine, ReplayEngine) and engine.longest() + 1 > episode.loop.max_new_tokens:
-        episode.loop.max_new_tokens = engine.longest() + 1  # a replayed turn is replayed whole
-        _status(f"a turn's token budget is raised to {episode.loop.max_new_tokens}, the longest recorded message")
-    if env_server is None:
-        from shipyard.rollout.environment import LocalEnvironment
-        from shipyard.sandbox.run import sandbox_problem
-
-        problem = sandbox_problem()
-        if problem:
-            raise UserError(f"this host cannot start bubblewrap sandboxes: {problem}; use --env-server URL")
-        env = LocalEnvironment()
-    else:
-        from shipyard.rollout.remote import RemoteEnvironment
-        from shipyard.sandbox.client import EnvClient
-
-        env = RemoteEnvironment(EnvClient(env_server))
-    total = len(task_ids) * config.samples
-    counts = {"passed": 0, "infra": 0}
-    try:
-        with Progress(TextColumn("[bold]eval[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("{task.fields[passed]} passed · {task.fields[infra]} masked"), TimeElapsedColumn(),
-                      console=console) as bar:
-            job = bar.add_task(model, total=total, passed=0, infra=0)
+        engine = open_engine(model, tasks_dir=tasks, task_ids=task_ids, device=device, tokenizer=tokenizer,
+                             status=_status)
+    with closing(engine):
+        if fit_turn_budget(engine, episode.loop) is not None:
+            _status(f"a turn's token budget is raised to {episode.loop.max_new_tokens}, the longest recorded message")
+        try:
+            env = open_environment(env_server)
+        except SandboxesUnavailable as e:
+            raise UserError(f"{e}; use --env-server URL") from None
+        with closing(env), Progress(TextColumn("[bold]eval[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                                    TextColumn("{task.fields[passed]} passed · {task.fields[infra]} masked"),
+                                    TimeElapsedColumn(), console=console) as bar:
+            counts = {"passed": 0, "infra": 0}
+            job = bar.add_task(model, total=len(task_ids) * config.samples, **counts)
 
             def progress(rollout) -> None:
                 counts["passed"] += passed(rollout)
                 counts["infra"] += rollout.masked
                 bar.update(job, advance=1, **counts)
-                if rollouts_path is not None:
-                    append_jsonl(rollouts_path, [rollout.to_json()])
 
             return run_eval(engine, env, tasks, task_ids, episode, config, progress=progress,
-                            describe={"model": model, "tasks_dir": str(tasks.resolve()), "engine": engine.name,
-                                      "environment": env.name})
-    finally:
-        env.close()
-        engine.close()
+                            rollouts_path=rollouts_path, describe={"model": model, "tasks_dir": str(tasks.resolve()),
+                                                                   "engine": engine.name, "environment": env.name})
 
 
 @app.command()

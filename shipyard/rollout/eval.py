@@ -280,6 +280,14 @@ def load_results(path: str | Path) -> dict[str, Any]:
     return doc
 
 
+def save_results(doc: Mapping[str, Any], path: str | Path) -> Path:
+    """Write a results (or comparison) document as the JSON file `load_results` reads; its folder is made."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
 def _metrics(s: Mapping[str, Any], ks: list[int]) -> dict[str, float | None]:
     values: dict[str, float | None] = {f"pass@{k}": s["pass_at"].get(str(k)) for k in ks}
     values.update({k: s["mean"].get(k) for k in EFFORT})
@@ -371,15 +379,24 @@ class EvalConfig:
 
 
 def run_eval(engine, env, tasks_dir: Path, task_ids: list[str], episode, config: EvalConfig, *,
-             progress: Progress | None = None, describe: Mapping[str, Any] | None = None) -> dict[str, Any]:
+             progress: Progress | None = None, describe: Mapping[str, Any] | None = None,
+             rollouts_path: Path | None = None) -> dict[str, Any]:
     """Run `config.samples` rollouts of each task through the shared scheduler (`Scheduler.evaluate` over an
     `InProcessTransport` of `engine` and `env`, episodes configured by `episode`, an `EpisodeConfig`) and return the
     results document (`results`). The caller owns `engine` and `env` (and closes them). `describe` is added to the
-    document's `config` (the model's name, the task set, …)."""
+    document's `config` (the model's name, the task set, …). `progress` hears each rollout as it ends; with
+    `rollouts_path`, each is also appended there as one JSON line, trajectory included (`Rollout.to_json`)."""
     import asyncio
 
+    from shipyard.rollout.record import append_jsonl
     from shipyard.rollout.scheduler import Scheduler, SchedulerConfig
     from shipyard.rollout.transport import InProcessTransport
+
+    def ended(rollout: Rollout) -> None:
+        if rollouts_path is not None:
+            append_jsonl(rollouts_path, [rollout.to_json()])
+        if progress is not None:
+            progress(rollout)
 
     transport = InProcessTransport(engine, env, episode, workers=config.concurrency)
     scheduler = Scheduler(SchedulerConfig(group_size=config.samples, run_seed=config.seed, dynamic_sampling=False,
@@ -389,7 +406,7 @@ def run_eval(engine, env, tasks_dir: Path, task_ids: list[str], episode, config:
 
     async def evaluate() -> dict[str, list[Rollout]]:
         try:
-            return await scheduler.evaluate(task_ids, config.samples, progress)
+            return await scheduler.evaluate(task_ids, config.samples, ended)
         finally:
             await scheduler.close()
 
