@@ -206,15 +206,29 @@ class Agent:
             except InfraError as e:
                 if traj.stop_reason != "infra_error":
                     _infra_error(traj, "close", e)
-        try:
-            traj.patch = self.workspace.diff()
-        except InfraError as e:  # after an infra error too: a dead engine leaves a workspace worth a look
-            if traj.stop_reason != "infra_error":
-                _infra_error(traj, "diff", e)
+            except (OSError, RuntimeError) as e:  # a job already gone with a session the model killed: not a bug
+                traj.meta["close_error"] = f"{type(e).__name__}: {e}"[:1000]
+        traj.patch = self._diff(traj)
         traj.seconds = time.monotonic() - start
         if out is not None:
             traj.save(out)
         return traj
+
+    def _diff(self, traj: Trajectory) -> str | None:
+        """The workspace's patch. An `OSError` is the model's doing (its code killed or stopped the sandbox's session
+        during the diff; the session was restarted over the same files), so the diff is taken once more, then the
+        patch is empty (graded, typically 0: never a masked reward the model could choose). None after an
+        `InfraError` (after an infra error too: a dead engine leaves a workspace worth a look)."""
+        for attempt in range(2):
+            try:
+                return self.workspace.diff()
+            except InfraError as e:
+                if traj.stop_reason != "infra_error":
+                    _infra_error(traj, "diff", e)
+                return None
+            except OSError as e:
+                traj.meta["diff_error"] = f"attempt {attempt + 1}: {type(e).__name__}: {e}"[:1000]
+        return ""
 
     def _turns(self, traj: Trajectory, executor: ToolExecutor, start: float, out: str | None) -> None:
         cfg = self.config
@@ -236,8 +250,12 @@ class Agent:
                 stop_token_ids=self.format.stop_token_ids,
                 seed=None if cfg.seed is None else cfg.seed + len(traj.turns))
             t0 = time.perf_counter()
+
+            def stop_generating() -> bool:  # between decode steps: the episode's budget, or a cancellation
+                return time.monotonic() - start > cfg.wall_time or (self.cancelled is not None and self.cancelled())
+
             try:
-                completion = self.engine.generate([GenerationRequest(context, sampling, self.cancelled,
+                completion = self.engine.generate([GenerationRequest(context, sampling, stop_generating,
                                                                      self.session)])[0]
             except InfraError as e:
                 _infra_error(traj, "generate", e)
@@ -260,9 +278,11 @@ class Agent:
             failed_streak = failed_streak + 1 if records and turn.failed_calls == len(records) else 0
             if traj.stop_reason is not None:
                 pass
-            elif aborted:  # the engine stopped it between decode steps: only `cancelled` asks for that
+            elif aborted:  # the engine stopped it between decode steps: the wall-time budget or `cancelled`
                 if self.cancelled is not None and self.cancelled():
                     traj.stop_reason = "cancelled"
+                elif time.monotonic() - start > cfg.wall_time:
+                    traj.stop_reason = "wall_time"  # the model's time ran out mid-turn: scored, not masked
                 else:
                     _infra_error(traj, "generate", InfraError(f"{self.engine.name} aborted the completion"))
             elif parsed.is_final:

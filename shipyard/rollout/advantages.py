@@ -111,5 +111,9 @@ def shaped_reward(rollout: Rollout, terms: Sequence[ShapingTerm]) -> float | Non
     if rollout.reward is None:
         return None
     for term in terms:
-        rollout.shaping[term.name] = float(term(rollout))
+        value = float(term(rollout))
+        if not math.isfinite(value):  # one NaN would make its whole group's advantages NaN
+            raise ValueError(f"shaping term {term.name!r} returned {value} for rollout {rollout.group_id}/"
+                             f"{rollout.index}: a shaping term must return a finite number")
+        rollout.shaping[term.name] = value
     return rollout.reward + sum(rollout.shaping.values())

@@ -101,8 +101,10 @@ def run_episode(spec: EpisodeSpec, engine: Engine, env: Environment, config: Epi
     try:
         with env.workspace(spec) as workspace:
             agent_start = time.monotonic()
-            agent = Agent(engine, workspace, replace(config.loop, seed=spec.seed), session=spec.rollout_id,
-                          cancelled=cancelled)
+            loop = replace(config.loop, seed=spec.seed)
+            if spec.wall_time is not None:
+                loop.wall_time = min(loop.wall_time, spec.wall_time)
+            agent = Agent(engine, workspace, loop, session=spec.rollout_id, cancelled=cancelled)
             traj = agent.run(task.statement)
             agent_seconds = time.monotonic() - agent_start
     except InfraError as e:

@@ -42,6 +42,10 @@ class EpisodeSpec:
     index: int
     seed: int
     attempt: int = 0
+    # The agent's wall-clock budget for this attempt (seconds; None: the loop config's `wall_time`). Running out is
+    # the model's doing: the episode stops with `wall_time` — mid-generation too — and its patch is graded. Only
+    # cancellation the model cannot cause (a doomed group, shutdown) masks a rollout.
+    wall_time: float | None = None
 
     @property
     def rollout_id(self) -> str:

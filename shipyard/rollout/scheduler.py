@@ -14,8 +14,10 @@ group draw distinct ones, and a group that replaces a dropped one draws new ones
 `max_infra_retries` times, then kept masked (reward None: no advantage, mask 0); each failure is counted by cause
 (the part of `infra_cause` before the first colon). A worker that dies (`WorkerLost`) returned nothing: its spec
 goes back in the queue unchanged, counted, up to `max_requeues` times (then masked, cause `worker_lost`), so no
-rollout is ever lost. Time budgets (per rollout attempt, per group from its first start) make `cancelled()` true;
-the episode stops at its next check and returns status `cancelled` (masked).
+rollout is ever lost. Time budgets (per rollout attempt, per group from its first start) are the model's: a running
+episode gets what is left as its wall time (`EpisodeSpec.wall_time`) and, when it runs out — between decode steps
+too — stops with `wall_time` and is graded, so a slow policy cannot turn its failures into masked rollouts. Only
+what the model cannot cause masks: a rollout whose group's budget ran out before it started, a doomed group, shutdown.
 
 **Advantages** (`advantages.py`): shaping terms are added to each rewarded rollout, then group-relative
 advantages (mean or leave-one-out baseline, optional std normalisation). With `dynamic_sampling`, a group without
@@ -119,6 +121,9 @@ class Scheduler:
         """The next G accepted groups (oldest policy first among those complete), within the staleness bound."""
         if self._closing:
             raise RuntimeError("the scheduler is closed")
+        if self.config.group_size < 2:  # no baseline: every advantage would be 0 (evaluate may run single samples)
+            raise ValueError(f"training needs group_size >= 2 (got {self.config.group_size}): group-relative "
+                             "advantages compare the rollouts of a group, and one rollout has nothing to compare with")
         if self._producer is None:
             self._producer = asyncio.create_task(self._produce())
         chosen: list[RolloutGroup] = []
@@ -266,13 +271,18 @@ class Scheduler:
                                          self._deadline(now, self.config.rollout_time_budget)) if d is not None]
                 deadline = min(deadlines, default=None)
                 if self._closing or flight.doomed or (deadline is not None and now >= deadline):
+                    # never started: masked, which the model cannot choose (its group's budget went to the others)
                     self.counters["cancelled"] += 1
                     self.counters["finished"] += 1
                     return Rollout(spec.task_id, spec.group_id, spec.index, spec.seed, "cancelled", None,
                                    attempt=spec.attempt, stop_reason="cancelled")
+                # A running episode's budget is the agent's wall time: it stops with `wall_time` and is graded, so
+                # a slow policy cannot turn its failures into masked rollouts. Cancellation (masked) is only what
+                # the model cannot cause: a doomed group, shutdown.
+                spec = replace(spec, wall_time=None if deadline is None else deadline - now)
 
-                def cancelled(deadline: float | None = deadline) -> bool:
-                    return self._closing or flight.doomed or (deadline is not None and time.monotonic() >= deadline)
+                def cancelled() -> bool:
+                    return self._closing or flight.doomed
 
                 self.counters["started"] += 1
                 self._in_flight += 1
@@ -288,6 +298,9 @@ class Scheduler:
                     rollout = self._infra_rollout(spec, f"{type(e).__name__}: {e}")
                 finally:
                     self._in_flight -= 1
+            if (rollout.task_id, rollout.group_id, rollout.index) != (spec.task_id, spec.group_id, spec.index):
+                raise RuntimeError(f"the transport answered {spec.group_id}/{spec.index} with the rollout of another "
+                                   f"spec ({rollout.group_id}/{rollout.index}): a transport bug")
             if rollout.status == "infra_error":
                 self.infra_causes[infra_kind(rollout.infra_cause)] += 1
                 if spec.attempt < self.config.max_infra_retries and not self._closing:

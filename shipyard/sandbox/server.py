@@ -17,7 +17,8 @@ API (JSON; every endpoint but `/health` needs `Authorization: Bearer TOKEN`):
   holds; over `MAX_DIFF_BYTES` it is refused (413) before the task is even opened.
 Errors are `{"error": {"type", "message"}}`: 400 (a malformed task: type `TaskFormatError`), 401, 403 (outside the
 allowed roots, or through a link), 404, 409 (name taken), 413, 422 (the reason: a body, name, limit or tree refused),
-429 (too many snapshots), 503 + `Retry-After` (over capacity, or shutting down).
+410 (a sandbox that could not restart: gone), 429 (too many snapshots), 503 + `Retry-After` (over capacity, or
+shutting down).
 
 Security model (docs/security.md). The server acts with its operator's privileges (often root) and any local user
 can reach its port, so a client must prove the token, and the token buys only what the operator allowed:
@@ -57,6 +58,7 @@ from shipyard.harness.diff import MAX_DIFF_BYTES
 from shipyard.harness.workspace import PathError
 from shipyard.sandbox.admission import EnvServer, Live, Overloaded
 from shipyard.sandbox.host import host
+from shipyard.sandbox.sandbox import SandboxFailed
 from shipyard.sandbox.server_config import (
     MAX_PATCH_B64,
     MAX_WAIT,
@@ -196,6 +198,8 @@ def create_app(config: ServerConfig) -> FastAPI:
                     result = await run(env.extra_calls, live.sandbox._call, req.method, req.wait, **req.params)
         except PathError as e:
             return {"error": {"type": "PathError", "message": str(e)}}
+        except SandboxFailed as e:  # it cannot restart: an EnvServerError at the client, not a tool error
+            raise HTTPException(410, f"sandbox {sandbox_id} is gone: {e}") from None
         except OSError as e:  # SessionRestarted included: the model hears about it like any OS error
             return {"error": {"type": "OSError", "errno": e.errno, "message": str(e)}}
         except (RuntimeError, ValueError, KeyError, TypeError) as e:

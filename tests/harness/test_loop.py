@@ -251,7 +251,14 @@ def test_cancelled_between_turns_and_passed_to_every_request(workspace):
     cancel = lambda: len(engine.requests) >= 2  # noqa: E731
     traj = Agent(engine, workspace, session="g/3", cancelled=cancel).run("look")
     assert traj.stop_reason == "cancelled" and len(traj.turns) == 2
-    assert all(r.cancelled is cancel and r.session == "g/3" for r in engine.requests)
+    assert all(r.session == "g/3" for r in engine.requests)
+    flags = {"set": False}
+    cancel = lambda: flags["set"]  # noqa: E731
+    engine = Scripted([call("list_dir", path="."), "done"])
+    Agent(engine, workspace, cancelled=cancel).run("look")
+    assert engine.requests[0].cancelled() is False
+    flags["set"] = True  # the request's callback is the episode's cancellation (or its wall time)
+    assert engine.requests[0].cancelled() is True
 
 
 def test_generation_aborted_by_cancel_keeps_the_partial_turn_and_runs_none_of_it(workspace):
@@ -269,6 +276,23 @@ def test_generation_aborted_by_cancel_keeps_the_partial_turn_and_runs_none_of_it
     traj = Agent(engine, workspace, cancelled=lambda: flag["set"]).run("look")
     assert traj.stop_reason == "cancelled" and len(traj.turns) == 2
     assert traj.turns[1].finish_reason == "abort" and traj.turns[1].calls == [] and "x.txt" not in traj.patch
+
+
+def test_wall_time_stops_a_generation_mid_turn_and_is_the_models_not_a_cancellation(workspace):
+    # An engine polls the request's callback between decode steps: past the wall time it aborts, and the episode
+    # ends with `wall_time` (scored), never `cancelled` (masked) — a slow policy cannot choose to be masked.
+    class Slow(Scripted):
+        def generate(self, requests):
+            out = super().generate(requests)
+            deadline = time.monotonic() + 5
+            while not requests[0].cancelled() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            out[0].finish_reason, out[0].token_ids = "abort", out[0].token_ids[:3]
+            return out
+
+    traj = Agent(Slow([call("list_dir", path="."), "done"]), workspace, LoopConfig(wall_time=0.3)).run("look")
+    assert traj.stop_reason == "wall_time" and len(traj.turns) == 1 and traj.turns[0].calls == []
+    assert traj.seconds < 4
 
 
 def test_turns_carry_per_token_versions(workspace):

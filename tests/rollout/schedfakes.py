@@ -9,6 +9,7 @@ between turns. Everything it did is logged (`runs`, `starts`) so tests can check
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,9 +53,12 @@ class ScriptedTransport:
             traj = Trajectory(task=spec.task_id, model="scripted", prompt_ids=[1, 2, 3])
             base = dict(task_id=spec.task_id, group_id=spec.group_id, index=spec.index, seed=spec.seed,
                         attempt=spec.attempt, trajectory=traj)
+            start = time.monotonic()
             for i in range(out.turns):
                 if cancelled():
                     return Rollout(**base, status="cancelled", reward=None, stop_reason="cancelled")
+                if spec.wall_time is not None and time.monotonic() - start > spec.wall_time:  # as the agent loop
+                    return Rollout(**base, status="graded", reward=0.0, stop_reason="wall_time")
                 version = self.version  # the version that starts sampling the turn (its oldest token's)
                 await asyncio.sleep(out.turn_seconds)
                 traj.turns.append(turn(i, version, out.tokens))

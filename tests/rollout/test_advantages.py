@@ -95,3 +95,23 @@ def test_shaped_reward_records_terms_and_keeps_the_grader_reward():
     assert r.reward == 1.0
     masked = rollout(None)
     assert shaped_reward(masked, [EffortPenalty()]) is None and masked.shaping == {}
+
+
+
+class _Constant:
+    name = "broken"
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, rollout):
+        return self.value
+
+
+def test_a_non_finite_shaping_term_is_refused_by_name():
+    """Review: a shaping term that returns NaN (or inf) made the whole group's advantages NaN, silently poisoning
+    the batch's loss (`no_signal` is False for NaN, so the group was even kept). It fails loudly, naming the term."""
+    for bad in (math.nan, math.inf, -math.inf):
+        r = Rollout("t", "g", 0, 1, "graded", 1.0, trajectory=Trajectory(task="x", model="m", prompt_ids=[]))
+        with pytest.raises(ValueError, match="broken"):
+            shaped_reward(r, [_Constant(bad)])

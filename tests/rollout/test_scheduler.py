@@ -138,16 +138,20 @@ def test_a_worker_that_always_dies_is_masked_after_the_requeue_bound():
     assert sched.stats()["requeued"] == 3 and sched.stats()["infra_by_cause"] == {"worker_lost": 1}
 
 
-def test_rollout_time_budget_cancels():
+def test_rollout_time_budget_is_the_agents_wall_time_and_is_scored_not_masked():
+    # A slow policy must not turn its failures into masked rollouts: the budget is the episode's wall time, and a
+    # rollout that runs out of it is graded (stop reason wall_time), as the agent loop does.
     def script(spec):
         slow = spec.index == 0
         return Outcome(reward=float(spec.index % 2), turns=50 if slow else 1, turn_seconds=0.02 if slow else 0.001)
 
-    sched, _ = scheduler(script, tasks=("a",), groups_per_step=1, rollout_time_budget=0.2, dynamic_sampling=False)
+    sched, transport = scheduler(script, tasks=("a",), groups_per_step=1, rollout_time_budget=0.2,
+                                 dynamic_sampling=False)
     [batch] = run(batches(sched, 1))
     slow = batch.groups[0].rollouts[0]
-    assert slow.status == "cancelled" and slow.masked and 0 < len(slow.trajectory.turns) < 50
-    assert batch.masks == [0, 1, 1, 1] and sched.stats()["cancelled"] == 1
+    assert (slow.status, slow.reward, slow.stop_reason) == ("graded", 0.0, "wall_time") and not slow.masked
+    assert 0 < len(slow.trajectory.turns) < 50 and all(0 < s.wall_time <= 0.2 + 1e-9 for s in transport.runs)
+    assert batch.masks == [1, 1, 1, 1] and sched.stats()["cancelled"] == 0
 
 
 def test_group_time_budget_cancels_rollouts_that_have_not_started():
@@ -156,9 +160,10 @@ def test_group_time_budget_cancels_rollouts_that_have_not_started():
                                  tasks=("a",), capacity=1, groups_per_step=1, group_time_budget=0.25,
                                  dynamic_sampling=False)
     [batch] = run(batches(sched, 1))
-    statuses = [r.status for r in batch.groups[0].rollouts]
-    assert statuses[0] == "graded" and statuses[1] == "cancelled" and statuses[2:] == ["cancelled", "cancelled"]
-    assert len(transport.runs) == 2  # the last two never started
+    outcomes = [(r.status, r.stop_reason) for r in batch.groups[0].rollouts]
+    # the second started with what was left of the group's budget as its wall time: scored when it ran out
+    assert outcomes[:2] == [("graded", "finished"), ("graded", "wall_time")]
+    assert outcomes[2:] == [("cancelled", "cancelled")] * 2 and len(transport.runs) == 2  # the last two never started
 
 
 # Seeds, groups, dynamic sampling ---------------------------------------------------------------------------------
@@ -327,3 +332,44 @@ def test_rollout_benchmark_runs_both_modes_and_ends_with_its_figures():
     assert figures["sync_rollouts_per_s"] > 0 and figures["async_rollouts_per_s"] > 0
     assert 0 < figures["bound_fraction"] <= 1.0 and figures["ratio"] > 0
     assert figures["staleness"]["max_observed_staleness"] <= figures["staleness"]["max_staleness"]
+
+
+def test_training_with_groups_of_one_is_refused_before_any_rollout_runs():
+    """Review: with group_size 1 no group has a baseline, so every advantage is 0 and (with dynamic sampling) every
+    group was dropped and refilled `max_refills` times per batch — rollouts spent for a batch that teaches nothing.
+    Evaluation (`evaluate`) may still run single samples."""
+    sched, _ = scheduler(mixed, group_size=1)
+
+    async def go():
+        try:
+            with pytest.raises(ValueError, match="group_size"):
+                await sched.next_batch()
+            assert sched.counters["started"] == 0
+            assert len((await sched.evaluate(["a"], samples=1))["a"]) == 1
+        finally:
+            await sched.close()
+
+    run(go())
+
+
+def test_a_rollout_returned_for_another_spec_is_a_transport_bug_not_a_group_member():
+    """Review: a transport (a Ray worker mixing up its results, say) that answers one spec with another's rollout
+    had that rollout silently counted in the wrong group's advantages. It reaches the caller as a bug."""
+    sched, transport = scheduler(mixed)
+    honest = transport.run
+
+    async def mixed_up(spec, cancelled):
+        rollout = await honest(spec, cancelled)
+        rollout.index = spec.index + 1
+        return rollout
+
+    transport.run = mixed_up
+
+    async def go():
+        try:
+            with pytest.raises(RuntimeError, match="another spec"):
+                await sched.next_batch()
+        finally:
+            await sched.close()
+
+    run(go())
