@@ -224,13 +224,40 @@ def _open_root(source: Path, within: Sequence[Path]) -> tuple[int, str]:
     if not within:
         fd = os.open(source, DIR_FLAGS)
         return fd, os.readlink(f"/proc/self/fd/{fd}")
-    path = os.path.normpath(source)  # `..` taken lexically: the walk below never lets the kernel follow anything
-    for root in map(str, within):
+    try:
+        return open_beneath(os.fspath(source), within), os.path.normpath(source)
+    except Beneath as e:
+        if e.kind == "outside":
+            raise PermissionError(f"{source} is outside the allowed roots ({', '.join(map(str, within))})") from None
+        if e.kind == "link":
+            raise PermissionError(f"{source} goes through a symbolic link ({e.where} -> {e.target}); snapshot "
+                                  "sources are not followed through links: give the directory's real path") from None
+        if e.kind == "missing":
+            raise FileNotFoundError(f"{source} is not a directory ({e.where}: {e.strerror})") from None
+        raise OSError(e.errno, e.strerror, e.where) from None
+
+
+class Beneath(OSError):
+    """`open_beneath` refused a path: `kind` is outside (no allowed root holds it), link (a component is a symbolic
+    link; `target` is where it points), missing (a component is absent or not a directory) or unopenable."""
+
+    def __init__(self, kind: str, where: str, err: OSError | None = None, target: str = ""):
+        super().__init__(err.errno if err else errno.EACCES, err.strerror if err else "outside the allowed roots")
+        self.kind, self.where, self.target = kind, where, target
+
+
+def open_beneath(path: str, roots: Sequence[Path]) -> int:
+    """The directory `path` names (`..` taken lexically), opened by walking from the allowed root that holds it one
+    component at a time, never following a link: the path is judged by what is opened, not by what a resolution
+    before or after says. `Beneath` says why not; callers word it for their users (the snapshot API, the env
+    server's task endpoints)."""
+    path = os.path.normpath(path)
+    for root in map(str, roots):
         if path == root or path.startswith(root.rstrip("/") + "/"):
             rest = [part for part in path[len(root):].split("/") if part]
             break
     else:
-        raise PermissionError(f"{source} is outside the allowed roots ({', '.join(map(str, within))})")
+        raise Beneath("outside", path)
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for i, part in enumerate(rest):
@@ -239,19 +266,15 @@ def _open_root(source: Path, within: Sequence[Path]) -> tuple[int, str]:
             except OSError as e:
                 where = os.path.join(root, *rest[: i + 1])
                 if e.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(os.lstat(part, dir_fd=fd).st_mode):
-                    target = os.readlink(part, dir_fd=fd)
-                    raise PermissionError(f"{source} goes through a symbolic link ({where} -> {target}); snapshot "
-                                          "sources are not followed through links: give the directory's real path"
-                                          ) from None
-                if e.errno in (errno.ENOENT, errno.ENOTDIR):
-                    raise FileNotFoundError(f"{source} is not a directory ({where}: {e.strerror})") from None
-                raise
+                    raise Beneath("link", where, e, os.readlink(part, dir_fd=fd)) from None
+                raise Beneath("missing" if e.errno in (errno.ENOENT, errno.ENOTDIR) else "unopenable", where, e) \
+                    from None
             os.close(fd)
             fd = nxt
     except BaseException:
         os.close(fd)
         raise
-    return fd, path
+    return fd
 
 
 def _remove_at(dir_fd: int, name: str) -> None:

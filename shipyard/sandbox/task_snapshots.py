@@ -30,7 +30,6 @@ and the grader tests). Both come from a path a client chose, so:
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import shutil
 import stat
@@ -45,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from shipyard.sandbox.host import Host
-from shipyard.sandbox.snapshot import DIR_FLAGS, CopyBounds, SnapshotRefused, make_snapshot, remove_snapshot
+from shipyard.sandbox.snapshot import Beneath, CopyBounds, SnapshotRefused, make_snapshot, open_beneath, remove_snapshot
 from shipyard.tasks.taskset import Task, TaskFormatError, load_task
 
 FINGERPRINTED = ("task.json", "gold.patch", "snapshot", "tests")
@@ -89,35 +88,20 @@ def _walk(raw: str, roots: Sequence[Path]) -> int:
         raise TaskRefused(422, f"the task path {raw!r} must be absolute (a task directory on the server's host)")
     if ".." in raw.split("/"):
         raise TaskRefused(422, f"the task path {raw!r} must not contain '..': give the task directory's real path")
-    path = os.path.normpath(raw)
-    for root in map(str, roots):
-        if path == root or path.startswith(root.rstrip("/") + "/"):
-            rest = [part for part in path[len(root):].split("/") if part]
-            break
-    else:
-        allowed = ", ".join(map(str, roots)) or "none"
-        raise TaskRefused(403, f"{raw} is outside the directories this server may read tasks from (allowed roots: "
-                               f"{allowed}); the operator allows more with `shipyard env-server --allow-root DIR`")
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        for i, part in enumerate(rest):
-            try:
-                nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
-            except OSError as e:
-                where = os.path.join(root, *rest[: i + 1])
-                if e.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(
-                        os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
-                    raise TaskRefused(403, f"{raw} goes through a symbolic link ({where}); task directories are not "
-                                           "followed through links: give the directory's real path") from None
-                if e.errno in (errno.ENOENT, errno.ENOTDIR):
-                    raise TaskRefused(404, f"{raw} is not a directory ({where}: {e.strerror})") from None
-                raise TaskRefused(403, f"{raw} cannot be opened ({where}: {e.strerror})") from None
-            os.close(fd)
-            fd = nxt
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        return open_beneath(raw, roots)
+    except Beneath as e:  # worded without the link's target: a client learns nothing of the host beyond its path
+        if e.kind == "outside":
+            allowed = ", ".join(map(str, roots)) or "none"
+            raise TaskRefused(403, f"{raw} is outside the directories this server may read tasks from (allowed "
+                                   f"roots: {allowed}); the operator allows more with `shipyard env-server "
+                                   "--allow-root DIR`") from None
+        if e.kind == "link":
+            raise TaskRefused(403, f"{raw} goes through a symbolic link ({e.where}); task directories are not "
+                                   "followed through links: give the directory's real path") from None
+        if e.kind == "missing":
+            raise TaskRefused(404, f"{raw} is not a directory ({e.where}: {e.strerror})") from None
+        raise TaskRefused(403, f"{raw} cannot be opened ({e.where}: {e.strerror})") from None
 
 
 def fingerprint(fd: int) -> tuple:
