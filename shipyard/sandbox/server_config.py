@@ -88,9 +88,12 @@ LimitsRequest = create_model("LimitsRequest", __config__=Strict,
                              **{f.name: (PositiveInt | None, None) for f in fields(Limits)})
 
 
+HostPath = Annotated[str, Field(min_length=1, max_length=4096)]  # a directory on the server's host
+
+
 class SnapshotRequest(BaseModel):
     model_config = Strict
-    path: str = Field(min_length=1, max_length=4096)
+    path: HostPath
     name: Name | None = None
 
 
@@ -112,18 +115,15 @@ class CallRequest(BaseModel):
     wait: float = Field(120.0, gt=0, le=MAX_WAIT, allow_inf_nan=False)
 
 
-TaskPath = Annotated[str, Field(min_length=1, max_length=4096)]
-
-
 class TaskSandboxRequest(BaseModel):
     model_config = Strict
-    task: TaskPath
+    task: HostPath
     limits: LimitsRequest | None = None
 
 
 class GradeRequest(BaseModel):
     model_config = Strict
-    task: TaskPath
+    task: HostPath
     patch_b64: str  # bounded by the body limit of /grade, then decoded and counted before anything else
     timeout: float = Field(900.0, gt=0, allow_inf_nan=False)
 

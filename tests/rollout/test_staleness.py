@@ -18,10 +18,10 @@ from shipyard.tasks.curriculum import Curriculum, Difficulty
 TASKS = Path("/nonexistent-tasks")
 
 
-def make(script, *, capacity=4, **config):
+def make(script, *, capacity=4, tasks=("a", "b", "c"), **config):
     transport = ScriptedTransport(script, capacity=capacity)
     cfg = SchedulerConfig(**{"group_size": 2, "groups_per_step": 2, **config})
-    cur = Curriculum({t: Difficulty(1, 1, 1, 1) for t in ("a", "b", "c")})
+    cur = Curriculum({t: Difficulty(1, 1, 1, 1) for t in tasks})
     return Scheduler(cfg, transport, TASKS, cur), transport
 
 
@@ -100,15 +100,19 @@ def test_async_generation_overlaps_training():
     assert sum(v == 0 for _, v in transport.starts) == 3 * 2 * 2
 
 
-def test_a_straggler_past_the_bound_is_dropped_and_counted():
+def straggler_scheduler(turns: int, turn_seconds: float) -> Scheduler:
+    """Groups of two with max_staleness 1, whose first group ("a@0") runs `turns` turns of `turn_seconds` while
+    every other group takes one quick turn."""
     def script(spec):
         if spec.group_id == "a@0":
-            return Outcome(reward=float(spec.index % 2), turns=1, turn_seconds=0.5)
+            return Outcome(reward=float(spec.index % 2), turns=turns, turn_seconds=turn_seconds)
         return Outcome(reward=float(spec.index % 2), turns=1, turn_seconds=0.002)
 
-    transport = ScriptedTransport(script, capacity=4)
-    cfg = SchedulerConfig(group_size=2, groups_per_step=1, max_staleness=1)
-    sched = Scheduler(cfg, transport, TASKS, Curriculum({"a": Difficulty(1, 1, 1, 1)}))
+    return make(script, tasks=("a",), groups_per_step=1, max_staleness=1)[0]
+
+
+def test_a_straggler_past_the_bound_is_dropped_and_counted():
+    sched = straggler_scheduler(turns=1, turn_seconds=0.5)
 
     async def go():
         taken = []
@@ -151,14 +155,7 @@ def test_engines_that_never_receive_the_weights_are_an_error_not_a_loop():
 
 
 def test_a_group_doomed_by_an_update_is_cancelled_early_and_dropped():
-    def script(spec):
-        if spec.group_id == "a@0":  # 50 turns of 20 ms: would outlive several updates
-            return Outcome(reward=float(spec.index % 2), turns=50, turn_seconds=0.02)
-        return Outcome(reward=float(spec.index % 2), turns=1, turn_seconds=0.002)
-
-    transport = ScriptedTransport(script, capacity=4)
-    cfg = SchedulerConfig(group_size=2, groups_per_step=1, max_staleness=1)
-    sched = Scheduler(cfg, transport, TASKS, Curriculum({"a": Difficulty(1, 1, 1, 1)}))
+    sched = straggler_scheduler(turns=50, turn_seconds=0.02)  # 50 turns of 20 ms: would outlive several updates
 
     async def go():
         taken = []
