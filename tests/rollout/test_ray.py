@@ -84,36 +84,52 @@ async def wait_until(predicate, timeout: float = 120.0) -> None:
 
 
 def test_tiny_model_rollouts_and_weight_updates_on_a_ray_it_starts(taskset):
-    """The tiny random model in an engine actor, new weights pushed through the object store, a rollout stopped by
-    its time budget, two rollouts graded in the worker's own sandboxes (no environment server: LocalEnvironment).
-    This test runs first, before the module's Ray: the transport starts one (num_cpus=2) and, having started it,
-    shuts it down on close."""
+    """The tiny random model in an engine actor, new weights pushed through the object store, a completion cancelled
+    across the process boundary, a rollout stopped by its time budget, two rollouts graded in the worker's own
+    sandboxes (no environment server: LocalEnvironment). This test runs first, before the module's Ray: the transport
+    starts one (num_cpus=2) and, having started it, shuts it down on close — also when an assertion fails, so that
+    the module's Ray can start after it."""
     import torch
 
+    from shipyard.models.engine import GenerationRequest, SamplingParams
     from shipyard.models.resolve import TINY, tiny_model
+    from shipyard.rollout.ray_actors import RayEngine
 
     tasks_dir = taskset[0]
     task = list_tasks(tasks_dir)[0]
     started = not ray.is_initialized()
     t = transport(TINY, tasks_dir, {"max_turns": 2, "max_new_tokens": 24}, num_cpus=2, engines=1, workers=1,
                   concurrency=2, env_servers=0, allowed_roots=())
-    assert t.started_ray == started and ray.is_initialized()
-    model, _ = tiny_model(seed=1)
-    asyncio.run(t.update_weights(1, {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}))
-    # A time budget crosses the process boundary (in the spec): the episode stops with wall_time and is scored.
-    budget = Scheduler(SchedulerConfig(rollout_time_budget=0.5, max_infra_retries=0), t, tasks_dir)
-    stopped = rollouts_of(evaluate(budget, [task], samples=1, close=False))
-    assert [(r.reward, r.stop_reason) for r in stopped] == [(0.0, "wall_time")], \
-        [(r.status, r.infra_cause, r.timings) for r in stopped]
-    assert stopped[0].trajectory is not None and stopped[0].timings["total"] < 60
+    try:
+        assert t.started_ray == started and ray.is_initialized()
+        model, _ = tiny_model(seed=1)
+        asyncio.run(t.update_weights(1, {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}))
 
-    rollouts = rollouts_of(evaluate(Scheduler(SchedulerConfig(), t, tasks_dir), [task], samples=2))
-    assert len(rollouts) == 2 and rollouts[0].seed != rollouts[1].seed
-    for r in rollouts:
-        assert r.status != "infra_error" and r.reward is not None, (r.status, r.infra_cause)
-        assert r.trajectory.turns and set(r.versions) == {1}  # sampled by the pushed weights
-        assert r.engine == f"router[{TINY}@ray-engine-0]" and r.worker == "ray-worker-0"
-    assert ray.is_initialized() != started  # Scheduler.close closed the transport, which stopped the Ray it started
+        # The caller's cancel callback is polled on the driver and reaches the actor between decode steps.
+        polls = []
+        endless = GenerationRequest(t.engine_infos[0].tokenizer.encode("count"),
+                                    SamplingParams(max_tokens=20_000, temperature=0.0),
+                                    cancelled=lambda: polls.append(1) or len(polls) > 2)
+        [aborted] = RayEngine(t.engine_infos[0]).generate([endless])
+        assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 20_000
+
+        # A time budget crosses the process boundary (in the spec): the episode stops with wall_time and is scored.
+        # 1 ms is spent before the first decode step (the sandbox lists the workspace), so the outcome is certain.
+        budget = Scheduler(SchedulerConfig(rollout_time_budget=1e-3, max_infra_retries=0), t, tasks_dir)
+        stopped = rollouts_of(evaluate(budget, [task], samples=1, close=False))
+        assert [(r.reward, r.stop_reason) for r in stopped] == [(0.0, "wall_time")], \
+            [(r.status, r.infra_cause, r.timings) for r in stopped]
+        assert stopped[0].trajectory is not None and stopped[0].timings["total"] < 60
+
+        rollouts = rollouts_of(evaluate(Scheduler(SchedulerConfig(), t, tasks_dir), [task], samples=2))
+        assert len(rollouts) == 2 and rollouts[0].seed != rollouts[1].seed
+        for r in rollouts:
+            assert r.status != "infra_error" and r.reward is not None, (r.status, r.infra_cause)
+            assert r.trajectory.turns and set(r.versions) == {1}  # sampled by the pushed weights
+            assert r.engine == f"router[{TINY}@ray-engine-0]" and r.worker == "ray-worker-0"
+        assert ray.is_initialized() != started  # Scheduler.close closed the transport, which stopped the Ray it started
+    finally:
+        asyncio.run(t.close())  # idempotent: a second close after Scheduler.close does nothing
 
 
 def test_killed_worker_rollouts_are_requeued_and_complete(local_ray, taskset, tmp_path):
