@@ -32,8 +32,11 @@ every engine decoding full batches all the time (Σ steps · (a + b·M) / (E·M)
 sandbox slot busy with rollouts running at single-sequence speed (Σ (tools + steps · (a + b)) / W), and the
 longest single rollout. `bound_fraction` = async throughput / the bound's throughput. Rollouts started but not
 accepted by the end (run ahead, or dropped as too stale) are reported, not hidden, and so is the fraction of the
-decode steps that went to accepted rollouts ("decoded for accepted"): the rest is the price of the staleness bound
-(stragglers that outlived η updates) and of the work in flight when the run stops.
+decode steps that went to accepted rollouts ("decoded for accepted"): the rest is the work in flight when the run
+stops and, under `--stale-tokens drop`, the price of the staleness bound (stragglers that outlived η updates, cancelled
+or dropped whole). Under the default `mask` those stragglers are accepted and only their tokens sampled more than η
+versions before their batch are left out of training: `trained_token_fraction` is the share of the accepted rollouts'
+sampled tokens that are trained on.
 
 The headline figures are steady state — from the first batch handed out to the last, without the pipeline filling
 up — and the end-to-end figures (from the start) are in the JSON too. The sync baseline's figures hardly differ
@@ -59,6 +62,7 @@ from _common import finish, table
 from shipyard.harness.trajectory import Trajectory, Turn
 from shipyard.rollout.record import EpisodeSpec, Rollout
 from shipyard.rollout.scheduler import Scheduler, SchedulerConfig
+from shipyard.rollout.staleness import STALE_TOKENS
 from shipyard.tasks.curriculum import Curriculum, Difficulty
 
 TASK = "straggler"
@@ -238,6 +242,7 @@ class SimTransport:
     cohort: int = 0
     oldest_first: bool = False
     profiles: dict[str, Profile] = field(default_factory=dict)  # rollout id -> what it ran
+    decoded: dict[str, int] = field(default_factory=dict)  # rollout id -> decode steps it was given so far
     sandbox_busy_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -267,6 +272,7 @@ class SimTransport:
                     return Rollout(spec.task_id, spec.group_id, spec.index, spec.seed, "cancelled", None,
                                    trajectory=traj, stop_reason="cancelled", engine="sim")
                 version = await generate(steps, int(spec.group_id.rsplit("@", 1)[1]))
+                self.decoded[spec.rollout_id] = self.decoded.get(spec.rollout_id, 0) + steps
                 traj.turns.append(Turn(i, "", [0] * steps, [0.0] * steps, "stop", [], [], 1, 0.0, tool_s, version))
                 t0 = time.perf_counter()
                 await asyncio.sleep(tool_s)
@@ -325,7 +331,8 @@ async def run_mode(mode: str, args, cost: Cost) -> Result:
     transport = SimTransport(mode, cost, args.engines, workers, args.scale, args.max_steps, cohort=batch,
                              oldest_first=args.oldest_first)
     config = SchedulerConfig(group_size=args.group_size, groups_per_step=args.groups, run_seed=args.seed,
-                             max_staleness=0 if synchronous else args.max_staleness, max_in_flight=workers)
+                             max_staleness=0 if synchronous else args.max_staleness, max_in_flight=workers,
+                             stale_tokens=args.stale_tokens)
     sched = Scheduler(config, transport, Path("/sim"), Curriculum({TASK: Difficulty(1, 1, 1, 1)}))
     marks, batches = [], []
     t0 = time.perf_counter()
@@ -370,6 +377,8 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=MAX_STEPS, help="longest generation of a turn, in steps")
     ap.add_argument("--scale", type=float, default=0.2, help="time scale: a, b, update, train and tool times are "
                     "multiplied by it (the ratio and bound fraction do not depend on it, down to sleep resolution)")
+    ap.add_argument("--stale-tokens", choices=STALE_TOKENS, default=SchedulerConfig.stale_tokens,
+                    help="what becomes of a straggler's tokens older than η versions (see rollout/staleness.py)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--oldest-first", action="store_true", help="async engines admit the oldest group's requests "
@@ -422,14 +431,16 @@ def main() -> None:
         **summary(steady=True), "window": "steady state: from the first batch to the last",
         "end_to_end": summary(steady=False),
         "staleness": {k: a.stats[k] for k in ("max_staleness", "mean_staleness", "max_observed_staleness",
-                                              "staleness_histogram", "dropped_stale_groups")},
+                                              "staleness_histogram", "dropped_stale_groups", "stale_tokens",
+                                              "trained_token_fraction", "masked_stale_tokens")},
         "started_not_accepted": a.stats["started"] - len(a.window(False)[0]),
         "async_decoded_for_accepted": round(figures[("async", "accepted_work")], 3),
         "async_stats": {k: a.stats[k] for k in ("doomed_groups", "dropped_stale_rollouts", "cancelled")},
         "workload": {"steps": args.steps, "groups": args.groups, "group_size": args.group_size,
                      "engines": args.engines, "max_batch": args.max_batch, "async_workers": args.workers,
                      "a": args.a, "b": args.b, "update_s": args.update_s, "train_s": args.train_s / args.scale,
-                     "scale": args.scale, "max_steps": args.max_steps, "seed": args.seed}})
+                     "scale": args.scale, "max_steps": args.max_steps, "seed": args.seed,
+                     "stale_tokens": args.stale_tokens}})
 
 
 if __name__ == "__main__":

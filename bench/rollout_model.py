@@ -181,6 +181,7 @@ def figures(run: dict, returned: list[tuple[float, Rollout]], workers: int) -> d
         "infra": {k: run["stats"][k] for k in ("infra_retries", "masked_infra", "requeued", "cancelled")}
         | {"by_cause": run["stats"]["infra_by_cause"]},
         "staleness_histogram": run["stats"]["staleness_histogram"],
+        "trained_token_fraction": round(run["stats"]["trained_token_fraction"], 4),
         "batch_marks_s": [round(m, 1) for m in run["marks"]],  # train: when each batch was handed out
         "stopped_early": run["stopped_early"],  # --max-seconds ended the window before the last batch
     }

@@ -2,9 +2,11 @@
 
 A batch holds G groups of N rollouts each, in the order the scheduler accepted them. Per rollout: its advantage
 (group-relative, shaping included, 0 for masked rollouts), its mask (0 = no reward: infra_error or cancelled — the
-trainer must skip it, never treat it as a zero reward), and the policy versions of its turns. `hints` is the slot
-for targeted self-distillation (`shipyard.train.batch.Hint`, indexed by the flat rollout position), filled by the
-RL loop after the batch is made. `shipyard.train.batch.Batch.from_rollouts` turns a batch into padded tensors.
+trainer must skip it, never treat it as a zero reward), and the policy versions of its turns. `min_version` (the
+trainer's version minus `max_staleness`): tokens sampled by an older policy are context only (`Batch.from_rollouts`
+masks them). `hints` is the slot for targeted self-distillation (`shipyard.train.batch.Hint`, indexed by the flat
+rollout position), filled by the RL loop after the batch is made. `shipyard.train.batch.Batch.from_rollouts` turns a
+batch into padded tensors.
 
 `metrics()` gives one flat JSON object per rollout (`Rollout.metrics` plus the step, the trainer version and the
 rollout's staleness), and `write_metrics(path)` appends them as JSON lines (`append_jsonl`), one file per run.
@@ -46,6 +48,7 @@ class RolloutBatch:
     groups: list[RolloutGroup]
     step: int = 0  # the scheduler's batch counter
     trainer_version: int = 0  # the trainer version when the batch was handed out
+    min_version: int | None = None  # tokens sampled by an older version are context, not trained on (None: all)
     hints: list[Hint] = field(default_factory=list)
 
     @property

@@ -25,8 +25,10 @@ signal (zero reward variance) is dropped and replaced (DAPO), counted; at most `
 batch, after which such groups are kept (their advantages are 0), so the loop always ends. Every group's rewards
 are recorded in the curriculum, dropped or not: they are evidence of the task's pass rate.
 
-**Staleness** (`staleness.py`): groups start only while the gate admits them, and a complete group older than the
-bound is dropped at hand-out. A running group whose first-started rollout falls more than `max_staleness` versions
+**Staleness** (`staleness.py`): groups start only while the gate admits them. A batch trains only on tokens at most
+`max_staleness` versions old (`RolloutBatch.min_version`); with `stale_tokens = "mask"` a straggler's older tokens
+are context, and a group with nothing fresh left is dropped at hand-out. With `"drop"`, a complete group with any
+older token is dropped, and a running group whose first-started rollout falls more than `max_staleness` versions
 behind at a weight update is *doomed* — it would be dropped — so its episodes are cancelled at once (`doomed_groups`)
 and its place goes to a fresh group. More stale drops in a row than the groups admitted ahead can explain means the
 engines are not receiving the weights: `next_batch` raises instead of looping.
@@ -47,7 +49,7 @@ from shipyard.models.errors import InfraError
 from shipyard.rollout.advantages import ShapingTerm, group_advantages, no_signal, shaped_reward
 from shipyard.rollout.batches import RolloutBatch, RolloutGroup
 from shipyard.rollout.record import EpisodeSpec, Rollout, rollout_seed
-from shipyard.rollout.staleness import StalenessGate
+from shipyard.rollout.staleness import STALE_TOKENS, StalenessGate
 from shipyard.rollout.transport import Transport, WorkerLost
 from shipyard.tasks.curriculum import Curriculum
 
@@ -59,7 +61,8 @@ if TYPE_CHECKING:
 class SchedulerConfig:
     group_size: int = 8  # N rollouts per task per group
     groups_per_step: int = 4  # G groups per trainer batch
-    max_staleness: int = 1  # η: accepted samples are at most η versions behind the trainer; 0 = synchronous
+    max_staleness: int = 1  # η: trained tokens are at most η versions behind the trainer; 0 = synchronous
+    stale_tokens: str = "mask"  # older tokens: "mask" (kept as context, not trained) | "drop" (their group)
     run_seed: int = 0
     std_normalize: bool = False  # divide advantages by the group's std (GRPO); off: Dr. GRPO's unbiased form
     leave_one_out: bool = False  # RLOO baseline instead of the group mean
@@ -77,6 +80,8 @@ class SchedulerConfig:
             raise ValueError("group_size and groups_per_step must be at least 1")
         if min(self.max_refills, self.max_infra_retries, self.max_requeues, self.max_staleness) < 0:
             raise ValueError("max_refills, max_infra_retries, max_requeues and max_staleness must be >= 0")
+        if self.stale_tokens not in STALE_TOKENS:
+            raise ValueError(f"stale_tokens must be one of {STALE_TOKENS}, got {self.stale_tokens!r}")
 
 
 @dataclass(eq=False)
@@ -99,7 +104,7 @@ class Scheduler:
         self.config, self.transport, self.tasks_dir = config, transport, Path(tasks_dir)
         self.curriculum = curriculum if curriculum is not None else Curriculum.from_taskset(self.tasks_dir)
         self.shaping = tuple(shaping)
-        self.gate = StalenessGate(config.max_staleness, config.groups_per_step)
+        self.gate = StalenessGate(config.max_staleness, config.groups_per_step, config.stale_tokens)
         self.counters: Counter = Counter()
         self.infra_causes: Counter = Counter()
         self._rng = random.Random(config.run_seed)
@@ -150,15 +155,16 @@ class Scheduler:
                     # more than every group admitted ahead could explain: the engines are behind the trainer
                     raise RuntimeError(
                         f"{stale_in_a_row} groups in a row were sampled more than {self.config.max_staleness} "
-                        f"versions behind the trainer (version {self.gate.version}; this one's oldest turn: "
-                        f"{group.oldest_version}): the engines are not receiving the weights pushed by "
-                        f"update_weights, or their versions are not the trainer's (a replay engine's are -1: use "
-                        f"max_staleness >= 1 with it)")
+                        f"versions behind the trainer (version {self.gate.version}; this one's turns: "
+                        f"{sorted({v for r in group.rollouts for v in r.versions})}): the engines are not receiving "
+                        f"the weights pushed by update_weights, or their versions are not the trainer's (a replay "
+                        f"engine's are -1: use max_staleness >= 1 with it)")
         for group in chosen:
             self.gate.accept(group.rollouts, group.started_version)
         self._step += 1
         self._refills = 0
-        batch = RolloutBatch(chosen, step=self._step, trainer_version=self.gate.version)
+        batch = RolloutBatch(chosen, step=self._step, trainer_version=self.gate.version,
+                             min_version=self.gate.min_version)
         self.counters["batches"] += 1
         self.counters["accepted_rollouts"] += len(batch.rollouts)
         if not any(batch.masks):
@@ -172,7 +178,7 @@ class Scheduler:
         await self.transport.update_weights(version, tensors)
         async with self._cond:
             self.gate.advance(version)
-            for flight in self._flights:
+            for flight in self._flights if self.gate.dooms_running_groups else ():
                 if not flight.doomed and flight.begun_version is not None and \
                         flight.begun_version < self.gate.version - self.config.max_staleness:
                     flight.doomed = True  # it would be dropped at acceptance: stop spending engines on it

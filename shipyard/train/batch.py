@@ -127,7 +127,8 @@ class Batch:
     def from_rollouts(cls, batch: RolloutBatch, *, pad_id: int, header_ids: tuple[int, ...] = ()) -> Batch:
         """A scheduler's `RolloutBatch` as tensors: one row per rollout in batch order, its advantage on every
         token, `sample_mask` 0 for masked rollouts (no reward), `hints` from the batch's hint slot, and per-token
-        versions — `Turn.token_versions` where a completion spanned a weight update, else the turn's version."""
+        versions — `Turn.token_versions` where a completion spanned a weight update, else the turn's version.
+        Tokens sampled by a version older than `batch.min_version` get loss mask 0: context, not trained on."""
         rollouts = batch.rollouts
         trajectories = [r.trajectory or Trajectory(task=r.task_id, model="", prompt_ids=[]) for r in rollouts]
         out = cls.from_trajectories(trajectories, batch.advantages, pad_id=pad_id,
@@ -142,6 +143,8 @@ class Batch:
                                          f"{len(turn.token_versions)} token versions for {n} tokens")
                     out.versions[b, pos:pos + n] = torch.tensor(turn.token_versions, dtype=torch.long)
                 pos += n + len(turn.observation_ids)
+        if batch.min_version is not None:
+            out.loss_mask *= (out.versions >= batch.min_version).to(out.loss_mask.dtype)
         return out
 
 

@@ -92,3 +92,18 @@ def test_from_rollouts_refuses_mismatched_token_versions(batch):
     batch.groups[0].rollouts[0].trajectory.turns[1].token_versions = [4, 5]
     with pytest.raises(ValueError, match="2 token versions for 3 tokens"):
         Batch.from_rollouts(batch, pad_id=0)
+
+
+def test_tokens_older_than_min_version_are_context_not_trained(batch):
+    """A straggler's stale tokens stay in the row (the model still sees them) but get loss mask 0 — per token, also
+    inside a completion that spanned an update."""
+    batch.min_version = 4  # trainer version 5, η = 1
+    b = Batch.from_rollouts(batch, pad_id=0, header_ids=HEADER)
+    assert b.input_ids[0].tolist()[4:6] == [7, 7]  # turn 0 (version 3) is still there …
+    assert b.loss_mask[0].tolist() == [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0]  # … but not trained on
+    batch.min_version = 5
+    b = Batch.from_rollouts(batch, pad_id=0, header_ids=HEADER)
+    assert b.loss_mask[0, 10:13].tolist() == [0, 0, 1]  # token versions 4, 4, 5
+    assert b.loss_mask[1].sum().item() == 0  # version 4: its whole completion is context now
+    assert b.tokens == 1
+    assert torch.all(b.versions[b.loss_mask > 0] >= 5)

@@ -331,7 +331,9 @@ def test_rollout_benchmark_runs_both_modes_and_ends_with_its_figures():
     assert figures["bench"] == "rollout"
     assert figures["sync_rollouts_per_s"] > 0 and figures["async_rollouts_per_s"] > 0
     assert 0 < figures["bound_fraction"] <= 1.0 and figures["ratio"] > 0
-    assert figures["staleness"]["max_observed_staleness"] <= figures["staleness"]["max_staleness"]
+    staleness = figures["staleness"]
+    assert staleness["stale_tokens"] == "mask" and 0 < staleness["trained_token_fraction"] <= 1
+    assert staleness["masked_stale_tokens"] >= 0 and staleness["dropped_stale_groups"] >= 0
 
 
 def test_training_with_groups_of_one_is_refused_before_any_rollout_runs():

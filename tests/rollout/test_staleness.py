@@ -1,4 +1,4 @@
-"""Bounded staleness under a fake trainer that bumps versions: the invariant, the synchronous special case, drops."""
+"""Bounded staleness under a fake trainer that bumps versions: the invariant, synchronous RL, drops and masks."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from schedfakes import Outcome, ScriptedTransport
 from shipyard.rollout.scheduler import Scheduler, SchedulerConfig
 from shipyard.rollout.staleness import StalenessGate
 from shipyard.tasks.curriculum import Curriculum, Difficulty
+from shipyard.train.batch import Batch
 
 TASKS = Path("/nonexistent-tasks")
 
@@ -54,12 +55,24 @@ def test_gate_quota():
         gate.advance(1)
     with pytest.raises(ValueError):
         StalenessGate(max_staleness=-1, groups_per_step=1)
+    with pytest.raises(ValueError, match="stale_tokens must be one of"):
+        StalenessGate(max_staleness=1, groups_per_step=1, stale_tokens="keep")
+    with pytest.raises(ValueError, match="stale_tokens must be one of"):
+        SchedulerConfig(stale_tokens="ignore")
+
+
+def trained_versions(batch) -> list[int]:
+    """The policy versions of the tokens a batch trains on (loss mask 1, in a rollout with a reward)."""
+    b = Batch.from_rollouts(batch, pad_id=0)
+    return b.versions[(b.loss_mask * b.sample_mask[:, None]) > 0].tolist()
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(eta=st.integers(0, 3), seed=st.integers(0, 2**16), capacity=st.integers(1, 6),
-       train_ms=st.sampled_from([0, 2, 10]))
-def test_no_accepted_sample_is_older_than_the_bound(eta, seed, capacity, train_ms):
+       train_ms=st.sampled_from([0, 2, 10]), stale_tokens=st.sampled_from(["drop", "mask"]))
+def test_no_trained_token_is_older_than_the_bound(eta, seed, capacity, train_ms, stale_tokens):
+    """Under either policy no batch trains on a token sampled more than η versions before it; under "drop" no
+    accepted rollout even holds one."""
     rng = random.Random(seed)
     durations = {}
 
@@ -68,14 +81,17 @@ def test_no_accepted_sample_is_older_than_the_bound(eta, seed, capacity, train_m
         d = durations.setdefault(spec.rollout_id, min(0.05, rng.paretovariate(1.2) * 0.001))
         return Outcome(reward=float(spec.index % 2), turns=rng.randint(1, 3), turn_seconds=d)
 
-    sched, _ = make(script, capacity=capacity, max_staleness=eta)
+    sched, _ = make(script, capacity=capacity, max_staleness=eta, stale_tokens=stale_tokens)
     got = asyncio.run(asyncio.wait_for(train(sched, 6, train_ms / 1000), timeout=60))
     for batch in got:
-        for r in batch.rollouts:
-            assert min(r.versions) >= batch.trainer_version - eta
-        assert max(batch.staleness()) <= eta
+        assert batch.min_version == batch.trainer_version - eta
+        trained = trained_versions(batch)
+        assert trained and min(trained) >= batch.trainer_version - eta
+        if stale_tokens == "drop":
+            assert max(batch.staleness()) <= eta
     stats = sched.stats()
-    assert stats["max_observed_staleness"] <= eta
+    if stale_tokens == "drop":
+        assert stats["max_observed_staleness"] <= eta and stats["masked_stale_tokens"] == 0
     assert sum(stats["staleness_histogram"].values()) == 6 * 2 * 2
 
 
@@ -100,7 +116,7 @@ def test_async_generation_overlaps_training():
     assert sum(v == 0 for _, v in transport.starts) == 3 * 2 * 2
 
 
-def straggler_scheduler(turns: int, turn_seconds: float) -> Scheduler:
+def straggler_scheduler(turns: int, turn_seconds: float, stale_tokens: str = "drop") -> Scheduler:
     """Groups of two with max_staleness 1, whose first group ("a@0") runs `turns` turns of `turn_seconds` while
     every other group takes one quick turn."""
     def script(spec):
@@ -108,11 +124,13 @@ def straggler_scheduler(turns: int, turn_seconds: float) -> Scheduler:
             return Outcome(reward=float(spec.index % 2), turns=turns, turn_seconds=turn_seconds)
         return Outcome(reward=float(spec.index % 2), turns=1, turn_seconds=0.002)
 
-    return make(script, tasks=("a",), groups_per_step=1, max_staleness=1)[0]
+    return make(script, tasks=("a",), groups_per_step=1, max_staleness=1, stale_tokens=stale_tokens)[0]
 
 
-def test_a_straggler_past_the_bound_is_dropped_and_counted():
-    sched = straggler_scheduler(turns=1, turn_seconds=0.5)
+@pytest.mark.parametrize("stale_tokens", ["drop", "mask"])
+def test_a_straggler_past_the_bound_is_dropped_and_counted(stale_tokens):
+    """One turn, all of it older than η by the time it ends: nothing to train on under either policy."""
+    sched = straggler_scheduler(turns=1, turn_seconds=0.5, stale_tokens=stale_tokens)
 
     async def go():
         taken = []
@@ -132,13 +150,15 @@ def test_a_straggler_past_the_bound_is_dropped_and_counted():
     assert "a@0" not in taken
 
 
-def test_engines_that_never_receive_the_weights_are_an_error_not_a_loop():
+@pytest.mark.parametrize("stale_tokens", ["drop", "mask"])
+def test_engines_that_never_receive_the_weights_are_an_error_not_a_loop(stale_tokens):
     class Deaf(ScriptedTransport):
         async def update_weights(self, version, tensors):  # drops the weights on the floor
             pass
 
     transport = Deaf(lambda s: Outcome(reward=float(s.index % 2)), capacity=4)
-    sched = Scheduler(SchedulerConfig(group_size=2, groups_per_step=2, max_staleness=0), transport, TASKS,
+    sched = Scheduler(SchedulerConfig(group_size=2, groups_per_step=2, max_staleness=0, stale_tokens=stale_tokens),
+                      transport, TASKS,
                       Curriculum({"a": Difficulty(1, 1, 1, 1)}))
 
     async def go():
@@ -155,6 +175,7 @@ def test_engines_that_never_receive_the_weights_are_an_error_not_a_loop():
 
 
 def test_a_group_doomed_by_an_update_is_cancelled_early_and_dropped():
+    """stale_tokens = "drop": a group that can no longer be accepted whole stops spending the engines."""
     sched = straggler_scheduler(turns=50, turn_seconds=0.02)  # 50 turns of 20 ms: would outlive several updates
 
     async def go():
@@ -174,3 +195,33 @@ def test_a_group_doomed_by_an_update_is_cancelled_early_and_dropped():
     assert stats["doomed_groups"] == 1 and stats["cancelled"] == 2
     assert stats["dropped_stale_groups"] == 1 and stats["dropped_stale_rollouts"] == 2
     assert stats["dropped_zero_variance"] == 0  # a doomed group does not use up a refill
+
+
+def test_a_masked_straggler_is_kept_and_learns_only_from_its_fresh_turns():
+    """stale_tokens = "mask" (the default): the group that "drop" cancels runs to the end and is accepted; its turns
+    sampled more than η versions before the batch are context (loss mask 0), its recent turns are trained on."""
+    # 60 turns of 4 ms: the group spans many updates (one per ≥ 10 ms), each turn within one
+    sched = straggler_scheduler(turns=60, turn_seconds=0.004, stale_tokens="mask")
+    assert SchedulerConfig().stale_tokens == "mask"
+
+    async def go():
+        for v in range(100):
+            batch = await sched.next_batch()
+            if "a@0" in [g.group_id for g in batch.groups]:
+                break
+            await asyncio.sleep(0.01)
+            await sched.update_weights(v + 1, {})
+        stats = sched.stats()
+        await sched.close()
+        return batch, stats
+
+    batch, stats = asyncio.run(asyncio.wait_for(go(), timeout=30))
+    [straggler] = [g for g in batch.groups if g.group_id == "a@0"]
+    versions = straggler.rollouts[0].versions
+    assert len(versions) == 60 and versions[0] < batch.min_version <= versions[-1]  # it spans the bound
+    b = Batch.from_rollouts(batch, pad_id=0)
+    row = [r.rollout_id for r in batch.rollouts].index(straggler.rollouts[0].rollout_id)
+    sampled, trained = b.versions[row][b.versions[row] != 0], b.versions[row][b.loss_mask[row] > 0]
+    assert len(trained) and set(trained.tolist()) == {v for v in sampled.tolist() if v >= batch.min_version}
+    assert stats["doomed_groups"] == 0 and stats["cancelled"] == 0 and stats["dropped_stale_groups"] == 0
+    assert stats["masked_stale_tokens"] > 0 and 0 < stats["trained_token_fraction"] < 1
