@@ -33,6 +33,7 @@ class RolloutGroup:
     rollouts: list[Rollout]
     started_version: int = 0  # the trainer version when the group started (for rollouts with no turns)
     seconds: float = 0.0  # from the group's first start to its last rollout's end
+    seq: int = 0  # the scheduler's count of groups started before this one
 
     @property
     def rewards(self) -> list[float | None]:

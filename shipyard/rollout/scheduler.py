@@ -32,6 +32,14 @@ older token is dropped, and a running group whose first-started rollout falls mo
 behind at a weight update is *doomed* — it would be dropped — so its episodes are cancelled at once (`doomed_groups`)
 and its place goes to a fresh group. More stale drops in a row than the groups admitted ahead can explain means the
 engines are not receiving the weights: `next_batch` raises instead of looping.
+
+**Resuming** (`state`/`load_state`, JSON for a checkpoint): the task sampler's random state, the groups started
+per task (so seeds continue), the curriculum, the gate and the counters, plus the groups in play — started and not
+yet taken or dropped — which a resumed scheduler starts again first with their seeds (their curriculum evidence, if
+already recorded, is not counted twice); `restore_weights` then gives the fresh engines the restored policy. A batch
+lists its groups in the order they started, so with η = 0 a run is a function of its seeds and a resumed run hands
+out exactly the batches the uninterrupted one would have (tested); with η ≥ 1 which groups finish first depends on
+timing, in a resumed run as in any other, and nothing in play is lost.
 """
 
 from __future__ import annotations
@@ -120,6 +128,9 @@ class Scheduler:
         self._in_flight = 0
         self._step = 0
         self._refills = 0  # this batch's
+        self._seq = 0  # groups started, in order: a batch lists its groups in this order
+        self._pending: dict[str, dict] = {}  # group id -> how to start it again: started, not yet taken or dropped
+        self._resume: list[dict] = []  # groups to start again first, after `load_state`
 
     # Training ----------------------------------------------------------------------------------------------
     async def next_batch(self) -> RolloutBatch:
@@ -144,8 +155,10 @@ class Scheduler:
                 group = self._ready.pop(0)
                 if self.gate.fresh(group.rollouts, group.started_version):
                     chosen.append(group)
+                    self._pending.pop(group.group_id, None)
                     stale_in_a_row = 0
                     continue
+                self._pending.pop(group.group_id, None)
                 self.gate.dropped += 1
                 self.gate.released()
                 self.counters["dropped_stale_rollouts"] += len(group.rollouts)
@@ -159,6 +172,7 @@ class Scheduler:
                         f"{sorted({v for r in group.rollouts for v in r.versions})}): the engines are not receiving "
                         f"the weights pushed by update_weights, or their versions are not the trainer's (a replay "
                         f"engine's are -1: use max_staleness >= 1 with it)")
+        chosen.sort(key=lambda g: g.seq)  # the order they started: the same batch whatever order they finished in
         for group in chosen:
             self.gate.accept(group.rollouts, group.started_version)
         self._step += 1
@@ -190,32 +204,44 @@ class Scheduler:
             while True:
                 async with self._cond:
                     await self._cond.wait_for(lambda: self._closing or self._error is not None
-                                              or self.gate.may_start())
+                                              or self._resume or self.gate.may_start())
                     if self._closing or self._error is not None:
                         return
-                    task_id = self.curriculum.sample(1, self._rng)[0]
-                    self.gate.started()
-                    started_version = self.gate.version
-                k = self._groups_of[task_id]
-                self._groups_of[task_id] += 1
+                    if self._resume:  # in play when the state was saved (and counted there): the same seeds again
+                        entry = self._resume.pop(0)
+                        task_id, k, started_version = entry["task"], entry["k"], entry["started_version"]
+                        recorded = entry.get("recorded", False)
+                    else:
+                        task_id = self.curriculum.sample(1, self._rng)[0]
+                        k, started_version, recorded = self._groups_of[task_id], self.gate.version, False
+                        self._groups_of[task_id] += 1
+                        self.gate.started()
+                    seq, self._seq = self._seq, self._seq + 1
+                    self._pending[f"{task_id}@{k}"] = {"task": task_id, "k": k, "started_version": started_version,
+                                                       "seq": seq, "recorded": recorded}
                 n = self.config.group_size
                 specs = [EpisodeSpec(task_id, self.tasks_dir, f"{task_id}@{k}", i,
                                      rollout_seed(self.config.run_seed, task_id, k * n + i)) for i in range(n)]
-                self._spawn(self._train_group(specs, started_version))
+                self._spawn(self._train_group(specs, started_version, seq))
                 await asyncio.sleep(0)  # let the group's rollouts queue for slots before the next group's
         except Exception as e:  # handed to next_batch, which raises it to the caller
             await self._fail(e)
 
-    async def _train_group(self, specs: list[EpisodeSpec], started_version: int) -> None:
+    async def _train_group(self, specs: list[EpisodeSpec], started_version: int, seq: int) -> None:
         try:
             group, doomed = await self._run_group(specs, started_version)
+            group.seq = seq
             if self._closing:
                 return  # cut short by `close`: not evidence of anything
             rewards = [shaped_reward(r, self.shaping) for r in group.rollouts]
-            self.curriculum.record(group.task_id, [r.reward for r in group.rollouts if r.reward is not None])
+            entry = self._pending.get(group.group_id, {})
+            if not entry.get("recorded"):  # a group re-run on resume was recorded before the state was saved
+                self.curriculum.record(group.task_id, [r.reward for r in group.rollouts if r.reward is not None])
+                entry["recorded"] = True
             self.counters["groups_completed"] += 1
             async with self._cond:
                 if doomed:  # too stale to be accepted: dropped as such, without using up a refill
+                    self._pending.pop(group.group_id, None)
                     self.gate.dropped += 1
                     self.gate.released()
                     self.counters["dropped_stale_rollouts"] += len(group.rollouts)
@@ -226,6 +252,7 @@ class Scheduler:
                     if self.config.dynamic_sampling and self._refills < self.config.max_refills:
                         self._refills += 1
                         self.counters["dropped_zero_variance"] += 1
+                        self._pending.pop(group.group_id, None)
                         self.gate.released()  # the producer starts a replacement
                         self._cond.notify_all()
                         return
@@ -362,6 +389,35 @@ class Scheduler:
                     "dropped_stale_rollouts", "doomed_groups", "batches", "accepted_rollouts")},
                 "infra_by_cause": dict(self.infra_causes), "in_flight": self._in_flight,
                 "ready_groups": len(self._ready), **self.gate.stats()}
+
+    def state(self) -> dict:
+        """Everything a resumed run needs to go on as this one would, as JSON: the task sampler's random state, the
+        groups started per task (the next seeds), the curriculum, the staleness gate, the counters, and the groups
+        in play — started, not yet in a batch or dropped — which a resumed scheduler starts again first, with the
+        same seeds. Take it between batches (after `update_weights`): what is in flight is re-run, not lost."""
+        version, internal, gauss = self._rng.getstate()
+        return {"rng": [version, list(internal), gauss], "groups_of": dict(self._groups_of),
+                "curriculum": self.curriculum.state(), "gate": self.gate.state(), "counters": dict(self.counters),
+                "infra_causes": dict(self.infra_causes), "step": self._step,
+                "pending": sorted(self._pending.values(), key=lambda e: e["seq"])}
+
+    def load_state(self, state: dict) -> None:
+        """Continue from `state()` (of a scheduler with the same config and tasks); before the first `next_batch`."""
+        if self._producer is not None:
+            raise RuntimeError("load_state must come before the first next_batch: this scheduler is already running")
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+        self._groups_of = Counter(state["groups_of"])
+        self.curriculum.load_state(state["curriculum"])
+        self.gate.load_state(state["gate"])
+        self.counters, self.infra_causes = Counter(state["counters"]), Counter(state["infra_causes"])
+        self._step = state["step"]
+        self._resume = list(state["pending"])
+
+    async def restore_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """After `load_state`: give the engines (fresh, at version 0) the restored policy, labelled with the restored
+        trainer version, without counting an update."""
+        await self.transport.update_weights(self.gate.version, tensors)
 
     async def close(self) -> None:
         """Stop starting episodes, cancel those running (they stop at their next check), wait up to

@@ -130,6 +130,18 @@ class StalenessGate:
                 self.sampled_tokens += len(turn.completion_ids)
                 self.masked_tokens += stale_tokens(turn, self.min_version)
 
+    def state(self) -> dict:
+        """For checkpoints: what `load_state` restores."""
+        return {"version": self.version, "updates": self.updates, "in_play": self.in_play, "dropped": self.dropped,
+                "histogram": {str(k): v for k, v in self.histogram.items()},
+                "sampled_tokens": self.sampled_tokens, "masked_tokens": self.masked_tokens}
+
+    def load_state(self, state: dict) -> None:
+        self.version, self.updates, self.dropped = state["version"], state["updates"], state["dropped"]
+        self.in_play = state["in_play"]
+        self.histogram = Counter({int(k): v for k, v in state["histogram"].items()})
+        self.sampled_tokens, self.masked_tokens = state["sampled_tokens"], state["masked_tokens"]
+
     def stats(self) -> dict:
         n = sum(self.histogram.values())
         return {"max_staleness": self.max_staleness, "stale_tokens": self.stale_tokens,
