@@ -36,7 +36,8 @@ decode steps that went to accepted rollouts ("decoded for accepted"): the rest i
 stops and, under `--stale-tokens drop`, the price of the staleness bound (stragglers that outlived η updates, cancelled
 or dropped whole). Under the default `mask` those stragglers are accepted and only their tokens sampled more than η
 versions before their batch are left out of training: `trained_token_fraction` is the share of the accepted rollouts'
-sampled tokens that are trained on.
+sampled tokens that are trained on, and `trained_bound_fraction` the stricter bound fraction that counts only the
+decode steps trained on as work (masked stale tokens are then waste too).
 
 The headline figures are steady state — from the first batch handed out to the last, without the pipeline filling
 up — and the end-to-end figures (from the start) are in the JSON too. The sync baseline's figures hardly differ
@@ -307,6 +308,7 @@ class Result:
     mode: str
     marks: list[float]  # seconds from the start until each batch was handed to the trainer
     batches: list[list[Rollout]]
+    min_versions: list[int]  # per batch: tokens sampled by an older version were not trained on
     transport: SimTransport
     stats: dict
     usage: list[Usage]
@@ -334,12 +336,13 @@ async def run_mode(mode: str, args, cost: Cost) -> Result:
                              max_staleness=0 if synchronous else args.max_staleness, max_in_flight=workers,
                              stale_tokens=args.stale_tokens)
     sched = Scheduler(config, transport, Path("/sim"), Curriculum({TASK: Difficulty(1, 1, 1, 1)}))
-    marks, batches = [], []
+    marks, batches, min_versions = [], [], []
     t0 = time.perf_counter()
     for step in range(args.steps):
         got = await sched.next_batch()
         marks.append(time.perf_counter() - t0)
         batches.append(got.rollouts)
+        min_versions.append(got.min_version)
         if step == args.steps - 1:
             break
         await asyncio.sleep(args.train_s)  # the trainer step (async: the engines keep generating meanwhile)
@@ -348,14 +351,24 @@ async def run_mode(mode: str, args, cost: Cost) -> Result:
     usage = [replace(u) for u in transport.usage()]  # as of the last batch; the close below cancels the rest
     sandbox_s = transport.sandbox_busy_s
     await sched.close()
-    return Result(mode, marks, batches, transport, stats, usage, sandbox_s)
+    return Result(mode, marks, batches, min_versions, transport, stats, usage, sandbox_s)
 
 
-def bound_seconds(res: Result, cost: Cost, engines: int, steady: bool) -> dict[str, float]:
+def trained_steps(res: Result, steady: bool) -> int:
+    """Decode steps of the accepted rollouts' turns that were trained on (not masked as older than η)."""
+    first = 1 if steady else 0
+    return sum(len(t.completion_ids) for batch, floor in zip(res.batches[first:], res.min_versions[first:], strict=True)
+               for r in batch for t in r.trajectory.turns if t.policy_version >= floor)
+
+
+def bound_seconds(res: Result, cost: Cost, engines: int, steady: bool, trained: bool = False) -> dict[str, float]:
+    """The work-conserving bound on the window's time for its accepted rollouts; with `trained`, for the decode
+    steps trained on only (a stricter count: masked stale tokens and unaccepted work both count as waste)."""
     rollouts, _ = res.window(steady)
     profs = [res.transport.profiles[r.rollout_id] for r in rollouts]
     updates = len(res.batches) - (2 if steady else 1)
-    gen = sum(p.steps for p in profs) * cost.step(cost.max_batch) / (engines * cost.max_batch) + updates * cost.update_s
+    steps = trained_steps(res, steady) if trained else sum(p.steps for p in profs)
+    gen = steps * cost.step(cost.max_batch) / (engines * cost.max_batch) + updates * cost.update_s
     slots = sum(p.tools + p.steps * cost.step(1) for p in profs) / res.transport.workers
     longest = 0.0 if steady else max(p.tools + p.steps * cost.step(1) for p in profs)
     return {"engines_s": gen, "sandboxes_s": slots, "longest_s": longest, "bound_s": max(gen, slots, longest)}
@@ -404,15 +417,18 @@ def main() -> None:
         for steady in (False, True):
             b = bound_seconds(res, cost, args.engines, steady)
             measured = res.window(steady)[1]
+            trained = bound_seconds(res, cost, args.engines, steady, trained=True)["bound_s"] / measured
             bound_rows.append([mode, "steady" if steady else "end to end", b["engines_s"], b["sandboxes_s"],
-                               b["longest_s"], b["bound_s"], measured, b["bound_s"] / measured])
+                               b["longest_s"], b["bound_s"], measured, b["bound_s"] / measured, trained])
             figures[(mode, steady)] = (res.rate(steady), b["bound_s"] / measured)
+            figures[(mode, steady, "trained")] = trained
     table("rollout throughput (simulated engines, real scheduler)",
           ["mode", "rollouts", "seconds", "rollouts/s", "steady rollouts/s", "engine busy", "mean batch",
            "useful rows", "decoded for accepted", "sandbox busy", "steps/rollout", "started, not accepted",
            "max staleness"], rows)
     table("work-conserving bound (accepted work / capacity)",
-          ["mode", "window", "engines s", "sandboxes s", "longest s", "bound s", "measured s", "fraction"],
+          ["mode", "window", "engines s", "sandboxes s", "longest s", "bound s", "measured s", "fraction",
+           "fraction (trained tokens)"],
           bound_rows)
     if not {"sync", "async"} <= set(results):
         return
@@ -422,6 +438,7 @@ def main() -> None:
         (s_rate, s_frac), (a_rate, a_frac) = figures[("sync", steady)], figures[("async", steady)]
         return {"sync_rollouts_per_s": round(s_rate, 3), "async_rollouts_per_s": round(a_rate, 3),
                 "ratio": round(a_rate / s_rate, 3), "bound_fraction": round(a_frac, 3),
+                "trained_bound_fraction": round(figures[("async", steady, "trained")], 3),
                 "sync_bound_fraction": round(s_frac, 3),
                 **({"sync_continuous_rollouts_per_s": round(figures[("sync-continuous", steady)][0], 3),
                     "ratio_vs_sync_continuous": round(a_rate / figures[("sync-continuous", steady)][0], 3)}

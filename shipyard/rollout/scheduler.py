@@ -231,6 +231,13 @@ class Scheduler:
         try:
             group, doomed = await self._run_group(specs, started_version)
             group.seq = seq
+            behind = [v for r in group.rollouts for v in r.versions if 0 <= v < started_version]
+            if behind:  # weights reach every engine before the gate advances, so this cannot happen when they arrive
+                raise RuntimeError(
+                    f"group {group.group_id} started at trainer version {started_version}, but a turn of it was "
+                    f"sampled by policy version {min(behind)}: an engine is not receiving the weights pushed by "
+                    f"update_weights (an engine restarted with its initial weights, or left out of the transport's "
+                    f"update). Its samples would be trained on as if they came from the pushed policy")
             if self._closing:
                 return  # cut short by `close`: not evidence of anything
             rewards = [shaped_reward(r, self.shaping) for r in group.rollouts]

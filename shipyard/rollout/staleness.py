@@ -24,6 +24,11 @@ scheduler's groups, and adds an exact check:
   fresh turns are learned from. A group none of whose tokens is fresh has nothing to train on and is dropped.
   What η trades is then the fraction of sampled tokens trained on (`trained_token_fraction`) and, through admission,
   how far generation runs ahead; `docs/rollout.md` has the measured throughput of both policies.
+  The price is a selection effect: which tokens are trained depends on when they were sampled, so in a group held
+  back by a straggler the quick siblings' tokens go stale first (`fully_masked_rollouts`: rewarded rollouts that
+  only feed the baseline) while the straggler's recent turns are trained with their advantage — a long failure's
+  tail is pushed down, a long success's pushed up. "drop" has the opposite bias: groups with a straggler never
+  reach the trainer, so slow behaviour escapes the gradient altogether.
 - `"drop"` (AReaL-strict): a group whose oldest token is older than v − η is dropped whole, and a running one is
   cancelled as soon as an update dooms it. Every accepted *sample* is within η; stragglers that outlive η updates
   are wasted work.
@@ -47,10 +52,6 @@ from shipyard.rollout.record import Rollout
 STALE_TOKENS = ("mask", "drop")
 
 
-def newest_version(turn: Turn) -> int:
-    return turn.token_versions[-1] if turn.token_versions else turn.policy_version
-
-
 def stale_tokens(turn: Turn, min_version: int) -> int:
     """How many of the turn's sampled tokens came from a version older than `min_version`."""
     if turn.token_versions:
@@ -70,6 +71,7 @@ class StalenessGate:
     histogram: Counter = field(default_factory=Counter)  # staleness (v − oldest version) of accepted rollouts
     sampled_tokens: int = 0  # in accepted rollouts
     masked_tokens: int = 0  # of those, sampled more than η versions before the batch: context, not trained on
+    fully_masked: int = 0  # accepted rewarded rollouts all of whose tokens are stale: baseline only, trained on nothing
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
@@ -112,35 +114,44 @@ class StalenessGate:
         for rollouts with no turns)."""
         return min((v for r in rollouts for v in r.versions), default=started_at)
 
-    def newest(self, rollouts: list[Rollout], started_at: int) -> int:
-        return max((newest_version(t) for r in rollouts if r.trajectory is not None for t in r.trajectory.turns),
-                   default=started_at)
+    def trainable_tokens(self, rollouts: list[Rollout]) -> int:
+        """Sampled tokens a batch handed out now would train on: those of rewarded rollouts within η."""
+        return sum(len(t.completion_ids) - stale_tokens(t, self.min_version)
+                   for r in rollouts if not r.masked and r.trajectory is not None for t in r.trajectory.turns)
 
     def fresh(self, rollouts: list[Rollout], started_at: int) -> bool:
-        """Whether the group may go into a batch now: "drop", its oldest token is within η; "mask", it has a token
-        within η to train on."""
+        """Whether the group may go into a batch now: "drop", its oldest token is within η; "mask", a rewarded
+        rollout of it has a token within η to train on."""
         if self.stale_tokens == "drop":
             return self.oldest(rollouts, started_at) >= self.min_version
-        return self.newest(rollouts, started_at) >= self.min_version
+        return self.trainable_tokens(rollouts) > 0
 
     def accept(self, rollouts: list[Rollout], started_at: int) -> None:
+        """Count an accepted group: its staleness, and (rewarded rollouts only: the others train nothing anyway)
+        its sampled and masked-as-stale tokens, and its rollouts left with nothing to train on."""
         for r in rollouts:
             self.histogram[self.version - min(r.versions, default=started_at)] += 1
-            for turn in r.trajectory.turns if r.trajectory is not None else ():
-                self.sampled_tokens += len(turn.completion_ids)
-                self.masked_tokens += stale_tokens(turn, self.min_version)
+            if r.masked or r.trajectory is None:
+                continue
+            sampled = sum(len(t.completion_ids) for t in r.trajectory.turns)
+            stale = sum(stale_tokens(t, self.min_version) for t in r.trajectory.turns)
+            self.sampled_tokens += sampled
+            self.masked_tokens += stale
+            self.fully_masked += bool(sampled) and stale == sampled
 
     def state(self) -> dict:
         """For checkpoints: what `load_state` restores."""
         return {"version": self.version, "updates": self.updates, "in_play": self.in_play, "dropped": self.dropped,
                 "histogram": {str(k): v for k, v in self.histogram.items()},
-                "sampled_tokens": self.sampled_tokens, "masked_tokens": self.masked_tokens}
+                "sampled_tokens": self.sampled_tokens, "masked_tokens": self.masked_tokens,
+                "fully_masked": self.fully_masked}
 
     def load_state(self, state: dict) -> None:
         self.version, self.updates, self.dropped = state["version"], state["updates"], state["dropped"]
         self.in_play = state["in_play"]
         self.histogram = Counter({int(k): v for k, v in state["histogram"].items()})
         self.sampled_tokens, self.masked_tokens = state["sampled_tokens"], state["masked_tokens"]
+        self.fully_masked = state["fully_masked"]
 
     def stats(self) -> dict:
         n = sum(self.histogram.values())
@@ -151,4 +162,5 @@ class StalenessGate:
                 "mean_staleness": sum(k * v for k, v in self.histogram.items()) / n if n else 0.0,
                 "max_observed_staleness": max(self.histogram, default=0),
                 "sampled_tokens": self.sampled_tokens, "masked_stale_tokens": self.masked_tokens,
+                "fully_masked_rollouts": self.fully_masked,
                 "trained_token_fraction": 1 - self.masked_tokens / self.sampled_tokens if self.sampled_tokens else 1.0}

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from schedfakes import Outcome, ScriptedTransport
+from schedfakes import Outcome, ScriptedTransport, turn
 
+from shipyard.harness.trajectory import Trajectory
+from shipyard.rollout.record import Rollout
 from shipyard.rollout.scheduler import Scheduler, SchedulerConfig
 from shipyard.rollout.staleness import StalenessGate
 from shipyard.tasks.curriculum import Curriculum, Difficulty
@@ -171,7 +173,8 @@ def test_engines_that_never_receive_the_weights_are_an_error_not_a_loop(stale_to
             await sched.close()
 
     asyncio.run(asyncio.wait_for(go(), timeout=30))
-    assert sched.stats()["dropped_stale_groups"] == 2 * 1 * 2 + 1
+    # the first group of version 1 sampled at version 0 gives it away (before: 5 stale drops in a row)
+    assert sched.stats()["dropped_stale_groups"] <= 2 * 1 * 2 + 1
 
 
 def test_a_group_doomed_by_an_update_is_cancelled_early_and_dropped():
@@ -225,3 +228,56 @@ def test_a_masked_straggler_is_kept_and_learns_only_from_its_fresh_turns():
     assert len(trained) and set(trained.tolist()) == {v for v in sampled.tolist() if v >= batch.min_version}
     assert stats["doomed_groups"] == 0 and stats["cancelled"] == 0 and stats["dropped_stale_groups"] == 0
     assert stats["masked_stale_tokens"] > 0 and 0 < stats["trained_token_fraction"] < 1
+
+
+@pytest.mark.parametrize("stale_tokens", ["drop", "mask"])
+def test_one_engine_that_misses_the_weights_is_an_error_under_either_policy(stale_tokens):
+    """Review: under "mask" a single deaf engine (sticky routing sends rollout 0 of every group there) trained on
+    silently, half its tokens masked. A turn sampled by a version older than its group's start is impossible when
+    the weights arrive (they reach every engine before the gate advances): the scheduler says so."""
+    class HalfDeaf(ScriptedTransport):
+        async def run(self, spec, cancelled):
+            rollout = await super().run(spec, cancelled)
+            if spec.index == 0:
+                for t in rollout.trajectory.turns:
+                    t.policy_version = 0
+            return rollout
+
+    transport = HalfDeaf(lambda s: Outcome(reward=float(s.index % 2)), capacity=4)
+    sched = Scheduler(SchedulerConfig(group_size=2, groups_per_step=2, max_staleness=1, stale_tokens=stale_tokens),
+                      transport, TASKS, Curriculum({"a": Difficulty(1, 1, 1, 1)}))
+
+    async def go():
+        try:
+            for v in range(20):
+                await sched.next_batch()
+                await sched.update_weights(v + 1, {})
+        finally:
+            await sched.close()
+
+    with pytest.raises(RuntimeError, match="not receiving the weights"):
+        asyncio.run(asyncio.wait_for(go(), timeout=60))
+
+
+def rollout_with(index: int, versions: list[int], reward: float | None, tokens: int = 3) -> Rollout:
+    traj = Trajectory(task="a", model="m", prompt_ids=[1])
+    traj.turns = [turn(i, v, tokens) for i, v in enumerate(versions)]
+    return Rollout("a", "a@0", index, index, "graded" if reward is not None else "cancelled", reward,
+                   trajectory=traj)
+
+
+def test_mask_acceptance_counts_only_tokens_that_would_train():
+    """Review: a group whose only fresh turn belongs to a rollout without a reward (a cancelled straggler), or has
+    no tokens, has nothing to train on: it is not fresh. Statistics count rewarded rollouts only."""
+    gate = StalenessGate(max_staleness=1, groups_per_step=1, stale_tokens="mask")
+    for v in range(1, 5):
+        gate.advance(v)  # trainer at 4: tokens of versions < 3 are stale
+    stale_pair = [rollout_with(0, [1, 2], 1.0), rollout_with(1, [1], 0.0)]
+    assert not gate.fresh([*stale_pair, rollout_with(2, [1, 3], None)], 0)  # the fresh turn has no reward
+    assert not gate.fresh([*stale_pair, rollout_with(2, [3], 1.0, tokens=0)], 0)  # a fresh turn of no tokens
+    group = [*stale_pair, rollout_with(2, [2, 3], 0.0)]
+    assert gate.fresh(group, 0) and gate.trainable_tokens(group) == 3
+    gate.accept([*group, rollout_with(3, [4, 4], None)], 0)  # the unrewarded rollout trains nothing: not counted
+    stats = gate.stats()
+    assert (stats["sampled_tokens"], stats["masked_stale_tokens"], stats["fully_masked_rollouts"]) == (15, 12, 2)
+    assert stats["trained_token_fraction"] == pytest.approx(3 / 15)
