@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 
@@ -70,8 +71,13 @@ def _untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_checkpoint(trainer: Trainer, directory: str | Path) -> Path:
-    """Write a checkpoint of `trainer` (collective: every rank calls it); its directory."""
+def save_checkpoint(trainer: Trainer, directory: str | Path, extra: Mapping[str, str] | None = None) -> Path:
+    """Write a checkpoint of `trainer` (collective: every rank calls it); its directory. `extra`: more files (name →
+    text, written by rank 0) that belong to the same step — the RL loop's scheduler state — so they appear with the
+    checkpoint or not at all."""
+    for name in extra or {}:  # checked on every rank before any collective, so a bad name fails everywhere alike
+        if Path(name).name != name or name in ("trainer.json", "model.safetensors") or name.startswith("rank"):
+            raise ValueError(f"extra checkpoint file {name!r}: a plain file name that is not one of the trainer's")
     final = Path(directory) / f"step-{trainer.step_count:08d}"
     partial = final.with_name(final.name + ".partial")
     full = trainer.full_state_dict()  # collective
@@ -93,6 +99,8 @@ def save_checkpoint(trainer: Trainer, directory: str | Path) -> Path:
         (partial / "trainer.json").write_text(json.dumps({
             "step": trainer.step_count, "version": trainer.version, "world_size": trainer.world,
             "config": asdict(trainer.config)}, indent=2, default=str) + "\n")
+        for name, text in (extra or {}).items():
+            (partial / name).write_text(text)
     dist.barrier()
     if trainer.rank == 0:
         shutil.rmtree(final, ignore_errors=True)

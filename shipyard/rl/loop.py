@@ -1,0 +1,239 @@
+"""The RL loop: tasks → rollouts → rewards → trainer → new weights → a better agent.
+
+    curriculum ──sample──▶ Scheduler (groups of N rollouts, async, bounded staleness) ──▶ engines + sandboxes
+        ▲                       │   run_episode: agent loop in a sandbox → patch → grade → monitors
+        │ pass rates            ▼
+        └──────────── RolloutBatch (G groups; shaping → group-relative advantages; stale tokens masked)
+                                │   hints(batch) — the targeted-feedback seam: per-turn hint tokens
+                                ▼
+                      Batch.from_rollouts ──▶ Trainer.step (policy loss + IS correction [+ hint distillation])
+                                │
+                 full_state_dict ▼                                   every `checkpoint_every` steps:
+                 Scheduler.update_weights(version) ──▶ engines        checkpoint (trainer + scheduler) + HF export
+                                                                     every `eval_every` steps: held-out eval
+
+One step: wait for the next batch (the engines kept generating while the trainer trained, up to `max_staleness`
+versions ahead), train on it in a worker thread (so the event loop — and with it the rollouts — keeps running),
+push the new weights to the engines, log. Nothing here knows whether the transport is in-process or Ray, or
+whether the trainer is one process or many.
+
+**Monitors.** `run_episode` runs the reward-hacking monitors on every rollout and keeps their flags with evidence
+in `Rollout.monitor_flags`. The loop counts them per step (`monitor/flagged`), writes the flagged rollouts'
+evidence with their trajectories, and with `zero_flagged` the `HackPenalty` shaping term (given to the scheduler,
+so it acts before the advantages) takes a flagged rollout's reward to 0.
+
+**Resuming.** A checkpoint holds the trainer (weights, optimiser, schedules, RNG, version) and the scheduler's
+state (sampler RNG, seeds, curriculum, groups in play); `resume` restores both, hands the engines the restored
+policy, drops the run directory's logs of later steps (they are redone) and continues from the checkpoint's step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shipyard.rl.rundir import RunDir
+from shipyard.rollout.batches import RolloutBatch
+from shipyard.rollout.eval import default_ks, results, save_results
+from shipyard.rollout.record import Rollout
+from shipyard.rollout.scheduler import Scheduler
+from shipyard.train.batch import Batch, Hint
+from shipyard.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from shipyard.train.trainer import Trainer
+
+SCHEDULER_STATE = "scheduler.json"
+
+
+@dataclass(frozen=True)
+class HackPenalty:
+    """Shaping term: −reward for a rollout a monitor flagged (its reward becomes 0), else 0."""
+
+    name: str = "hack"
+
+    def __call__(self, rollout: Rollout) -> float:
+        return -(rollout.reward or 0.0) if rollout.monitor_flags else 0.0
+
+
+@dataclass
+class LoopSettings:
+    steps: int
+    eval_every: int = 0  # 0: only before the first step and after the last
+    eval_samples: int = 1
+    checkpoint_every: int = 1
+    export: bool = True  # write RUN/export/ (a Hugging Face model directory) with every checkpoint
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.eval_every < 0 or self.checkpoint_every < 1 or self.eval_samples < 1:
+            raise ValueError("steps, checkpoint_every and eval_samples must be >= 1 and eval_every >= 0")
+
+
+HintSource = Callable[[RolloutBatch], Sequence[Hint]]
+
+
+def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
+    """What a batch says about the policy: rewards, pass rate, lengths, parallel width, monitor flags, staleness."""
+    rollouts = batch.rollouts
+    scored = [r for r in rollouts if r.reward is not None]
+    turns = [t for r in rollouts if r.trajectory is not None for t in r.trajectory.turns]
+    widths = [t.parallel_width for t in turns if t.parallel_width]
+    flags = Counter(f.get("monitor", "unknown") for r in rollouts for f in r.monitor_flags)
+    return {
+        "reward": {"mean": sum(r.reward for r in scored) / len(scored) if scored else None,
+                   "pass_rate": sum(r.reward >= 1.0 for r in scored) / len(scored) if scored else None,
+                   "advantage_abs_mean": sum(abs(a) for a in batch.advantages) / max(len(rollouts), 1)},
+        "rollouts": {"accepted": len(rollouts), "masked": batch.masks.count(0), "groups": len(batch.groups)},
+        "episode": {"turns_mean": len(turns) / max(len(rollouts), 1),
+                    "sampled_tokens": sum(len(t.completion_ids) for t in turns),
+                    "parallel_width_mean": sum(widths) / len(widths) if widths else 0.0},
+        "monitor": {"flagged": sum(bool(r.monitor_flags) for r in rollouts), **{f"flag_{k}": v for k, v in
+                                                                                 flags.items()}},
+        "staleness": {"max": max(batch.staleness(), default=0)},
+    }
+
+
+def trajectory_records(batch: RolloutBatch, hints: Sequence[Hint]) -> list[dict[str, Any]]:
+    """One JSON record per rollout for RUN/trajectories/: the rollout (trajectory, verdict, monitor flags with their
+    evidence, advantage) and the hints given for it."""
+    by_sample: dict[int, list[dict]] = {}
+    for h in hints:
+        by_sample.setdefault(h.sample, []).append({"turn": h.turn, "hint_ids": list(h.hint_ids)})
+    return [{**r.to_json(), "hints": by_sample.get(i, [])} for i, r in enumerate(batch.rollouts)]
+
+
+def export_policy(trainer: Trainer, tokenizer, directory: Path) -> None:
+    """The policy as a Hugging Face model directory (config, safetensors weights, tokenizer) that `shipyard serve
+    --model DIR`, transformers and vLLM load. Collective (every rank gathers the weights); rank 0 writes it beside
+    `directory` and swaps it in, so a reader never sees half an export."""
+    import shutil
+
+    import torch.distributed as dist
+
+    full = trainer.full_state_dict()
+    if trainer.rank == 0:
+        directory = Path(directory)
+        partial = directory.with_name(f".{directory.name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        trainer.model.save_pretrained(partial, state_dict={k: v.contiguous() for k, v in full.items()})
+        tokenizer.save_pretrained(partial)
+        (partial / "shipyard.json").write_text(json.dumps({"policy_version": trainer.version,
+                                                            "step": trainer.step_count}) + "\n")
+        old = directory.with_name(f".{directory.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if directory.exists():
+            directory.rename(old)
+        partial.rename(directory)
+        shutil.rmtree(old, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class RLLoop:
+    """Drives `scheduler` and `trainer` for `settings.steps` steps, writing everything to `run`."""
+
+    def __init__(self, scheduler: Scheduler, trainer: Trainer, run: RunDir, settings: LoopSettings, *,
+                 eval_tasks: Sequence[str] = (), hints: HintSource | None = None,
+                 export: Callable[[Trainer, Path], None] | None = None,
+                 on_step: Callable[[int, dict[str, Any]], None] | None = None):
+        self.scheduler, self.trainer, self.run, self.settings = scheduler, trainer, run, settings
+        self.eval_tasks = list(eval_tasks)
+        self.hints = hints
+        self.export = export
+        self.on_step = on_step
+        self.step = 0
+
+    # Resuming -------------------------------------------------------------------------------------------------
+    async def resume(self) -> int:
+        """Restore trainer and scheduler from the run's latest checkpoint; the step it continues after (0: none)."""
+        path = latest_checkpoint(self.run.checkpoints_dir)
+        if path is None:
+            return 0
+        load_checkpoint(self.trainer, path)
+        self.scheduler.load_state(json.loads((path / SCHEDULER_STATE).read_text()))
+        await self.scheduler.restore_weights(self.trainer.full_state_dict())
+        self.step = self.trainer.step_count
+        return self.step
+
+    def checkpoint(self) -> Path:
+        path = save_checkpoint(self.trainer, self.run.checkpoints_dir,
+                               extra={SCHEDULER_STATE: json.dumps(self.scheduler.state())})
+        if self.settings.export and self.export is not None:
+            self.export(self.trainer, self.run.export_dir)
+        return path
+
+    # Evaluation -----------------------------------------------------------------------------------------------
+    async def evaluate(self) -> dict[str, Any] | None:
+        """Held-out tasks with the current policy, saved as RUN/eval/step-N.json; its headline figures."""
+        if not self.eval_tasks:
+            return None
+        start = time.monotonic()
+        groups = await self.scheduler.evaluate(self.eval_tasks, self.settings.eval_samples)
+        ks = default_ks(self.settings.eval_samples)
+        doc = results(groups, ks, config={"step": self.step, "policy_version": self.trainer.version},
+                      wall_seconds=time.monotonic() - start)
+        save_results(doc, self.run.eval_path(self.step))
+        overall = doc["overall"]
+        return {**{f"pass@{k}": v for k, v in overall["pass_at"].items()},
+                **{key: overall[key] for key in ("passed", "scored", "masked", "flagged_rollouts")},
+                **{f"mean_{key}": value for key, value in overall["mean"].items()}}
+
+    # The loop ---------------------------------------------------------------------------------------------------
+    async def train_step(self) -> dict[str, Any]:
+        t0 = time.monotonic()
+        batch = await self.scheduler.next_batch()
+        waited = time.monotonic() - t0
+        hints = list(self.hints(batch)) if self.hints is not None else []
+        batch.hints = hints
+        tensors = Batch.from_rollouts(batch, pad_id=self.trainer.pad_id, header_ids=self.trainer.header_ids)
+        train = await asyncio.to_thread(self.trainer.step, tensors)
+        t1 = time.monotonic()
+        if not train.get("skipped"):
+            await self.scheduler.update_weights(self.trainer.version, self.trainer.full_state_dict())
+        self.step += 1
+        stats = self.scheduler.stats()
+        seen = batch_metrics(batch)
+        metrics = {**seen, "train": train,
+                   "time": {"step_seconds": time.monotonic() - t0, "wait_batch_seconds": waited,
+                            "weight_sync_seconds": time.monotonic() - t1},
+                   "staleness": {**seen["staleness"], "mean": stats["mean_staleness"],
+                                 "trained_token_fraction": stats["trained_token_fraction"]},
+                   "infra": {"masked": stats["masked_infra"], "retries": stats["infra_retries"],
+                             "requeued": stats["requeued"], **{f"cause_{k}": v for k, v in
+                                                                stats["infra_by_cause"].items()}},
+                   "hints": len(hints)}
+        self.run.log_rollouts(batch.metrics())
+        self.run.write_trajectories(self.step, trajectory_records(batch, hints))
+        return metrics
+
+    async def run_loop(self) -> list[dict[str, Any]]:
+        """Resume if the run has a checkpoint, evaluate, train to `settings.steps`, evaluate; the logged lines."""
+        lines = []
+        try:
+            await self.resume()
+            if self.step == 0 and (before := await self.evaluate()) is not None:
+                lines.append(self.run.log(0, {"eval": before}))
+            while self.step < self.settings.steps:
+                metrics = await self.train_step()
+                last = self.step == self.settings.steps
+                due = last or (self.settings.eval_every and self.step % self.settings.eval_every == 0)
+                if due and (after := await self.evaluate()) is not None:
+                    metrics["eval"] = after
+                if self.step % self.settings.checkpoint_every == 0 or last:
+                    self.checkpoint()
+                lines.append(self.run.log(self.step, metrics))
+                self.run.set_status("running", step=self.step)
+                if self.on_step is not None:
+                    self.on_step(self.step, lines[-1])
+        except BaseException as e:
+            self.run.set_status("failed", step=self.step, error=f"{type(e).__name__}: {e}"[:2000])
+            raise
+        finally:
+            await self.scheduler.close()
+            self.run.close()
+        self.run.set_status("finished", step=self.step)
+        return lines

@@ -1,0 +1,91 @@
+"""The RL loop end to end on real parts: the tiny random model in a continuous-batching engine, bubblewrap sandboxes
+and the grader, the scheduler, the trainer, the run directory — and a run resumed from its checkpoint continuing
+exactly as the uninterrupted run (η = 0, one worker: a run is then a function of its seeds)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from shipyard.harness.tools import default_tools
+from shipyard.harness.wire import ChatFormat
+from shipyard.models.local import LocalEngine
+from shipyard.models.resolve import TINY, tiny_model
+from shipyard.rl.loop import LoopSettings, RLLoop, export_policy
+from shipyard.rl.rundir import RunDir
+from shipyard.rollout.environment import LocalEnvironment
+from shipyard.rollout.episode import episode_config
+from shipyard.rollout.scheduler import Scheduler, SchedulerConfig
+from shipyard.rollout.transport import InProcessTransport
+from shipyard.sandbox.run import sandbox_problem
+from shipyard.tasks.taskset import list_tasks
+from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer
+
+_problem = sandbox_problem()
+pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+
+
+def make_loop(tasks_dir, run: RunDir, steps: int) -> tuple[RLLoop, LocalEngine]:
+    model, tok = tiny_model(seed=3)
+    engine = LocalEngine(tiny_model(seed=3)[0], tok, name=TINY)
+    config = episode_config(TINY, max_turns=2, max_new_tokens=12, grade_timeout=300, seed=0)
+    transport = InProcessTransport(engine, LocalEnvironment(), config, workers=1)
+    tasks = list_tasks(tasks_dir)
+    sched = Scheduler(SchedulerConfig(group_size=2, groups_per_step=1, max_staleness=0, dynamic_sampling=False,
+                                      run_seed=5), transport, tasks_dir)
+    header = ChatFormat(tok, default_tools()).assistant_header_ids()
+    trainer = Trainer(model, TrainConfig(optim=OptimConfig(name="adamw", lr=1e-3)), pad_id=tok.pad_token_id,
+                      header_ids=header)
+    settings = LoopSettings(steps=steps, eval_every=0, eval_samples=1, checkpoint_every=1)
+    loop = RLLoop(sched, trainer, run, settings, eval_tasks=tasks[:1],
+                  export=lambda t, d: export_policy(t, tok, d))
+    return loop, engine
+
+
+def test_the_loop_trains_syncs_checkpoints_evaluates_and_exports(taskset, tmp_path):
+    tasks_dir = taskset[0]
+    run = RunDir.create(tmp_path / "run")
+    loop, engine = make_loop(tasks_dir, run, steps=2)
+    lines = asyncio.run(asyncio.wait_for(loop.run_loop(), timeout=600))
+    assert [line["step"] for line in lines] == [0, 1, 2]  # eval before, two steps (the last with its eval)
+    assert "eval/pass@1" in lines[0] and "eval/pass@1" in lines[2]
+    for line in lines[1:]:
+        assert line["rollouts/accepted"] == 2 and line["train/version"] == line["step"]
+        assert line["reward/mean"] is not None and line["monitor/flagged"] >= 0
+    assert engine.policy_version == 2  # the engines got every new policy
+    assert run.status()["status"] == "finished"
+    assert sorted(p.name for p in run.checkpoints_dir.iterdir()) == ["step-00000001", "step-00000002"]
+    assert json.loads((run.checkpoints_dir / "step-00000002" / "scheduler.json").read_text())["step"] == 2
+    assert sorted(p.name for p in run.eval_dir.iterdir()) == ["step-000000.json", "step-000002.json"]
+    assert len(run.rollouts_path.read_text().splitlines()) == 4
+    assert len((run.trajectories_dir / "step-000002.jsonl").read_text().splitlines()) == 2
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(run.export_dir)
+    trained = loop.trainer.full_state_dict()
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(tensor, trained[name].to(tensor.dtype)), name
+    assert json.loads((run.export_dir / "shipyard.json").read_text())["policy_version"] == 2
+
+
+def test_a_resumed_run_continues_as_the_uninterrupted_one(taskset, tmp_path):
+    tasks_dir = taskset[0]
+    whole_run = RunDir.create(tmp_path / "whole")
+    whole, _ = make_loop(tasks_dir, whole_run, steps=2)
+    whole_lines = asyncio.run(asyncio.wait_for(whole.run_loop(), timeout=600))
+
+    cut_run = RunDir.create(tmp_path / "cut")
+    first, _ = make_loop(tasks_dir, cut_run, steps=1)
+    asyncio.run(asyncio.wait_for(first.run_loop(), timeout=600))
+    resumed, engine = make_loop(tasks_dir, RunDir.resume(tmp_path / "cut", step=1), steps=2)
+    lines = asyncio.run(asyncio.wait_for(resumed.run_loop(), timeout=600))
+    assert [line["step"] for line in lines] == [2]
+    for key in ("reward/mean", "train/loss", "train/grad_norm", "episode/sampled_tokens"):
+        assert lines[0].get(key) == whole_lines[2].get(key), key
+    a, b = whole.trainer.full_state_dict(), resumed.trainer.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert engine.policy_version == 2
+    assert [m["step"] for m in RunDir(tmp_path / "cut").metrics()] == [0, 1, 2]
