@@ -503,6 +503,38 @@ def _run_eval(tasks: Path, task_ids: list[str], model: str, config, episode, env
                                                                    "engine": engine.name, "environment": env.name})
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def train(ctx: typer.Context,
+          config: Path = typer.Argument(..., help="The run's TOML (configs/cpu.toml). Any field may follow as "
+                                        "--SECTION.KEY VALUE; `shipyard train CONFIG -- --help` lists them.")) -> None:
+    """Train the agent with RL: rollouts, rewards, trainer steps, weight sync, checkpoints, held-out evals."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from shipyard.rl.build import train as run_training
+    from shipyard.rl.config import load_config
+    from shipyard.rl.rundir import RunDirError
+
+    with user_errors():
+        try:
+            cfg = load_config(config, ctx.args)
+            with Progress(TextColumn("[bold]trainer steps"), BarColumn(), MofNCompleteColumn(),
+                          TextColumn("{task.fields[last]}"), TimeElapsedColumn(), console=console) as bar:
+                job = bar.add_task("train", total=cfg.run.steps, last="")
+
+                def on_step(step: int, line: dict) -> None:
+                    shown = {k: line.get(k) for k in ("reward/mean", "reward/pass_rate", "train/loss")}
+                    bar.update(job, completed=step, last=" ".join(f"{k}={v:.3g}" for k, v in shown.items()
+                                                                 if isinstance(v, int | float)))
+
+                lines = run_training(cfg, argv=[str(config), *ctx.args], status=bar.console.print,
+                                     on_step=on_step)
+        except RunDirError as e:
+            raise UserError(str(e)) from None
+    evals = [line for line in lines if any(k.startswith("eval/") for k in line)]
+    out.print_json(json.dumps({"run": str(cfg.run.dir), "steps": cfg.run.steps, "last": lines[-1] if lines else None,
+                               "evals": evals}))
+
+
 @app.command()
 def bench(name: str = typer.Argument(..., help="Benchmark name: a file bench/NAME.py."),
           args: list[str] | None = typer.Argument(None, help="Arguments passed to the benchmark.")) -> None:

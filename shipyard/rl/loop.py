@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shipyard.rl.config import RunConfig
 from shipyard.rl.rundir import RunDir
 from shipyard.rollout.batches import RolloutBatch
 from shipyard.rollout.eval import default_ks, results, save_results
@@ -58,19 +59,6 @@ class HackPenalty:
 
     def __call__(self, rollout: Rollout) -> float:
         return -(rollout.reward or 0.0) if rollout.monitor_flags else 0.0
-
-
-@dataclass
-class LoopSettings:
-    steps: int
-    eval_every: int = 0  # 0: only before the first step and after the last
-    eval_samples: int = 1
-    checkpoint_every: int = 1
-    export: bool = True  # write RUN/export/ (a Hugging Face model directory) with every checkpoint
-
-    def __post_init__(self) -> None:
-        if self.steps < 1 or self.eval_every < 0 or self.checkpoint_every < 1 or self.eval_samples < 1:
-            raise ValueError("steps, checkpoint_every and eval_samples must be >= 1 and eval_every >= 0")
 
 
 HintSource = Callable[[RolloutBatch], Sequence[Hint]]
@@ -136,7 +124,7 @@ def export_policy(trainer: Trainer, tokenizer, directory: Path) -> None:
 class RLLoop:
     """Drives `scheduler` and `trainer` for `settings.steps` steps, writing everything to `run`."""
 
-    def __init__(self, scheduler: Scheduler, trainer: Trainer, run: RunDir, settings: LoopSettings, *,
+    def __init__(self, scheduler: Scheduler, trainer: Trainer, run: RunDir, settings: RunConfig, *,
                  eval_tasks: Sequence[str] = (), hints: HintSource | None = None,
                  export: Callable[[Trainer, Path], None] | None = None,
                  on_step: Callable[[int, dict[str, Any]], None] | None = None):
@@ -223,9 +211,9 @@ class RLLoop:
                 due = last or (self.settings.eval_every and self.step % self.settings.eval_every == 0)
                 if due and (after := await self.evaluate()) is not None:
                     metrics["eval"] = after
+                lines.append(self.run.log(self.step, metrics))  # before the checkpoint: a resume redoes what it lacks
                 if self.step % self.settings.checkpoint_every == 0 or last:
                     self.checkpoint()
-                lines.append(self.run.log(self.step, metrics))
                 self.run.set_status("running", step=self.step)
                 if self.on_step is not None:
                     self.on_step(self.step, lines[-1])

@@ -14,7 +14,8 @@ from shipyard.harness.tools import default_tools
 from shipyard.harness.wire import ChatFormat
 from shipyard.models.local import LocalEngine
 from shipyard.models.resolve import TINY, tiny_model
-from shipyard.rl.loop import LoopSettings, RLLoop, export_policy
+from shipyard.rl.config import RunConfig
+from shipyard.rl.loop import RLLoop, export_policy
 from shipyard.rl.rundir import RunDir
 from shipyard.rollout.environment import LocalEnvironment
 from shipyard.rollout.episode import episode_config
@@ -28,27 +29,38 @@ _problem = sandbox_problem()
 pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
 
 
-def make_loop(tasks_dir, run: RunDir, steps: int) -> tuple[RLLoop, LocalEngine]:
+@pytest.fixture
+def closing():
+    """Closes what a test opened (engines, sandbox environments), after it."""
+    opened = []
+    yield opened
+    for thing in opened:
+        thing.close()
+
+
+def make_loop(tasks_dir, run: RunDir, steps: int, closing: list) -> tuple[RLLoop, LocalEngine]:
     model, tok = tiny_model(seed=3)
     engine = LocalEngine(tiny_model(seed=3)[0], tok, name=TINY)
+    env = LocalEnvironment()
+    closing += [engine, env]
     config = episode_config(TINY, max_turns=2, max_new_tokens=12, grade_timeout=300, seed=0)
-    transport = InProcessTransport(engine, LocalEnvironment(), config, workers=1)
+    transport = InProcessTransport(engine, env, config, workers=1)
     tasks = list_tasks(tasks_dir)
     sched = Scheduler(SchedulerConfig(group_size=2, groups_per_step=1, max_staleness=0, dynamic_sampling=False,
                                       run_seed=5), transport, tasks_dir)
     header = ChatFormat(tok, default_tools()).assistant_header_ids()
     trainer = Trainer(model, TrainConfig(optim=OptimConfig(name="adamw", lr=1e-3)), pad_id=tok.pad_token_id,
                       header_ids=header)
-    settings = LoopSettings(steps=steps, eval_every=0, eval_samples=1, checkpoint_every=1)
+    settings = RunConfig(steps=steps, eval_every=0, eval_samples=1, checkpoint_every=1)
     loop = RLLoop(sched, trainer, run, settings, eval_tasks=tasks[:1],
                   export=lambda t, d: export_policy(t, tok, d))
     return loop, engine
 
 
-def test_the_loop_trains_syncs_checkpoints_evaluates_and_exports(taskset, tmp_path):
+def test_the_loop_trains_syncs_checkpoints_evaluates_and_exports(taskset, tmp_path, closing):
     tasks_dir = taskset[0]
     run = RunDir.create(tmp_path / "run")
-    loop, engine = make_loop(tasks_dir, run, steps=2)
+    loop, engine = make_loop(tasks_dir, run, steps=2, closing=closing)
     lines = asyncio.run(asyncio.wait_for(loop.run_loop(), timeout=600))
     assert [line["step"] for line in lines] == [0, 1, 2]  # eval before, two steps (the last with its eval)
     assert "eval/pass@1" in lines[0] and "eval/pass@1" in lines[2]
@@ -71,16 +83,17 @@ def test_the_loop_trains_syncs_checkpoints_evaluates_and_exports(taskset, tmp_pa
     assert json.loads((run.export_dir / "shipyard.json").read_text())["policy_version"] == 2
 
 
-def test_a_resumed_run_continues_as_the_uninterrupted_one(taskset, tmp_path):
+def test_a_resumed_run_continues_as_the_uninterrupted_one(taskset, tmp_path, closing):
     tasks_dir = taskset[0]
     whole_run = RunDir.create(tmp_path / "whole")
-    whole, _ = make_loop(tasks_dir, whole_run, steps=2)
+    whole, _ = make_loop(tasks_dir, whole_run, steps=2, closing=closing)
     whole_lines = asyncio.run(asyncio.wait_for(whole.run_loop(), timeout=600))
 
     cut_run = RunDir.create(tmp_path / "cut")
-    first, _ = make_loop(tasks_dir, cut_run, steps=1)
+    first, _ = make_loop(tasks_dir, cut_run, steps=1, closing=closing)
     asyncio.run(asyncio.wait_for(first.run_loop(), timeout=600))
-    resumed, engine = make_loop(tasks_dir, RunDir.resume(tmp_path / "cut", step=1), steps=2)
+    resumed, engine = make_loop(tasks_dir, RunDir.resume(tmp_path / "cut", step=1), steps=2,
+                                 closing=closing)
     lines = asyncio.run(asyncio.wait_for(resumed.run_loop(), timeout=600))
     assert [line["step"] for line in lines] == [2]
     for key in ("reward/mean", "train/loss", "train/grad_norm", "episode/sampled_tokens"):

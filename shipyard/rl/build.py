@@ -1,0 +1,137 @@
+"""From a resolved configuration (`shipyard.rl.config.RLConfig`) to a running loop: the task set (synthesized on the
+first run when the config names a repository), the held-out split, the engine, the sandboxes, the transport, the
+scheduler, the trainer and the run directory.
+
+`open_run(config)` is a context manager: it builds everything, yields the `RLLoop`, and on exit closes what it opened
+(the engine's thread, the sandboxes' task snapshots, Ray actors through the transport) whatever happened. The
+held-out tasks are chosen once, with `run.seed`, and recorded in the run's config: they are evaluated, never trained
+on. A resumed run (`run.resume`) reopens the run directory and continues from its latest checkpoint; a new run
+refuses a directory in use.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from shipyard.harness.tools import default_tools
+from shipyard.harness.wire import ChatFormat
+from shipyard.models.resolve import load_hf, load_tokenizer, make_engine
+from shipyard.rl.config import ConfigError, RLConfig, engine_spec, save_config
+from shipyard.rl.loop import HackPenalty, RLLoop, export_policy
+from shipyard.rl.rundir import RunDir
+from shipyard.rollout.environment import LocalEnvironment
+from shipyard.rollout.scheduler import Scheduler
+from shipyard.rollout.transport import InProcessTransport
+from shipyard.tasks.curriculum import Curriculum
+from shipyard.tasks.taskset import list_tasks
+from shipyard.train.checkpoint import latest_checkpoint
+from shipyard.train.trainer import Trainer
+
+Status = Callable[[str], None]
+
+
+def task_set(config: RLConfig, status: Status) -> Path:
+    """The run's task set: `run.tasks` if it holds tasks, else synthesized there from `run.synth_from`."""
+    tasks = config.run.tasks
+    if tasks.is_dir() and list_tasks(tasks):
+        return tasks
+    if config.run.synth_from is None:
+        raise ConfigError(f"run.tasks {tasks} holds no tasks and run.synth_from names no repository to make them "
+                          f"from: run `shipyard synth --repo REPO --out {tasks}` or set run.synth_from")
+    from shipyard.tasks.synth import Synthesizer
+
+    status(f"synthesizing tasks from {config.run.synth_from} into {tasks}")
+    report = Synthesizer(config.run.synth_from, tasks, config.synth, log=lambda m: status(f"· {m}")).run()
+    if not report.accepted:
+        rejections = report.to_json()["rejections"]
+        raise RuntimeError(f"no task could be synthesized from {config.run.synth_from} (rejections: {rejections}): "
+                           f"see docs/tasks.md for what a repository needs")
+    return tasks
+
+
+def held_out(config: RLConfig, task_ids: list[str]) -> list[str]:
+    """The evaluation tasks: `run.held_out`, or `run.held_out_count` chosen with `run.seed`."""
+    if config.run.held_out:
+        unknown = sorted(set(config.run.held_out) - set(task_ids))
+        if unknown:
+            raise ConfigError(f"run.held_out names tasks the task set does not have: {unknown}")
+        chosen = list(config.run.held_out)
+    else:
+        chosen = sorted(random.Random(config.run.seed).sample(sorted(task_ids), config.run.held_out_count)) \
+            if config.run.held_out_count <= len(task_ids) else task_ids
+    if len(chosen) >= len(task_ids):
+        raise ConfigError(f"run.held_out leaves no task to train on ({len(task_ids)} tasks, {len(chosen)} held out): "
+                          f"hold out fewer or synthesize more (synth.max_tasks)")
+    return chosen
+
+
+def _run_dir(config: RLConfig) -> RunDir:
+    if not config.run.resume:
+        return RunDir.create(config.run.dir)
+    checkpoint = latest_checkpoint(Path(config.run.dir) / "checkpoints")
+    step = 0 if checkpoint is None else int(checkpoint.name.split("-")[1])
+    return RunDir.resume(config.run.dir, step)
+
+
+@contextmanager
+def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[str] | None = None) -> Iterator[RLLoop]:
+    """Everything the configuration describes, built and wired (module docstring); closed on exit."""
+    if config.hints.enabled:
+        raise ConfigError("hints.enabled: this version has the trainer's hint distillation but no hint detectors "
+                          "yet to write hints from rollouts (the targeted-feedback issue); set hints.enabled = false")
+    if config.run.world_size != 1:
+        raise ConfigError(f"run.world_size = {config.run.world_size}: `shipyard train` runs the trainer in its own "
+                          f"process (world size 1) in this version; set run.world_size = 1")
+    with ExitStack() as stack:
+        tasks_dir = task_set(config, status)
+        task_ids = list_tasks(tasks_dir)
+        evals = held_out(config, task_ids)
+        if not config.run.held_out:
+            config = replace(config, run=replace(config.run, held_out=tuple(evals), held_out_count=0))
+        full = Curriculum.from_taskset(tasks_dir, config.curriculum)
+        curriculum = Curriculum({t: s.difficulty for t, s in full.tasks.items() if t not in evals}, config.curriculum)
+
+        run = _run_dir(config)
+        stack.callback(run.close)
+        save_config(config, run.config_path, note="shipyard train " + " ".join(argv or []))
+
+        status(f"loading {config.model.name}")
+        name, kwargs = engine_spec(config)
+        if config.ray is not None:  # the engines are Ray actors, made by the transport
+            from shipyard.rollout.ray_transport import RayTransport
+
+            tokenizer = load_tokenizer(config.model.tokenizer or config.model.name, status)
+            transport = RayTransport(name, config.episode, config.ray)
+        else:
+            engine = make_engine(name, **kwargs, status=status)
+            stack.callback(engine.close)
+            tokenizer = engine.tokenizer or load_tokenizer(config.model.tokenizer or config.model.name, status)
+            env = LocalEnvironment()
+            stack.callback(env.close)
+            workers = config.rollout.max_in_flight or config.rollout.group_size * config.rollout.groups_per_step
+            transport = InProcessTransport(engine, env, config.episode, workers)
+        model, _ = load_hf(config.model.name, device=config.run.device, dtype=torch.float32, status=status)
+        header = ChatFormat(tokenizer, default_tools()).assistant_header_ids()
+        trainer = Trainer(model, config.trainer, pad_id=tokenizer.pad_token_id, header_ids=header,
+                          device=config.run.device)
+        shaping = (HackPenalty(),) if config.run.zero_flagged else ()
+        scheduler = Scheduler(copy.deepcopy(config.rollout), transport, tasks_dir, curriculum, shaping=shaping)
+        yield RLLoop(scheduler, trainer, run, config.run, eval_tasks=evals,
+                     export=lambda t, d: export_policy(t, tokenizer, d))
+
+
+def train(config: RLConfig, *, argv: list[str] | None = None, status: Status = lambda _: None,
+          on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
+    """Run the configured training to its last step (or resume it); the logged metrics lines."""
+    import asyncio
+
+    with open_run(config, status=status, argv=argv) as loop:
+        loop.on_step = on_step
+        return asyncio.run(loop.run_loop())

@@ -1,0 +1,317 @@
+"""`shipyard.rl.config`: one TOML file onto the project's dataclasses, overrides from the command line (tyro), the
+resolved config saved and read back. Hostile input first: every way a file or an override can be wrong must say
+which file, which key and what is allowed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from shipyard.models.bundled import DEFAULT_MODEL
+from shipyard.rl.config import ConfigError, RLConfig, engine_spec, load_config, save_config
+from shipyard.rollout.demo import EXAMPLE_REPO
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU, GPU = ROOT / "configs" / "cpu.toml", ROOT / "configs" / "gpu-node.toml"
+
+
+def write(tmp_path: Path, text: str, name: str = "run.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def error(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+# --- the file ------------------------------------------------------------------------------------------------------
+
+def test_missing_file_names_it(tmp_path):
+    message = error(tmp_path / "nope.toml")
+    assert "nope.toml" in message and "does not exist" in message
+
+
+def test_malformed_toml_gives_the_line(tmp_path):
+    path = write(tmp_path, "[run]\nsteps = 3\nseed = = 4\n")
+    message = error(path)
+    assert str(path) in message and "line 3" in message
+
+
+def test_unknown_key_is_named_with_a_close_match_and_the_allowed_keys(tmp_path):
+    message = error(write(tmp_path, "[trainer.optim]\nlrr = 1e-5\n"))
+    assert "run.toml" in message and "trainer.optim.lrr" in message
+    assert "did you mean 'lr'" in message and "warmup_steps" in message  # the allowed keys are listed
+
+
+def test_unknown_section_suggests_the_right_one(tmp_path):
+    message = error(write(tmp_path, "[trainr]\nseed = 1\n"))
+    assert "'trainr'" in message and "did you mean 'trainer'" in message
+
+
+def test_a_key_in_the_wrong_section_points_to_where_it_lives(tmp_path):
+    message = error(write(tmp_path, "[trainer]\nlr = 1e-5\n"))
+    assert "trainer.lr" in message and "trainer.optim.lr" in message
+
+
+@pytest.mark.parametrize(("text", "wanted"), [
+    ('[trainer.optim]\nlr = "fast"\n', "trainer.optim.lr must be a number, got a string 'fast'"),
+    ("[rollout]\ngroup_size = 2.5\n", "rollout.group_size must be an integer, got a float 2.5"),
+    ('[trainer]\nmxfp8 = "true"\n', "trainer.mxfp8 must be true or false, got a string 'true'"),
+    ("[curriculum]\nband = [0.1]\n", "curriculum.band must be a list of 2"),
+    ('[trainer.optim]\nname = "sgd"\n', "trainer.optim.name must be one of 'muon', 'adamw', got 'sgd'"),
+    ("trainer = 3\n", "trainer must be a table"),
+    ("[trainer.optim.lr]\nx = 1\n", "trainer.optim.lr must be a number, got a table"),
+    ("[run]\nheld_out = [1, 2]\n", "run.held_out[0] must be a string, got an integer 1"),
+])
+def test_wrong_types_say_what_is_allowed(tmp_path, text, wanted):
+    message = error(write(tmp_path, text))
+    assert wanted in message and "run.toml" in message
+
+
+@pytest.mark.parametrize(("text", "section", "said"), [
+    ("[rollout]\ngroup_size = 0\n", "[rollout]", "group_size and groups_per_step must be at least 1"),
+    ("[trainer.optim]\nlr = -1.0\n", "[trainer.optim]", "lr and grad_clip must be > 0"),
+    ('[trainer.distill]\nsupport = "sampled"\ndivergence = "jsd"\n', "[trainer.distill]", "sampled-token support"),
+    ('[engine]\nkind = "vllm"\n', "[engine]", "openai:"),
+    ('[engine]\nkind = "openai:"\n', "[engine]", "at least one URL"),
+    ('[engine]\ndevice = "gpu"\n', "[engine]", "device"),
+    ("[run]\nsteps = 0\n", "[run]", "steps"),
+    ('[run]\nheld_out = ["a"]\nheld_out_count = 2\n', "[run]", "held_out_count"),
+])
+def test_invalid_values_are_the_dataclasses_own_checks_with_the_section(tmp_path, text, section, said):
+    message = error(write(tmp_path, text))
+    assert "run.toml" in message and section in message and said in message
+
+
+# --- overrides -----------------------------------------------------------------------------------------------------
+
+def test_unknown_override_flag_suggests_the_close_one(tmp_path):
+    message = error(write(tmp_path, ""), ["--trainer.optim.lrr", "1e-5"])
+    assert "--trainer.optim.lrr" in message and "--trainer.optim.lr" in message and "command line" in message
+
+
+def test_override_with_a_bad_value_names_the_flag(tmp_path):
+    message = error(write(tmp_path, ""), ["--trainer.optim.lr", "fast"])
+    assert "--trainer.optim.lr" in message and "'fast'" in message
+
+
+def test_override_that_breaks_a_dataclass_check_is_reported(tmp_path):
+    message = error(write(tmp_path, ""), ["--rollout.group-size", "0"])
+    assert "group_size and groups_per_step must be at least 1" in message and "command line" in message
+
+
+def test_ray_overrides_need_a_ray_section(tmp_path):
+    message = error(write(tmp_path, ""), ["--ray.address", "auto"])
+    assert "[ray]" in message
+
+
+def test_a_stray_argument_is_refused(tmp_path):
+    message = error(write(tmp_path, ""), ["--run.steps", "3", "4"])
+    assert "'4'" in message
+
+
+def test_overrides_reach_every_kind_of_field(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path, "[trainer.optim]\nlr = 3e-6\n")
+    config = load_config(path, ["--trainer.optim.lr", "1e-5", "--trainer.optim.betas", "0.8", "0.99",
+                                "--trainer.optim.name", "muon", "--run.resume", "true", "--run.dir", "elsewhere",
+                                "--curriculum.band", "0.2", "0.8", "--trainer.policy.norm-length", "512",
+                                "--rollout.max_in_flight", "3", "--episode.loop.max-turns", "5",
+                                "--run.held-out", "t1", "t2", "--trainer.mxfp8", "True"])
+    optim = config.trainer.optim
+    assert (optim.lr, optim.betas, optim.name) == (1e-5, (0.8, 0.99), "muon")
+    assert config.run.resume is True and config.trainer.mxfp8 is True
+    assert config.run.dir == tmp_path / "elsewhere"  # relative on the command line: to the working directory
+    assert config.curriculum.band == (0.2, 0.8) and config.trainer.policy.norm_length == 512
+    assert config.rollout.max_in_flight == 3 and config.episode.loop.max_turns == 5
+    assert config.run.held_out == ("t1", "t2")
+    assert load_config(path, ["--trainer.policy.norm-length", "None"]).trainer.policy.norm_length is None
+
+
+def test_paths_in_the_file_are_relative_to_the_file(tmp_path, monkeypatch):
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(ROOT)
+    config = load_config(write(tmp_path / "sub", '[run]\ndir = "../runs/a"\nsynth_from = "repo"\n'))
+    assert config.run.dir == tmp_path / "runs" / "a" and config.run.synth_from == tmp_path / "sub" / "repo"
+    assert config.run.tasks == tmp_path / "runs" / "a" / "tasks"  # derived: <run.dir>/tasks
+
+
+# --- derived defaults: one setting, one place ----------------------------------------------------------------------
+
+def test_untagged_calls_default_follows_the_final_model(tmp_path):
+    bundled = write(tmp_path, f'[model]\nname = "{DEFAULT_MODEL}"\n')
+    assert load_config(bundled).episode.loop.untagged_calls == "accept"  # the bundled model's recorded setting
+    hub = write(tmp_path, '[model]\nname = "Qwen/Qwen2.5-Coder-7B-Instruct"\n', "hub.toml")
+    assert load_config(hub).episode.loop.untagged_calls == "reject"
+    assert load_config(bundled, ["--model.name", "Qwen/Qwen2.5-Coder-7B-Instruct"]).episode.loop.untagged_calls \
+        == "reject"  # the model chosen on the command line decides, not the file's
+    assert load_config(hub, ["--model.name", DEFAULT_MODEL]).episode.loop.untagged_calls == "accept"
+    explicit = write(tmp_path, f'[model]\nname = "{DEFAULT_MODEL}"\n[episode.loop]\nuntagged_calls = "reject"\n',
+                     "explicit.toml")
+    assert load_config(explicit).episode.loop.untagged_calls == "reject"  # the file's choice wins
+    assert load_config(explicit, ["--model.name", "x/y"]).episode.loop.untagged_calls == "reject"
+    assert load_config(bundled, ["--episode.loop.untagged-calls", "reject"]).episode.loop.untagged_calls == "reject"
+
+
+def test_seeds_follow_run_seed_unless_set(tmp_path):
+    config = load_config(write(tmp_path, "[run]\nseed = 7\n"), ["--run.seed", "9"])
+    assert config.trainer.seed == config.rollout.run_seed == 9
+    config = load_config(write(tmp_path, "[run]\nseed = 7\n[trainer]\nseed = 1\n", "own.toml"))
+    assert (config.trainer.seed, config.rollout.run_seed) == (1, 7)
+
+
+def test_ray_device_and_tokenizer_come_from_engine_and_model_and_may_not_disagree(tmp_path):
+    pytest.importorskip("ray")
+    text = '[model]\ntokenizer = "tok"\n[engine]\ndevice = "cuda"\n[ray]\naddress = "auto"\n'
+    config = load_config(write(tmp_path, text))
+    assert (config.ray.device, config.ray.tokenizer, config.ray.address) == ("cuda", "tok", "auto")
+    assert config.ray.allowed_roots == (config.run.tasks,)  # the environment servers may snapshot the task set
+    assert load_config(write(tmp_path, text), ["--engine.device", "cuda:1"]).ray.device == "cuda:1"
+    message = error(write(tmp_path, text + 'device = "cpu"\n', "clash.toml"))
+    assert "ray.device" in message and "engine.device" in message
+
+
+# --- saving the resolved config ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("example", [CPU, GPU])
+def test_the_resolved_config_round_trips(tmp_path, example):
+    if example == GPU:
+        pytest.importorskip("ray")
+    config = load_config(example, ["--trainer.optim.lr", "1.25e-5", "--run.dir", str(tmp_path / "run"),
+                                   "--trainer.policy.norm-length", "300"])
+    saved = save_config(config, tmp_path / "run" / "config.toml", note="overrides: --trainer.optim.lr 1.25e-5")
+    again = load_config(saved)
+    assert again == config
+    assert saved.read_text().startswith("# ")  # where it came from, as a comment
+    assert save_config(again, tmp_path / "second.toml").read_text() == saved.read_text().split("\n", 1)[1]
+
+
+def test_default_config_is_valid_and_loading_does_not_change_it(tmp_path):
+    path = write(tmp_path, "")
+    assert load_config(path) == load_config(path)
+    config = load_config(path)
+    assert isinstance(config, RLConfig) and config.model.name == DEFAULT_MODEL and config.ray is None
+
+
+# --- the examples --------------------------------------------------------------------------------------------------
+
+def test_cpu_example_is_the_bundled_model_on_cpu_with_adamw_on_the_example_repo():
+    config = load_config(CPU)
+    assert config.model.name == DEFAULT_MODEL and config.engine.kind == "local" and config.engine.device == "cpu"
+    assert config.run.device == "cpu" and config.run.world_size == 1 and config.ray is None
+    assert config.trainer.optim.name == "adamw" and not config.trainer.mxfp8
+    assert config.rollout.group_size <= 4 and config.run.synth_from == EXAMPLE_REPO
+    assert engine_spec(config) == (DEFAULT_MODEL, {"device": "cpu", "tokenizer": None})
+
+
+def test_gpu_node_example_is_vllm_muon_mxfp8_ray_and_hints():
+    pytest.importorskip("ray")
+    config = load_config(GPU)
+    name, kwargs = engine_spec(config)
+    urls = name.removeprefix("openai:").split(",")
+    assert name.startswith("openai:") and len(urls) >= 2 and all(u.startswith("http://") for u in urls)
+    assert "7B" in config.model.name and kwargs["tokenizer"] == config.model.name
+    assert config.trainer.optim.name == "muon" and config.trainer.mxfp8 and config.hints.enabled
+    assert config.run.device == "cuda" and config.run.world_size > 1
+    assert config.ray is not None and config.ray.address and config.ray.allowed_roots == (config.run.tasks,)
+
+
+# --- imports: no Ray unless asked for ------------------------------------------------------------------------------
+
+BLOCK_RAY = "import sys; sys.modules['ray'] = None\n"  # `import ray` now raises ImportError, as if not installed
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def test_without_ray_the_module_imports_and_loads_configs_without_a_ray_section(tmp_path):
+    ray_toml = write(tmp_path, '[ray]\naddress = "auto"\n')
+    proc = _python(BLOCK_RAY + f"""
+from shipyard.rl.config import ConfigError, load_config
+assert load_config({str(CPU)!r}).ray is None
+try:
+    load_config({str(ray_toml)!r})
+except ConfigError as e:
+    print("ERROR", e)
+print("RAY IMPORTED" if sys.modules.get("ray") else "NO RAY")
+print("TORCH", "torch" in sys.modules)
+""")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "NO RAY" in proc.stdout and "pip install 'shipyard[ray]'" in proc.stdout and "[ray]" in proc.stdout
+
+
+def test_importing_and_loading_a_cpu_config_does_not_start_or_import_ray():
+    proc = _python(f"import sys\nfrom shipyard.rl.config import load_config\nload_config({str(CPU)!r})\n"
+                   "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]"
+
+
+# --- the CLI path: typer passes the unparsed options through ---------------------------------------------------------
+
+def test_typer_passes_extra_options_through_to_load_config(tmp_path):
+    app = typer.Typer()
+    seen: list[RLConfig] = []
+
+    @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    def train(ctx: typer.Context, config: Path = typer.Argument(...)) -> None:
+        seen.append(load_config(config, ctx.args))
+
+    @app.command()
+    def other() -> None:  # a second command, so typer keeps `train` as a subcommand name
+        pass
+
+    path = write(tmp_path, "[trainer.optim]\nlr = 3e-6\n")
+    result = CliRunner().invoke(app, ["train", str(path), "--trainer.optim.lr", "1e-5", "--run.steps", "3"])
+    assert result.exit_code == 0, result.output
+    assert seen[0].trainer.optim.lr == 1e-5 and seen[0].run.steps == 3
+    # `--help` after CONFIG is typer's own; after `--` it reaches tyro, which lists every configuration option
+    result = CliRunner().invoke(app, ["train", str(path), "--", "--help"])
+    assert result.exit_code == 0 and "--trainer.optim.lr" in result.output and len(seen) == 1
+
+
+def test_help_lists_every_option_and_exits_zero(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        load_config(write(tmp_path, ""), ["--help"])
+    assert info.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert "--trainer.optim.lr" in out and "--episode.loop.max-turns" in out and "--run.resume {true,false}" in out
+
+
+@pytest.mark.parametrize(("content", "said"), [(b"[run]\nsteps = \xff\n", "not UTF-8"), (None, "is a directory")])
+def test_unreadable_files_are_named(tmp_path, content, said):
+    path = tmp_path / "bad.toml"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    message = error(path)
+    assert str(path) in message and said in message
+
+
+def test_a_saved_config_reads_back_the_same_from_another_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = load_config(CPU, ["--run.dir", "here"])
+    saved = save_config(config, tmp_path / "config.toml")
+    monkeypatch.chdir(ROOT)
+    assert load_config(saved) == config and config.run.dir == tmp_path / "here"
+
+
+def test_saving_refuses_a_none_that_would_read_back_as_something_else(tmp_path):
+    config = load_config(CPU)
+    config.run.synth_from = None  # defaults to None: left out, reads back the same
+    save_config(config, tmp_path / "ok.toml")
+    config.model.name = None  # defaults to a name: left out, it would read back as that name
+    with pytest.raises(ValueError, match="model_config.name|ModelConfig.name"):
+        save_config(config, tmp_path / "bad.toml")
