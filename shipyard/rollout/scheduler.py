@@ -51,7 +51,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from shipyard.models.errors import InfraError
 from shipyard.rollout.advantages import ShapingTerm, group_advantages, no_signal, shaped_reward
@@ -70,7 +70,7 @@ class SchedulerConfig:
     group_size: int = 8  # N rollouts per task per group
     groups_per_step: int = 4  # G groups per trainer batch
     max_staleness: int = 1  # η: trained tokens are at most η versions behind the trainer; 0 = synchronous
-    stale_tokens: str = "mask"  # older tokens: "mask" (kept as context, not trained) | "drop" (their group)
+    stale_tokens: Literal["mask", "drop"] = "mask"  # older tokens: kept as context, not trained | their group dropped
     run_seed: int = 0
     std_normalize: bool = False  # divide advantages by the group's std (GRPO); off: Dr. GRPO's unbiased form
     leave_one_out: bool = False  # RLOO baseline instead of the group mean
