@@ -128,7 +128,8 @@ class Batch:
         """A scheduler's `RolloutBatch` as tensors: one row per rollout in batch order, its advantage on every
         token, `sample_mask` 0 for masked rollouts (no reward), `hints` from the batch's hint slot, and per-token
         versions — `Turn.token_versions` where a completion spanned a weight update, else the turn's version.
-        Tokens sampled by a version older than `batch.min_version` get loss mask 0: context, not trained on."""
+        Tokens sampled by a version older than `batch.min_version` get loss mask 0: context, not trained on — by the
+        policy loss or by a hint's distillation (a hint's target is cut to its turn's fresh tokens, or dropped)."""
         rollouts = batch.rollouts
         trajectories = [r.trajectory or Trajectory(task=r.task_id, model="", prompt_ids=[]) for r in rollouts]
         out = cls.from_trajectories(trajectories, batch.advantages, pad_id=pad_id,
@@ -144,7 +145,16 @@ class Batch:
                     out.versions[b, pos:pos + n] = torch.tensor(turn.token_versions, dtype=torch.long)
                 pos += n + len(turn.observation_ids)
         if batch.min_version is not None:
-            out.loss_mask *= (out.versions >= batch.min_version).to(out.loss_mask.dtype)
+            fresh = out.versions >= batch.min_version
+            out.loss_mask *= fresh.to(out.loss_mask.dtype)
+            # a hint distils into the turn's tokens: only into its fresh ones (a suffix: versions grow within a turn)
+            kept = []
+            for h in out.hints:
+                span = fresh[h.sample, h.start:h.end]
+                if bool(span.any()):
+                    start = h.start + int(span.to(torch.int8).argmax())
+                    kept.append(HintTarget(h.sample, h.insert_at, h.hint_ids, start, h.end))
+            out.hints = kept
         return out
 
 

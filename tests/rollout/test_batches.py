@@ -107,3 +107,14 @@ def test_tokens_older_than_min_version_are_context_not_trained(batch):
     assert b.loss_mask[1].sum().item() == 0  # version 4: its whole completion is context now
     assert b.tokens == 1
     assert torch.all(b.versions[b.loss_mask > 0] >= 5)
+
+
+def test_hints_distil_only_into_fresh_tokens(batch):
+    """Review: a hint on a stale turn was still distilled (and, on a row with nothing trainable, crashed the
+    trainer). Its target is cut to the turn's fresh tokens, or dropped when none is fresh."""
+    batch.hints += [Hint(sample=0, turn=0, hint_ids=(60,)), Hint(sample=0, turn=1, hint_ids=(61,))]
+    batch.min_version = 5  # turn 0 (version 3) stale; turn 1: token versions 4, 4, 5
+    b = Batch.from_rollouts(batch, pad_id=0, header_ids=HEADER)
+    [h] = b.hints
+    assert (h.sample, h.hint_ids, h.start, h.end) == (0, (61,), 12, 13)  # only the version-5 token
+    assert b.loss_mask[0, h.start:h.end].tolist() == [1.0]
