@@ -15,8 +15,17 @@ those same sequences. Training tokens/s = prompt + completion tokens of a batch 
 first step of each is a warm-up and not counted; throughput is all tokens of the other steps / all their seconds.
 Target: shipyard ≥ 1.5× TRL.
 
+A group step, side by side in the same run on the same trainer (issue 15): `--samples` rows of one `--prompt`-token
+prompt (real text: this package's source through the model's tokenizer) with completions of about `--sampled` tokens
+(250–350 by default; token ids drawn at random, which costs what real ones do), trained once with the shared prompt
+computed once per micro-batch (`shipyard.train.prefix`) and once per sample (`shared_prefix = 0`), both under the
+same `micro_batch_tokens` budget (unique tokens). tokens/s = the group's sequence tokens (prompt counted per sample,
+as a per-sample trainer sees them) / the step's seconds, so the ratio is the speed-up. Target ≥ 4× at 8 samples of a
+1.7k-token prompt and ~300 sampled tokens. `--skip-trl` runs only this part (no TRL venv needed).
+
     shipyard bench trainer [-- --model qwen2.5-coder-0.5b --prompts 2 --generations 4 --completion 128 --steps 6
-                              --dtype float32|bfloat16 --lengths natural|fixed]
+                              --dtype float32|bfloat16 --lengths natural|fixed
+                              --samples 8 --prompt 1700 --sampled 300 --group-steps 2 --skip-trl]
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from _common import finish, table
 from shipyard.models.bundled import DEFAULT_MODEL
 from shipyard.models.resolve import load_hf
 from shipyard.train.batch import Batch
+from shipyard.train.prefix import groups
 from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer
 
 TRL = "trl==1.16.0"
@@ -66,6 +76,71 @@ def to_batch(b: dict, pad_id: int) -> Batch:
                  torch.ones(len(rows)), pad_id=pad_id)
 
 
+def group_batch(tok, samples: int, prompt: int, sampled: int, seed: int = 0) -> Batch:
+    """One GRPO group: `samples` rows of the same `prompt`-token prompt, completions of sampled ± 50 tokens."""
+    text = "\n".join(p.read_text() for p in sorted((Path(__file__).parents[1] / "shipyard").rglob("*.py")))
+    head = torch.tensor(tok(text)["input_ids"][:prompt])
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(sampled - 50, sampled + 51, (samples,), generator=g).tolist()
+    rows = [torch.cat([head, torch.randint(0, len(tok), (n,), generator=g)]) for n in lengths]
+    shape = (samples, max(len(r) for r in rows))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    ids, att = torch.full(shape, pad, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
+    mask, adv = torch.zeros(shape), torch.zeros(shape)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], att[i, :len(r)] = r, 1
+        mask[i, len(head):len(r)] = 1
+        adv[i, :len(r)] = 1.0 if i % 2 else -1.0
+    return Batch(ids, att, mask, torch.full(shape, -1.0), adv, torch.zeros(shape, dtype=torch.long),
+                 torch.ones(samples), pad_id=pad)
+
+
+def group_step(args) -> dict:
+    """Seconds of a group step with the shared prompt computed once vs per sample, alternating on one trainer."""
+    model, tok = load_hf(args.model, dtype=torch.float32)
+    batch = group_batch(tok, args.samples, args.prompt, args.sampled)
+    # One budget for both: the group's unique tokens (the shared step runs it as one micro-batch) or two rows (the
+    # per-sample step runs two rows per micro-batch), whichever is larger.
+    lengths = batch.attention_mask.sum(-1).tolist()
+    unique = groups(batch.input_ids, lengths, 32)[0].cost(lengths)
+    budget = max(unique, 2 * max(lengths)) + 64
+    config = TrainConfig(optim=OptimConfig(name="adamw", lr=1e-7, weight_decay=0.0), micro_batch=args.samples,
+                         micro_batch_tokens=budget, compute_dtype=args.dtype)
+    trainer = Trainer(model, config, pad_id=batch.pad_id)
+    shared = trainer.shared_prefix
+    warm = group_batch(tok, 2, 64, 16)
+    trainer.step(warm)  # first-call costs (optimizer state, allocator) out of the timings
+    seconds: dict[str, list[float]] = {"shared": [], "per_sample": []}
+    forward: dict[str, float] = {}
+    for _ in range(args.group_steps):
+        for mode, prefix in (("shared", shared), ("per_sample", 0)):
+            trainer.shared_prefix = prefix
+            t = time.perf_counter()
+            metrics = trainer.step(batch)
+            seconds[mode].append(time.perf_counter() - t)
+            forward[mode] = metrics["forward_tokens"]
+    trainer.shared_prefix = shared
+    tokens = int(batch.attention_mask.sum())
+    rate = {m: tokens * len(s) / sum(s) for m, s in seconds.items()}
+    ratio = rate["shared"] / rate["per_sample"]
+    per_step = [p / s for s, p in zip(seconds["shared"], seconds["per_sample"], strict=True)]
+    table(f"A group step on {args.model} ({args.dtype} compute, CPU, {torch.get_num_threads()} threads): "
+          f"{args.samples} samples of a {args.prompt}-token prompt, {args.sampled - 50}–{args.sampled + 50} sampled "
+          f"tokens each, {tokens} sequence tokens; micro_batch_tokens {budget}",
+          ["prompt computed", "positions computed", "s / step (mean)", "tokens/s", "× per sample",
+           "× per step"],
+          [["once per micro-batch", int(forward["shared"]), statistics.mean(seconds["shared"]), rate["shared"],
+            ratio, " ".join(f"{r:.2f}" for r in per_step)],
+           ["per sample", int(forward["per_sample"]), statistics.mean(seconds["per_sample"]), rate["per_sample"],
+            1.0, "—"]])
+    return {"group_samples": args.samples, "group_prompt_tokens": args.prompt, "group_tokens": tokens,
+            "group_forward_tokens": forward, "shared_prefix_s": [round(s, 2) for s in seconds["shared"]],
+            "per_sample_s": [round(s, 2) for s in seconds["per_sample"]],
+            "shared_prefix_tokens_per_s": round(rate["shared"], 1),
+            "per_sample_tokens_per_s": round(rate["per_sample"], 1), "shared_prefix_ratio": round(ratio, 2),
+            "shared_prefix_target_met": ratio >= 4.0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -79,7 +154,15 @@ def main() -> None:
     ap.add_argument("--lengths", choices=("natural", "fixed"), default="natural",
                     help="completions end where the model stops (at most --completion tokens), or all exactly "
                          "--completion tokens long")
+    ap.add_argument("--samples", type=int, default=8, help="group step: samples of one prompt")
+    ap.add_argument("--prompt", type=int, default=1700, help="group step: prompt tokens")
+    ap.add_argument("--sampled", type=int, default=300, help="group step: mean sampled tokens per sample")
+    ap.add_argument("--group-steps", type=int, default=2, help="group step: timed steps of each kind")
+    ap.add_argument("--skip-trl", action="store_true", help="only the group step (no TRL venv)")
     args = ap.parse_args()
+    if args.skip_trl:
+        finish("trainer", {"model": args.model, "dtype": args.dtype, **group_step(args)})
+        return
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "trl.pt"
         cmd = [str(trl_python()), str(Path(__file__).with_name("_trl_grpo.py")), "--model", args.model, "--out",
@@ -118,7 +201,9 @@ def main() -> None:
             trl_rate, 1.0, "—"],
            ["shipyard Trainer", statistics.mean(ours[1:]), "—", ours_rate, ours_rate / trl_rate,
             " ".join(f"{r:.2f}" for r in per_step)]])
-    finish("trainer", {"model": args.model, "dtype": args.dtype, "lengths": args.lengths,
+    del trainer, model  # the group step loads its own copy
+    group = group_step(args)
+    finish("trainer", {"model": args.model, "dtype": args.dtype, "lengths": args.lengths, **group,
                        "sequences": batches[0].size, "tokens_per_step": tokens, "trl_positions_per_step": trl_positions,
                        "trl_train_s": [round(s, 3) for s in trl_train], "ours_s": [round(s, 3) for s in ours],
                        "trl_tokens_per_s": round(trl_rate, 1), "ours_tokens_per_s": round(ours_rate, 1),

@@ -20,11 +20,12 @@ over one of three supports:
               estimate of KL(p_s ‖ p_t), and its gradient is the policy gradient with reward −(log p_s − log p_t):
               loss = sg(log p_s(y) − log p_t(y)) · log p_s(y).
 
-The teacher runs without gradient (frozen initial weights, an EMA of the policy — the default — or the live
-policy). Every per-token term is multiplied by a truncated importance weight min(p_s(y)/μ(y), 2), μ the sampler
-that drew y (the student may have moved since), and clipped at `token_kl_clip` so that a few tokens where the
-teacher is sure and the student is not cannot dominate. The distillation loss is the mean over target tokens and
-joins the policy loss with weight λ: L = L^PG + λ L^distill.
+Distillation is on only when hints can arrive (`enabled`, set by the RL loop when its hints are on): only then
+is a teacher built. The teacher runs without gradient (frozen initial weights, an EMA of the policy — the default —
+or the live policy). Every per-token term is multiplied by a truncated importance weight min(p_s(y)/μ(y), 2), μ
+the sampler that drew y (the student may have moved since), and clipped at `token_kl_clip` so that a few tokens
+where the teacher is sure and the student is not cannot dominate. The distillation loss is the mean over target
+tokens and joins the policy loss with weight λ: L = L^PG + λ L^distill.
 
 Note on `torch.nn.functional.kl_div(input, target)`: it computes Σ target (log target − input), i.e.
 KL(target ‖ exp(input)) — the *second* argument is the first distribution of the KL. We write the sums out.
@@ -44,6 +45,9 @@ TeacherKind = Literal["ema", "frozen", "live"]
 
 @dataclass
 class DistillConfig:
+    # Whether hints can arrive (the RL loop's hints are on). Off: no teacher is built — no copy of the model — and a
+    # batch carrying hints is refused. On with teacher "ema": an EMA copy of the policy (one more model in memory).
+    enabled: bool = False
     weight: float = 1.0  # λ
     divergence: Divergence = "reverse_kl"
     jsd_alpha: float = 0.5

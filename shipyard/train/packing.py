@@ -35,11 +35,19 @@ class Packed:
     input_ids: torch.Tensor  # [R, C] long, pad_id after the last sequence of a row
     position_ids: torch.Tensor  # [R, C] long, 0 at the start of every sequence (and of the trailing padding)
     index: torch.Tensor  # [B, T] long: flat position in [R·C] of each original token, −1 for padding
+    # [R, 1, C, C] bool, True where query i may attend key j: set when rows share a computed prefix
+    # (`shipyard.train.prefix`), which one position per token cannot express; None: restarting position ids say it.
+    mask: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Positions of the packed rows that hold a token (a shared prefix counts once)."""
+        return int(self.index[self.index >= 0].unique().numel())
 
     @property
     def padding(self) -> int:
         """Positions of the packed rows that hold no token."""
-        return self.input_ids.numel() - int((self.index >= 0).sum())
+        return self.input_ids.numel() - self.tokens
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int, max_items: int | None = None) -> list[list[int]]:
@@ -108,13 +116,18 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int, cap
 
 
 def forward_kept(model: nn.Module, packed: Packed, keep: torch.Tensor) -> torch.Tensor:
-    """Logits [N, V] at the True positions of `keep` ([B, T], over real tokens), in `keep`'s row-major order."""
+    """Logits [N, V] at the True positions of `keep` ([B, T], over real tokens), in `keep`'s row-major order. Rows
+    sharing a packed prefix get the same logits there (gathered twice, so their gradients add up)."""
     where = packed.index[keep]
     if bool((where < 0).any()):
         raise ValueError("logits requested at a padding position")
+    computed = where.unique()  # sorted
     flat = torch.zeros(packed.input_ids.numel(), dtype=torch.bool, device=keep.device)
-    flat[where] = True
-    logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
+    flat[computed] = True
+    mask = packed.mask
+    if mask is not None and model.config._attn_implementation == "eager":  # eager adds the mask to the scores
+        mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+    logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=mask,
                    use_cache=False, logits_to_keep=flat.view(packed.input_ids.shape)).logits
     # The model returns the kept positions in packed row-major order; put them back in the original order.
-    return logits[torch.searchsorted(where.sort().values, where)]
+    return logits[torch.searchsorted(computed, where)]

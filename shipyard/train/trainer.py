@@ -11,19 +11,31 @@ as torchtitan does (`fsdp_enabled` is false at degree 1; mixed precision then co
 at one rank still copies every parameter into and out of its all-gather buffer twice a step and every gradient
 through its reduce-scatter buffer — about a third of a CPU step for Qwen2.5-0.5B, for nothing.
 
+The module given to `Trainer` is trained in place and nothing else about it is changed: it must hold float32
+parameters on the trainer's device (the master weights; `compute_dtype` sets the math), else the trainer refuses it
+and says how to fix it; `in_place = False` trains a float32 copy and leaves the caller's module untouched. Only a
+config that asks for it converts anything (`mxfp8` swaps the linear layers of the module being trained). The teacher
+for hint self-distillation (by default an EMA copy of the whole model) is built only with `distill.enabled` — the RL
+loop sets it when hints are on — and a batch with hints is refused otherwise. The optimizer defaults to AdamW, the
+fast choice on CPU; GPU configs choose Muon (`default_optimizer`). Samples whose reward is unknown are not computed.
+
 A step:
-1. micro-batches of at most `micro_batch` rows and, with `micro_batch_tokens` > 0, at most that many tokens
-   (`packing.micro_batches`: activation memory bounded by tokens, whatever the trajectories' lengths). Every rank
+1. micro-batches of at most `micro_batch` rows and, with `micro_batch_tokens` > 0, at most that many *unique* tokens
+   (`prefix.micro_batches`: rows sharing a prompt stay together and count it once; activation memory bounded by
+   tokens, whatever the trajectories' lengths). A micro-batch's shared prefixes are computed once, with their
+   gradient accumulated from every row (`prefix.pack_shared`: exact; a step's cost follows the unique tokens,
+   reported as `forward_tokens`). Every rank
    runs as many micro-batches as the busiest rank — the others add a one-token micro-batch that counts for
    nothing — so the FSDP collectives stay in step. Per micro-batch: forward, per-token log-probabilities and
    entropies, the policy loss (`losses.policy_loss`; one optimizer step per batch, so π_old = π_θ and the
    importance weights carry the sampler/trainer mismatch), the k3 KL to the frozen initial policy when `kl_coef > 0`;
-2. for rows with hints: the teacher (EMA of the policy by default, frozen initial weights, or the live policy) runs
-   without gradient on the hinted contexts; `distill.distill_loss` on the target turn's tokens, weight λ. Every
-   rank runs the teacher on every micro-batch (a one-token stand-in when it has no hint) so the FSDP collectives
-   of all ranks stay in step;
+2. for rows with hints (`distill.enabled`): the teacher (EMA of the policy by default, frozen initial weights, or
+   the live policy) runs without gradient on the hinted contexts; `distill.distill_loss` on the target turn's
+   tokens, weight λ. Every rank runs the teacher on every micro-batch (a one-token stand-in when it has no hint) so
+   the FSDP collectives of all ranks stay in step;
 3. gradient clipping, Muon (matrices; q/k/v per head, experts per expert) + AdamW (embeddings, head, norms,
-   biases), the LR schedule, the EMA teacher update, policy version + 1.
+   biases) or AdamW alone, the LR schedule, the EMA teacher update, policy version + 1; on CPU, freed heap pages go
+   back to the OS (`malloc_trim`), so resident memory does not creep as batches of other shapes come and go.
 
 `train_step(trajectories, advantages, …)` is the Python API the rollout server calls.
 """
@@ -31,6 +43,8 @@ A step:
 from __future__ import annotations
 
 import copy
+import ctypes
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,12 +63,19 @@ from shipyard.train.distill import DistillConfig, distill_loss
 from shipyard.train.losses import PolicyLossConfig, policy_loss, token_logprobs
 from shipyard.train.muon import Muon, muon_param_groups
 from shipyard.train.mx import convert_to_mxfp8
-from shipyard.train.packing import balance, forward_kept, micro_batches, pack
+from shipyard.train.packing import balance, forward_kept
+from shipyard.train.prefix import micro_batches, pack_shared, supports_tree
+
+
+def default_optimizer(device: str) -> Literal["muon", "adamw"]:
+    """The fast choice per device, for config trees: AdamW on CPU (Muon's Newton–Schulz iterations cost 23–25 s a
+    step for the 0.5B on 2 cores, AdamW 0.35 s), Muon on accelerators, where the iterations are cheap matmuls."""
+    return "adamw" if torch.device(device).type == "cpu" else "muon"
 
 
 @dataclass
 class OptimConfig:
-    name: Literal["muon", "adamw"] = "muon"
+    name: Literal["muon", "adamw"] = "adamw"  # CPU default; GPU configs choose "muon" (`default_optimizer`)
     lr: float = 2e-6  # Muon's 0.2·√max(r, c) scaling lets it share AdamW's learning rate
     weight_decay: float = 0.1
     momentum: float = 0.95
@@ -81,6 +102,12 @@ class TrainConfig:
     mxfp8: bool = False
     compute_dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: FSDP2 mixed precision, fp32 master
     seed: int = 0
+    # Rows of a micro-batch sharing at least this many leading tokens (a group's prompt) compute them once
+    # (`shipyard.train.prefix`); 0: every row computes its whole sequence.
+    shared_prefix: int = 32
+    # The module passed to `Trainer` is trained in place (its float32 parameters change at every step; nothing
+    # else about it is converted). False: the trainer trains a float32 copy and the caller's module is untouched.
+    in_place: bool = True
 
     def __post_init__(self) -> None:
         if self.micro_batch < 1:
@@ -89,6 +116,24 @@ class TrainConfig:
             raise ValueError(f"micro_batch_tokens must be >= 0 (0: no token limit), got {self.micro_batch_tokens}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
+        if self.shared_prefix < 0:
+            raise ValueError(f"shared_prefix must be >= 0 (0: no sharing), got {self.shared_prefix}")
+
+
+def _heap_trimmer():
+    """glibc keeps freed heap pages mapped, so a CPU process whose step allocates differently shaped activations each
+    time (every batch has other lengths) grows its resident memory step after step with no tensor alive;
+    `malloc_trim(0)` hands the free pages back. A no-op off glibc."""
+    if sys.platform != "linux":
+        return lambda: None
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except AttributeError:  # another C library (musl)
+        return lambda: None
+    return lambda: trim(0)
+
+
+_trim_heap = _heap_trimmer()
 
 
 def ensure_process_group() -> None:
@@ -150,12 +195,14 @@ class Trainer:
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.device = torch.device(device)
         torch.manual_seed(config.seed)
+        model = self._own(model, config)
         if config.mxfp8:
             convert_to_mxfp8(model)
-        model.to(self.device, torch.float32).train()  # float32 master weights; compute_dtype sets the math
-        needs_ref = config.policy.kl_coef > 0 or (config.distill.weight > 0 and config.distill.teacher == "frozen")
+        model.train()
+        self.distilling = config.distill.enabled and config.distill.weight > 0
+        needs_ref = config.policy.kl_coef > 0 or (self.distilling and config.distill.teacher == "frozen")
         teacher = copy.deepcopy(model).eval().requires_grad_(False) if (
-            config.distill.weight > 0 and config.distill.teacher == "ema") else None
+            self.distilling and config.distill.teacher == "ema") else None
         reference = copy.deepcopy(model).eval().requires_grad_(False) if needs_ref else None
         self.mesh = init_device_mesh(self.device.type, (self.world,))
         dtype = config.compute_dtype
@@ -165,6 +212,8 @@ class Trainer:
         # bfloat16 compute without FSDP (one rank): autocast; with FSDP its mixed-precision policy does it.
         self.autocast = torch.autocast(self.device.type, torch.bfloat16,
                                        enabled=dtype == "bfloat16" and self.world == 1)
+        # Shared prefixes need a custom 4-D attention mask; other attention kernels get rows one by one.
+        self.shared_prefix = config.shared_prefix if supports_tree(self.model) else 0
         self.optimizers = self._optimizers()
         warmup = config.optim.warmup_steps
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / (warmup + 1)))
@@ -173,6 +222,21 @@ class Trainer:
         self.step_count = 0
 
     # Set-up --------------------------------------------------------------------------------------------------
+    def _own(self, model: nn.Module, config: TrainConfig) -> nn.Module:
+        """The module to train: the caller's, as given (`in_place`), or a float32 copy on the trainer's device. The
+        caller's module is never converted behind its back: float32 master weights on the trainer's device are
+        required in place, with a message saying how to get them."""
+        if not config.in_place:
+            return copy.deepcopy(model).to(self.device, torch.float32)
+        wrong = {(p.dtype, p.device.type) for p in model.parameters()} - {(torch.float32, self.device.type)}
+        if wrong:
+            dtype, device = sorted(wrong, key=str)[0]
+            raise ValueError(f"the model has {dtype} parameters on {device}; the trainer keeps float32 master weights "
+                             f"on {self.device.type} (compute_dtype sets the math) and trains the module it is given "
+                             f"in place: load it as float32 on {self.device.type} (e.g. load_hf(name, "
+                             f"dtype=torch.float32)), or set in_place = false to train a float32 copy")
+        return model
+
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         o = self.config.optim
         if o.name == "adamw":
@@ -207,14 +271,21 @@ class Trainer:
     def step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on `batch` (the same global batch on every rank); metrics for the whole batch."""
         start = time.perf_counter()
-        lengths = batch.attention_mask.sum(-1).tolist()
-        shares = balance(lengths, self.world)  # the same plan on every rank: no communication
-        plans = [micro_batches([lengths[i] for i in share], self.config.micro_batch, self.config.micro_batch_tokens)
-                 for share in shares]
+        # Failed samples count for nothing, so they are not computed at all (nor can they change how the others are
+        # laid out); the rest is split over ranks by tokens — the same plan on every rank: no communication.
+        live = [i for i, m in enumerate(batch.sample_mask.tolist()) if m > 0]
+        lengths = batch.attention_mask[live].sum(-1).tolist()
+        shares = [[live[i] for i in share] for share in balance(lengths, self.world)]
+        full = batch.attention_mask.sum(-1).tolist()
+        plans = [micro_batches(batch.input_ids[share], [full[i] for i in share], self.config.micro_batch,
+                               self.config.micro_batch_tokens, self.shared_prefix) for share in shares]
         local = batch.rows(shares[self.rank]).to(self.device)
         mask = local.loss_mask[:, 1:] * local.sample_mask[:, None]
         per_seq = self.config.policy.aggregation != "token_mean"
         hint_tokens = sum(h.end - h.start for h in local.hints if local.sample_mask[h.sample] > 0)
+        if batch.hints and not self.distilling:
+            raise ValueError("the batch carries hints but distillation is off: set distill.enabled = true (and "
+                             "distill.weight > 0) in the trainer config when hints are on, so the teacher is built")
         den, dden = self._sum([float((mask.sum(-1) > 0).sum() if per_seq else mask.sum()), float(hint_tokens)])
         if den == 0 and dden == 0:  # every sample failed or sampled nothing: no step, no new version
             return {"skipped": 1.0, "tokens": 0.0, "version": float(self.version),
@@ -232,24 +303,27 @@ class Trainer:
         for sched in self.schedulers:
             sched.step()
         self._update_ema()
+        if self.device.type == "cpu":
+            _trim_heap()
         self.version += 1
         self.step_count += 1
         keys = sorted(sums)
         totals = dict(zip(keys, self._sum([sums[k] for k in keys]), strict=True))
         tokens = max(totals.pop("tokens", 0.0), 1.0)
         dtok = totals.pop("distill_tokens", 0.0)
+        forward = totals.pop("forward_tokens", 0.0)
         scale = {"t": tokens, "d": max(dtok, 1.0), "s": 1.0}
         metrics = {k[2:]: v / scale[k[0]] for k, v in totals.items()}
         seconds = time.perf_counter() - start
         norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-        metrics |= {"grad_norm": float(norm), "tokens": tokens, "distill_tokens": dtok,
+        metrics |= {"grad_norm": float(norm), "tokens": tokens, "distill_tokens": dtok, "forward_tokens": forward,
                     "seconds": seconds, "tokens_per_second": tokens / seconds, "version": float(self.version),
                     "lr": self.schedulers[0].get_last_lr()[0]}
         return metrics
 
     def _micro(self, mb: Batch, den: float, dden: float, sums: dict[str, float]) -> None:
         cfg = self.config
-        distilling = cfg.distill.weight > 0 and dden > 0
+        distilling = self.distilling and dden > 0
         teacher_logits = self._teacher_logits(mb) if distilling else None
         # Logits only where a sampled token is predicted (position t − 1 for token t): the output head and the
         # log-softmax over the vocabulary are skipped for prompts and observations — in agent trajectories most of
@@ -258,7 +332,7 @@ class Trainer:
         keep = torch.zeros_like(mb.attention_mask, dtype=torch.bool)
         keep[:, :-1] = mask > 0
         targets = mb.input_ids[:, 1:][keep[:, :-1]]
-        packed = pack(mb.input_ids, mb.attention_mask, self.pad_id)
+        packed = pack_shared(mb.input_ids, mb.attention_mask, self.pad_id, self.shared_prefix)
         ref_lp = None
         if self.reference is not None and cfg.policy.kl_coef > 0:
             with torch.no_grad(), self.autocast:
@@ -278,6 +352,7 @@ class Trainer:
                 add("t:" + k, v * n)
         add("t:entropy", float(flat_entropy.sum()))
         add("tokens", n)
+        add("forward_tokens", float(packed.tokens))
         add("s:policy_loss", float(loss.detach()))  # micro-batch losses sum to the full-batch loss
         if distilling:
             hinted = [h for h in mb.hints if mb.sample_mask[h.sample] > 0]
@@ -317,7 +392,7 @@ class Trainer:
         for i, (a, b) in enumerate(spans):
             keep[i, a:b] = True
         with torch.no_grad(), self.autocast:  # logits of the target spans only, flattened in hint order
-            out = forward_kept(self.teacher, pack(ids, att, self.pad_id), keep)
+            out = forward_kept(self.teacher, pack_shared(ids, att, self.pad_id, self.shared_prefix), keep)
         if self.teacher is not self.model:
             _reshard(self.teacher)
         return out

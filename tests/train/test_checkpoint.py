@@ -17,8 +17,8 @@ ADV = [[1.0, -1.0], [0.5, -0.5], [-0.25, 0.75], [0.3, -0.3]]
 
 def _trainer() -> Trainer:
     model, tok = tiny_model(seed=4)
-    config = TrainConfig(optim=OptimConfig(lr=1e-3, warmup_steps=3), micro_batch=1,
-                         distill=DistillConfig(weight=0.3, teacher="ema", ema_decay=0.9))
+    config = TrainConfig(optim=OptimConfig(name="muon", lr=1e-3, warmup_steps=3), micro_batch=1,
+                         distill=DistillConfig(enabled=True, weight=0.3, teacher="ema", ema_decay=0.9))
     return Trainer(model.float(), config, pad_id=tok.pad_token_id,
                    header_ids=ChatFormat(tok, default_tools()).assistant_header_ids())
 

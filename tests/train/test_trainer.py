@@ -91,11 +91,11 @@ def test_failed_samples_count_for_nothing(episodes):
 def test_hints_distill_and_an_empty_hint_gives_zero_divergence(episodes):
     fmt = ChatFormat(tiny_model()[1], default_tools())
     multi = [i for i, t in enumerate(episodes) if len(t.turns) >= 2][:2]
-    trainer = _trainer(distill=DistillConfig(weight=0.5, teacher="live"))
+    trainer = _trainer(distill=DistillConfig(enabled=True, weight=0.5, teacher="live"))
     hints = [Hint(0, 1, ())]  # nothing inserted: teacher context == student context
     metrics = trainer.train_step([episodes[multi[0]]], [0.0], hints=hints)
     assert metrics["distill_tokens"] > 0 and metrics["distill_divergence"] == pytest.approx(0.0, abs=1e-6)
-    ema = _trainer(distill=DistillConfig(weight=0.5, teacher="ema", ema_decay=0.5))
+    ema = _trainer(distill=DistillConfig(enabled=True, weight=0.5, teacher="ema", ema_decay=0.5))
     hints = [Hint(0, 1, fmt.hint_ids("Read the test first.")), Hint(1, 0, fmt.hint_ids("List the files."))]
     m = ema.train_step([episodes[i] for i in multi], [0.0, 0.0], hints=hints)
     assert m["distill_divergence"] > 0 and m["distill_loss"] > 0
@@ -151,8 +151,8 @@ def test_moe_model_trains_with_experts_as_muon_units(episodes):
                             num_experts=4, num_experts_per_tok=2, pad_token_id=tok.pad_token_id,
                             eos_token_id=tok.eos_token_id, bos_token_id=None)
     torch.manual_seed(0)
-    trainer = Trainer(Qwen3MoeForCausalLM(config), TrainConfig(optim=OptimConfig(lr=1e-3), micro_batch=2),
-                      pad_id=tok.pad_token_id)
+    train = TrainConfig(optim=OptimConfig(name="muon", lr=1e-3), micro_batch=2)
+    trainer = Trainer(Qwen3MoeForCausalLM(config), train, pad_id=tok.pad_token_id)
     muon = trainer.optimizers[0]
     experts = [p for g in muon.param_groups for p in g["params"] if p.ndim == 3]
     assert len(experts) == 4  # gate_up_proj and down_proj of 2 layers, one unit per expert
