@@ -92,12 +92,16 @@ def micro_batches(lengths: list[int], max_rows: int, max_tokens: int = 0) -> lis
     return alone + [sorted(rest[j] for j in b) for b in bins]
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int, capacity: int | None = None) -> Packed:
-    """Pack right-padded rows (`attention_mask` 1 on a prefix of each row) into rows of `capacity` tokens."""
-    lengths = attention_mask.sum(-1).tolist()
+def check_right_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
     if not torch.equal(attention_mask.bool(), torch.arange(input_ids.shape[1], device=input_ids.device)
                        < attention_mask.sum(-1, keepdim=True)):
         raise ValueError("packing needs right-padded rows: attention_mask must be 1 on a prefix of each row")
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int, capacity: int | None = None) -> Packed:
+    """Pack right-padded rows (`attention_mask` 1 on a prefix of each row) into rows of `capacity` tokens."""
+    lengths = attention_mask.sum(-1).tolist()
+    check_right_padded(input_ids, attention_mask)
     capacity = capacity or max(max(lengths), 1)
     bins = first_fit_decreasing(lengths, capacity)
     ids = torch.full((len(bins), capacity), pad_id, dtype=input_ids.dtype, device=input_ids.device)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shipyard.train.packing import Packed, first_fit_decreasing, pack
+from shipyard.train.packing import Packed, check_right_padded, first_fit_decreasing, pack
 
 
 @dataclass(frozen=True)
@@ -115,9 +115,7 @@ def pack_shared(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: i
     found = groups(input_ids, lengths, min_tokens) if min_tokens > 0 else []
     if not any(len(g.rows) > 1 for g in found):
         return pack(input_ids, attention_mask, pad_id)
-    if not torch.equal(attention_mask.bool(), torch.arange(input_ids.shape[1], device=input_ids.device)
-                       < attention_mask.sum(-1, keepdim=True)):
-        raise ValueError("packing needs right-padded rows: attention_mask must be 1 on a prefix of each row")
+    check_right_padded(input_ids, attention_mask)
     costs = [g.cost(lengths) for g in found]
     capacity = max(costs)
     bins = first_fit_decreasing(costs, capacity)
