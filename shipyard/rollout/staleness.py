@@ -121,9 +121,14 @@ class StalenessGate:
 
     def fresh(self, rollouts: list[Rollout], started_at: int) -> bool:
         """Whether the group may go into a batch now: "drop", its oldest token is within η; "mask", a rewarded
-        rollout of it has a token within η to train on."""
+        rollout of it has a token within η to train on (a group whose rewarded rollouts sampled nothing: by the
+        version it started at, as under "drop")."""
         if self.stale_tokens == "drop":
             return self.oldest(rollouts, started_at) >= self.min_version
+        sampled = sum(len(t.completion_ids) for r in rollouts if not r.masked and r.trajectory is not None
+                      for t in r.trajectory.turns)
+        if sampled == 0:  # nothing sampled to be stale (every rollout failed, or stopped before a turn): by its start
+            return started_at >= self.min_version
         return self.trainable_tokens(rollouts) > 0
 
     def accept(self, rollouts: list[Rollout], started_at: int) -> None:

@@ -281,3 +281,14 @@ def test_mask_acceptance_counts_only_tokens_that_would_train():
     stats = gate.stats()
     assert (stats["sampled_tokens"], stats["masked_stale_tokens"], stats["fully_masked_rollouts"]) == (15, 12, 2)
     assert stats["trained_token_fraction"] == pytest.approx(3 / 15)
+
+
+def test_a_group_that_sampled_nothing_is_judged_by_its_start():
+    """CI: a group whose rollouts all failed (or stopped before a turn) has no token to be stale; under "mask" it was
+    dropped as stale, which tripped the deaf-engine guard instead of saying that every rollout failed."""
+    gate = StalenessGate(max_staleness=1, groups_per_step=1, stale_tokens="mask")
+    failed = [rollout_with(0, [], None), rollout_with(1, [], 0.0)]
+    assert gate.fresh(failed, 0)
+    gate.advance(1)
+    gate.advance(2)
+    assert not gate.fresh(failed, 0) and gate.fresh(failed, 1)
