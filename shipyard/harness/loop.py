@@ -3,13 +3,17 @@
 One loop serves the CLI agent and RL rollouts alike. Per turn:
 
 1. **Generate** from the running token context (prompt + every earlier completion and observation).
-2. **Parse** the completion into calls (`ToolCallParser`); malformed calls become error responses.
+2. **Parse** the completion into calls (`ToolCallParser`). Every *attempted* call that cannot run — malformed or
+   cut-off JSON, an unknown tool, a call outside the `<tool_call>` tags, bad arguments — becomes a call with an
+   error and an `error_kind`; its error (what was wrong, the expected format with an example, the tools) is its
+   tool response, so the episode goes on and the model can correct itself. A call cut off because the turn hit
+   `max_new_tokens` says so. Only a turn with no attempted call at all is final.
 3. **Execute** the valid calls with the results of running them in call order (a read or a test run after an
    edit sees the edit), running concurrently whatever does not conflict (`ToolExecutor`). Results go back in
    call order, whatever order they finished in.
 4. **Append** the responses as token ids rendered by `ChatFormat` (never re-rendering history).
 
-The episode stops for exactly one explicit reason: `finished` (a turn with no call), `max_turns`,
+The episode stops for exactly one explicit reason: `finished` (a turn with no attempted call), `max_turns`,
 `max_tokens` (the context budget is spent), `wall_time`, or `repeated_failures` (that many consecutive turns
 in which every call failed, a model that is stuck) — the model's doing, all of them — or one that is not:
 
@@ -97,7 +101,7 @@ class ToolExecutor:
             else:
                 error = self._clean(call.error)
                 records[call.index] = CallRecord(call.index, call.name, call.arguments, f"error: {error}", error,
-                                                 0.0, call.untagged)
+                                                 0.0, call.untagged, call.error_kind)
         self.ctx.concurrent_terminals = sum(c.name == "run_terminal" for c in valid)
         for wave in self._waves(valid):
             if len(wave) == 1:
@@ -141,7 +145,7 @@ class ToolExecutor:
             output = f"error: {error}"
         error = None if error is None else self._clean(error)
         return CallRecord(call.index, call.name, call.arguments, self._clean(output), error,
-                          time.perf_counter() - start, call.untagged)
+                          time.perf_counter() - start, call.untagged, None if error is None else "tool_error")
 
     def _clean(self, text: str) -> str:
         """What goes back to the model is bounded, valid UTF-8 text whatever a tool or an error message held (a lone
@@ -263,6 +267,8 @@ class Agent:
             gen_seconds = time.perf_counter() - t0
             aborted = completion.finish_reason == "abort"
             parsed = self.parser.parse("" if aborted else completion.text)
+            if completion.finish_reason == "length":
+                _note_cut(parsed, sampling.max_tokens)
             t1 = time.perf_counter()
             records: list[CallRecord] = []
             try:
@@ -307,6 +313,15 @@ class Agent:
                     policy_version=completion.policy_version, token_versions=list(completion.token_versions))
         traj.turns.append(turn)
         return turn
+
+
+def _note_cut(parsed: ParsedTurn, max_tokens: int) -> None:
+    """Tell the model why its call was cut off when the turn hit the token limit (it cannot see that limit)."""
+    for call in parsed.calls:
+        if call.error_kind == "truncated" and call.error is not None:
+            call.error += (f"\nYour turn was cut off at the limit of {max_tokens} new tokens per turn "
+                           "(max_new_tokens): write shorter calls (edit with search_replace rather than rewriting a "
+                           "whole file; split long work over several turns).")
 
 
 def _infra_error(traj: Trajectory, stage: str, error: BaseException) -> None:

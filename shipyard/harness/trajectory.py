@@ -5,6 +5,22 @@ by its `observation_ids` (tool responses and the next assistant header, rendered
 mask is 1 exactly on sampled tokens, so the trainer learns only from what the model chose; `logprobs` are the
 sampler's, stored per sampled token, for importance-sampling corrections. The record is written as JSON after
 every turn (atomically), so a crash loses at most the turn in flight, and `Trajectory.load` reads it back.
+
+A failed call records why in `CallRecord.error_kind`, one word of `ERROR_KINDS` (the first problem found, in this
+order of precedence):
+
+- `untagged`: an attempted call written outside `<tool_call>` tags (bare or code-fenced JSON, a bare
+  `<function=…>` block) under the parser setting `untagged="reject"`; it was not run;
+- `truncated`: the call runs to the end of the turn without being closed (`</tool_call>`, `</function>` or the
+  JSON's closing brace), typically cut by `max_new_tokens`;
+- `malformed`: the call's text cannot be read as a call (invalid JSON, a body in neither form, a stray
+  `</tool_call>`, a block left open before the next one);
+- `unknown_tool`: it names no tool of this episode;
+- `bad_arguments`: the arguments do not match the tool's JSON-Schema (missing, unexpected, mistyped);
+- `tool_error`: the tool ran and refused or failed (a missing file, an ambiguous edit, a timeout…).
+
+Records written before `error_kind` existed load with `error_kind=None` (`shipyard.harness.validity` counts a
+failed call without a kind as `unclassified`).
 """
 
 from __future__ import annotations
@@ -14,7 +30,12 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+ErrorKind = Literal["untagged", "truncated", "malformed", "unknown_tool", "bad_arguments", "tool_error"]
+ERROR_KINDS: tuple[ErrorKind, ...] = ("untagged", "truncated", "malformed", "unknown_tool", "bad_arguments",
+                                      "tool_error")
+FORMAT_KINDS: tuple[ErrorKind, ...] = ("untagged", "truncated", "malformed", "unknown_tool")  # the wire format's
 
 
 @dataclass
@@ -26,6 +47,7 @@ class CallRecord:
     error: str | None
     seconds: float
     untagged: bool = False  # written outside <tool_call> tags and accepted (parser setting untagged="accept")
+    error_kind: ErrorKind | None = None  # why it failed (see the module docstring); None when it ran without error
 
 
 @dataclass
@@ -88,6 +110,7 @@ class Trajectory:
             "tool_calls": len(calls),
             "failed_calls": sum(c.error is not None for c in calls),
             "untagged_calls": sum(c.untagged for c in calls),
+            "format_errors": sum(c.error_kind in FORMAT_KINDS for c in calls),
             "mean_parallel_width": sum(widths) / len(widths) if widths else 0.0,
             "sampled_tokens": sum(len(t.completion_ids) for t in self.turns),
             "total_tokens": len(self.token_ids()),

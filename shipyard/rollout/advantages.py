@@ -20,18 +20,30 @@ advantage is 0 — so dynamic sampling drops and replaces it (DAPO, Yu et al. 20
 Shaping terms (`ShapingTerm`) are computed from the finished trajectory and added to the reward before the
 advantages; each is recorded by name in `Rollout.shaping`, and `Rollout.reward` stays the grader's reward (the
 curriculum tracks pass rates from that). Two are provided: `EffortPenalty`, a soft length penalty in the manner of
-DAPO's overlong shaping (0 up to a free budget of sampled tokens, then linear down to −coef at the limit), and
+DAPO's overlong shaping (0 up to a free budget of sampled tokens, then linear down to −coef at the limit),
 `ParallelBonus`, a bonus for the mean number of tool calls issued in parallel per turn, paid only on solved
-rollouts so that spraying calls cannot earn it.
+rollouts so that spraying calls cannot earn it, and `GroundedCalls`, for grounded tool-call validity
+(`shipyard.harness.validity`): with c calls of which g are grounded and p carry a placeholder argument,
+
+    shaping = coef · g/c − placeholder_coef · p/c        (0 when c = 0),
+
+bounded in [−placeholder_coef, coef]. It is paid whatever the verdict: it exists to teach the format and real
+arguments early, when almost no rollout is solved (the measured failure it answers: a reward for any parseable call
+was met by copying the tool's parameter description, 15 of 16 "valid" calls). Fractions, not counts, so that
+spraying calls earns nothing; the placeholder term makes a copied description cost more than a call that merely
+failed. Keep coef small next to the verdict's 1 so that solving stays what matters. No term is on unless the caller
+lists it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from shipyard.harness.tools import Tool
+from shipyard.harness.validity import ValidityChecker
 from shipyard.rollout.record import Rollout
 
 
@@ -104,6 +116,33 @@ class ParallelBonus:
             return 0.0
         mean = sum(widths) / len(widths)
         return self.coef * min(1.0, max(0.0, (mean - 1) / (self.cap - 1)))
+
+
+@dataclass(frozen=True)
+class GroundedCalls:
+    """coef · grounded/calls − placeholder_coef · placeholder/calls over the rollout's calls (0 without calls).
+
+    `tools`: the tool set the episodes were run with (the descriptions placeholders are copied from); None means
+    `default_tools()`, the harness's.
+    """
+
+    coef: float = 0.1
+    placeholder_coef: float = 0.1
+    tools: tuple[Tool, ...] | None = None
+    name: str = "grounded"
+    checker: ValidityChecker = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.coef < 0 or self.placeholder_coef < 0:
+            raise ValueError(f"GroundedCalls needs coef >= 0 and placeholder_coef >= 0, got coef={self.coef}, "
+                             f"placeholder_coef={self.placeholder_coef}; a negative coef would reward bad calls")
+        object.__setattr__(self, "checker", ValidityChecker(self.tools))
+
+    def __call__(self, rollout: Rollout) -> float:
+        if rollout.trajectory is None:
+            return 0.0
+        stats = self.checker.trajectory(rollout.trajectory)
+        return self.coef * stats.grounded_fraction - self.placeholder_coef * stats.placeholder_fraction
 
 
 def shaped_reward(rollout: Rollout, terms: Sequence[ShapingTerm]) -> float | None:

@@ -472,7 +472,10 @@ def test_parser_reports_json_python_will_not_decode():
     assert "4300 digits" in turn.calls[0].error and "nested too deeply" in turn.calls[1].error
     bare = parser.parse('{"name": ["read_file"], "arguments": {}} {"name": "read_file", "arguments": {"path": '
                         + "9" * 5000 + "}}")
-    assert bare.is_final  # no call recognised, and no exception
+    # The second object is an attempted read_file call (issue 15: answered, not taken for a final answer); the first,
+    # whose name is not a string, is not a call. No exception either way.
+    assert [c.error_kind for c in bare.calls] == ["untagged"] and "4300 digits" in bare.calls[0].error
+    assert [c.error_kind for c in ToolCallParser(default_tools(), "accept").parse(bare.content).calls] == ["malformed"]
     assert parser.parse(raw_call('{"name": "read_file", "arguments": {"path": "a", "offset": 2.0}}')).calls[0] \
         .arguments["offset"].__class__ is int
 

@@ -9,8 +9,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from schedfakes import turn
 
-from shipyard.harness.trajectory import Trajectory
-from shipyard.rollout.advantages import EffortPenalty, ParallelBonus, group_advantages, no_signal, shaped_reward
+from shipyard.harness.trajectory import CallRecord, Trajectory
+from shipyard.rollout.advantages import (
+    EffortPenalty,
+    GroundedCalls,
+    ParallelBonus,
+    group_advantages,
+    no_signal,
+    shaped_reward,
+)
 from shipyard.rollout.record import Rollout
 
 
@@ -115,3 +122,41 @@ def test_a_non_finite_shaping_term_is_refused_by_name():
         r = Rollout("t", "g", 0, 1, "graded", 1.0, trajectory=Trajectory(task="x", model="m", prompt_ids=[]))
         with pytest.raises(ValueError, match="broken"):
             shaped_reward(r, [_Constant(bad)])
+
+
+def rollout_with_calls(reward, calls):
+    r = rollout(reward, widths=(len(calls),))
+    r.trajectory.turns[0].calls = calls
+    return r
+
+
+GOOD = CallRecord(0, "run_terminal", {"command": "python -m pytest -q"}, "1 passed\n[exit code 0]", None, 0.1)
+COPIED = CallRecord(1, "run_terminal", {"command": "the bash command line to run"}, "not found", None, 0.1)
+FAILED = CallRecord(2, "read_file", {"path": "nope.py"}, "error: missing", "missing", 0.0, error_kind="tool_error")
+COPIED_FAILED = CallRecord(3, "read_file", {"path": "File path relative to the workspace root."}, "error: x", "x",
+                           0.0, error_kind="tool_error")
+
+
+def test_grounded_calls_shaping_by_hand():
+    term = GroundedCalls(coef=0.2, placeholder_coef=0.5)
+    # 4 calls: 1 grounded (GOOD), 2 with a placeholder (COPIED ran, COPIED_FAILED failed), 1 plain failure
+    r = rollout_with_calls(0.0, [GOOD, COPIED, FAILED, COPIED_FAILED])
+    assert term(r) == pytest.approx(0.2 * 1 / 4 - 0.5 * 2 / 4)
+    assert term(rollout_with_calls(0.0, [GOOD, GOOD])) == pytest.approx(0.2)  # the maximum: coef
+    assert term(rollout_with_calls(1.0, [COPIED])) == pytest.approx(-0.5)  # the minimum, paid whatever the verdict
+    assert term(rollout_with_calls(0.0, [FAILED])) == 0.0
+    assert term(rollout_with_calls(0.0, [])) == 0.0  # no calls: nothing to grade
+    # spraying grounded calls earns no more than one grounded call
+    assert term(rollout_with_calls(0.0, [GOOD] * 9)) == term(rollout_with_calls(0.0, [GOOD]))
+
+
+def test_grounded_calls_in_shaped_reward_and_off_by_default():
+    r = rollout_with_calls(1.0, [GOOD, COPIED])
+    total = shaped_reward(r, [GroundedCalls(coef=0.1, placeholder_coef=0.1)])
+    assert r.shaping == pytest.approx({"grounded": 0.1 * 0.5 - 0.1 * 0.5}) and total == pytest.approx(1.0)
+    r = rollout_with_calls(1.0, [GOOD, COPIED])
+    assert shaped_reward(r, []) == 1.0 and r.shaping == {}  # a term is on only when listed
+    masked = rollout_with_calls(None, [GOOD])
+    assert shaped_reward(masked, [GroundedCalls()]) is None and masked.shaping == {}
+    with pytest.raises(ValueError, match="placeholder_coef"):
+        GroundedCalls(placeholder_coef=-1)
