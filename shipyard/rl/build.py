@@ -26,6 +26,7 @@ from shipyard.models.resolve import load_hf, load_tokenizer, make_engine
 from shipyard.rl.config import ConfigError, RLConfig, engine_spec, save_config
 from shipyard.rl.loop import HackPenalty, RLLoop, export_policy
 from shipyard.rl.rundir import RunDir
+from shipyard.rollout.advantages import GroundedCalls, ParallelBonus, ShapingTerm
 from shipyard.rollout.environment import LocalEnvironment
 from shipyard.rollout.scheduler import Scheduler
 from shipyard.rollout.transport import InProcessTransport
@@ -70,6 +71,19 @@ def held_out(config: RLConfig, task_ids: list[str]) -> list[str]:
         raise ConfigError(f"run.held_out leaves no task to train on ({len(task_ids)} tasks, {len(chosen)} held out): "
                           f"hold out fewer or synthesize more (synth.max_tasks)")
     return chosen
+
+
+def shaping_terms(config: RLConfig) -> tuple[ShapingTerm, ...]:
+    """The configured shaping terms, in the order they are applied (`[shaping]`, `run.zero_flagged`)."""
+    s = config.shaping
+    terms: list[ShapingTerm] = []
+    if s.grounded or s.placeholder:
+        terms.append(GroundedCalls(s.grounded, s.placeholder, tuple(default_tools())))
+    if s.parallel:
+        terms.append(ParallelBonus(s.parallel))
+    if config.run.zero_flagged:
+        terms.append(HackPenalty())
+    return tuple(terms)
 
 
 def _run_dir(config: RLConfig) -> RunDir:
@@ -121,7 +135,7 @@ def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[st
         header = ChatFormat(tokenizer, default_tools()).assistant_header_ids()
         trainer = Trainer(model, config.trainer, pad_id=tokenizer.pad_token_id, header_ids=header,
                           device=config.run.device)
-        shaping = (HackPenalty(),) if config.run.zero_flagged else ()
+        shaping = shaping_terms(config)
         scheduler = Scheduler(copy.deepcopy(config.rollout), transport, tasks_dir, curriculum, shaping=shaping)
         yield RLLoop(scheduler, trainer, run, config.run, eval_tasks=evals,
                      export=lambda t, d: export_policy(t, tokenizer, d))

@@ -1,7 +1,8 @@
 """One configuration tree for a training run: a TOML file mapped onto the project's own dataclasses, every field
 overridable from the command line, the resolved tree saved in the run directory (docs/training.md, "Configuration").
 
-    [model] ModelConfig    [engine] EngineConfig    [hints] HintsConfig    [run] RunConfig        (new here)
+    [model] ModelConfig    [engine] EngineConfig    [hints] HintsConfig    [shaping] ShapingConfig    [run] RunConfig
+                                                                                                   (new here)
     [rollout] SchedulerConfig    [episode] EpisodeConfig, [episode.loop] LoopConfig
     [trainer] TrainConfig, [trainer.optim] OptimConfig (the optimiser), [trainer.policy] PolicyLossConfig,
               [trainer.distill] DistillConfig (the hints' self-distillation)
@@ -129,6 +130,18 @@ class HintsConfig:
 
 
 @dataclass
+class ShapingConfig:
+    # Terms added to the grader's reward before the advantages (shipyard.rollout.advantages); 0 turns a term off.
+    grounded: float = 0.0  # GroundedCalls.coef: + grounded * (grounded tool calls / calls), whatever the verdict
+    placeholder: float = 0.0  # GroundedCalls.placeholder_coef: - placeholder * (calls copying a placeholder / calls)
+    parallel: float = 0.0  # ParallelBonus.coef: + parallel * (mean calls per turn - 1) / 3, on solved rollouts only
+
+    def __post_init__(self) -> None:
+        if min(self.grounded, self.placeholder, self.parallel) < 0:
+            raise ValueError("shaping coefficients must be >= 0 (a negative one would reward the behaviour it names)")
+
+
+@dataclass
 class RunConfig:
     dir: Path = Path("runs/default")  # the run directory (config, metrics, checkpoints, export)
     tasks: Path | None = None  # the task set (`shipyard synth`); default <dir>/tasks
@@ -167,6 +180,7 @@ class RLConfig:
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)
     trainer: TrainConfig = field(default_factory=TrainConfig)
     hints: HintsConfig = field(default_factory=HintsConfig)
+    shaping: ShapingConfig = field(default_factory=ShapingConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     synth: SynthConfig = field(default_factory=SynthConfig)
     run: RunConfig = field(default_factory=RunConfig)

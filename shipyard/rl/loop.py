@@ -41,7 +41,7 @@ from typing import Any
 from shipyard.rl.config import RunConfig
 from shipyard.rl.rundir import RunDir
 from shipyard.rollout.batches import RolloutBatch
-from shipyard.rollout.eval import default_ks, results, save_results
+from shipyard.rollout.eval import default_ks, results, save_results, validity
 from shipyard.rollout.record import Rollout
 from shipyard.rollout.scheduler import Scheduler
 from shipyard.train.batch import Batch, Hint
@@ -53,19 +53,23 @@ SCHEDULER_STATE = "scheduler.json"
 
 @dataclass(frozen=True)
 class HackPenalty:
-    """Shaping term: −reward for a rollout a monitor flagged (its reward becomes 0), else 0."""
+    """Shaping term: a rollout a monitor flagged ends with total reward 0 (its reward and the shaping terms applied
+    before this one are cancelled; keep it last), else 0."""
 
     name: str = "hack"
 
     def __call__(self, rollout: Rollout) -> float:
-        return -(rollout.reward or 0.0) if rollout.monitor_flags else 0.0
+        if not rollout.monitor_flags:
+            return 0.0
+        return -((rollout.reward or 0.0) + sum(v for k, v in rollout.shaping.items() if k != self.name))
 
 
 HintSource = Callable[[RolloutBatch], Sequence[Hint]]
 
 
 def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
-    """What a batch says about the policy: rewards, pass rate, lengths, parallel width, monitor flags, staleness."""
+    """What a batch says about the policy: rewards, pass rate, lengths, parallel width, monitor flags, staleness,
+    grounded tool-call validity (`tools/grounded_fraction`: grounded calls / calls, `shipyard.harness.validity`)."""
     rollouts = batch.rollouts
     scored = [r for r in rollouts if r.reward is not None]
     turns = [t for r in rollouts if r.trajectory is not None for t in r.trajectory.turns]
@@ -82,6 +86,7 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
         "monitor": {"flagged": sum(bool(r.monitor_flags) for r in rollouts), **{f"flag_{k}": v for k, v in
                                                                                  flags.items()}},
         "staleness": {"max": max(batch.staleness(), default=0)},
+        "tools": validity(rollouts).as_metrics(prefix=""),
     }
 
 
@@ -167,7 +172,9 @@ class RLLoop:
         save_results(doc, self.run.eval_path(self.step))
         overall = doc["overall"]
         return {**{f"pass@{k}": v for k, v in overall["pass_at"].items()},
-                **{key: overall[key] for key in ("passed", "scored", "masked", "flagged_rollouts")},
+                **{key: overall[key] for key in ("passed", "scored", "masked", "flagged_rollouts", "reward_mean")},
+                "grounded_fraction": overall["validity"]["grounded_fraction"],
+                "placeholder_calls": overall["validity"]["placeholder"], "tool_calls": overall["validity"]["calls"],
                 **{f"mean_{key}": value for key, value in overall["mean"].items()}}
 
     # The loop ---------------------------------------------------------------------------------------------------

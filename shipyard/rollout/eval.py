@@ -22,7 +22,10 @@ is a successful eval with pass@1 = 0; an eval in which nothing could be scored i
 
 **Effort** (tokens sampled, turns, tool calls, parallel width — the mean number of calls per turn that made calls —,
 seconds per rollout) is averaged over scored rollouts, so it is comparable with the pass rates beside it; totals
-count every rollout. Monitor flags (`shipyard.tasks.monitors`) are counted per task, by kind.
+count every rollout. Monitor flags (`shipyard.tasks.monitors`) are counted per task, by kind. **Grounded tool-call
+validity** (`shipyard.harness.validity`: the call ran, in the wire format, with no placeholder or trivial argument)
+is pooled over the calls of scored rollouts: `validity.grounded_fraction` is grounded calls / calls, so a rollout
+that sprays calls weighs what it did; `reward_mean` is the grader's mean reward over scored rollouts.
 
 Results are one JSON document (`SCHEMA`) holding the configuration, `overall`, `tasks` and one metrics line per
 rollout, and a markdown table (`markdown`). `compare` reads two such files and reports B − A per task and overall,
@@ -39,9 +42,11 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
+from shipyard.harness.validity import ValidityChecker, ValidityStats
 from shipyard.rollout.record import Rollout
 
 SCHEMA = "shipyard.eval/1"
@@ -89,6 +94,20 @@ def _effort(rollout: Rollout) -> dict[str, float]:
             "parallel_width": float(summary.get("mean_parallel_width", 0.0)), "seconds": float(seconds)}
 
 
+@cache
+def _checker() -> ValidityChecker:
+    return ValidityChecker()
+
+
+def validity(rollouts: Iterable[Rollout]) -> ValidityStats:
+    """Grounded tool-call validity pooled over the calls of `rollouts` (default tool set)."""
+    total = ValidityStats()
+    for r in rollouts:
+        if r.trajectory is not None:
+            total = total + _checker().trajectory(r.trajectory)
+    return total
+
+
 def cause_kind(rollout: Rollout) -> str:
     """What a masked rollout's failure counts as: its stage and exception (`"workspace: EnvServerUnreachable"`, from
     causes written `"<stage>: <exception>: <message>"`), or the stage alone; never the message, which names sandboxes
@@ -117,6 +136,8 @@ class Summary:
     monitor_flags: dict[str, int] = field(default_factory=dict)  # by kind
     flagged_rollouts: int = 0
     mean: dict[str, float] = field(default_factory=dict)  # EFFORT, over scored rollouts
+    reward_mean: float | None = None  # the grader's reward, over scored rollouts
+    validity: dict[str, Any] = field(default_factory=dict)  # grounded tool-call validity over scored rollouts' calls
     total: dict[str, float] = field(default_factory=dict)  # EFFORT sums over every rollout (parallel width: none)
 
     def to_json(self) -> dict[str, Any]:
@@ -125,7 +146,7 @@ class Summary:
 
 def _count(summary: Summary, rollouts: list[Rollout]) -> None:
     statuses, stops, flags, infra = Counter(), Counter(), Counter(), Counter()
-    scored_effort, all_effort = [], []
+    scored_effort, all_effort, scored = [], [], []
     for r in rollouts:
         statuses[r.status] += 1
         stops[r.stop_reason or "none"] += 1
@@ -139,6 +160,7 @@ def _count(summary: Summary, rollouts: list[Rollout]) -> None:
             summary.infra_examples.setdefault(kind, (r.infra_cause or r.status).strip()[:EXAMPLE_CHARS])
         else:
             scored_effort.append(effort)
+            scored.append(r)
     summary.rollouts = len(rollouts)
     summary.scored = len(scored_effort)
     summary.masked = summary.rollouts - summary.scored
@@ -148,6 +170,11 @@ def _count(summary: Summary, rollouts: list[Rollout]) -> None:
     summary.mean = {k: (sum(e[k] for e in scored_effort) / len(scored_effort) if scored_effort else 0.0)
                     for k in EFFORT}
     summary.total = {k: sum(e[k] for e in all_effort) for k in EFFORT if k != "parallel_width"}
+    summary.reward_mean = sum(r.reward for r in scored) / len(scored) if scored else None
+    stats = validity(scored)
+    summary.validity = {"calls": stats.calls, "grounded": stats.grounded, "placeholder": stats.placeholder,
+                        "untagged": stats.untagged, "grounded_fraction": stats.grounded_fraction if stats.calls
+                        else None, "problems": dict(sorted(stats.problems.items()))}
 
 
 def summarize_task(rollouts: list[Rollout], ks: Iterable[int]) -> Summary:
@@ -218,21 +245,22 @@ def _row(name: str, s: Mapping[str, Any], ks: list[int]) -> str:
     flags = sum(s["monitor_flags"].values())
     return "| " + " | ".join([name, *(_fmt(s["pass_at"].get(str(k))) for k in ks), f"{s['passed']}/{s['scored']}",
                               _fmt(mean["sampled_tokens"], 0), _fmt(mean["turns"], 1), _fmt(mean["tool_calls"], 1),
-                              _fmt(mean["parallel_width"], 2), _fmt(mean["seconds"], 1), str(s["masked"]),
-                              str(flags)]) + " |"
+                              _fmt(mean["parallel_width"], 2), _fmt(s.get("validity", {}).get("grounded_fraction")),
+                              _fmt(mean["seconds"], 1), str(s["masked"]), str(flags)]) + " |"
 
 
 def markdown(doc: Mapping[str, Any]) -> str:
     """The results as a markdown table: one row per task, then the overall row (pass@k: mean over tasks)."""
     ks = list(doc["ks"])
     head = ["task", *(f"pass@{k}" for k in ks), "passed/scored", "tokens", "turns", "tool calls", "width",
-            "seconds", "infra", "flags"]
+            "grounded", "seconds", "infra", "flags"]
     lines = _header(head)
     lines += [_row(task, s, ks) for task, s in doc["tasks"].items()]
     lines.append(_row("**overall**", doc["overall"], ks))
     overall = doc["overall"]
     notes = [f"{overall['tasks']} tasks, {overall['rollouts']} rollouts in {doc['wall_seconds']:.1f} s; effort columns "
-             "are means over scored rollouts; infra: rollouts masked (left out of pass@k) after retries"]
+             "are means over scored rollouts; grounded: grounded tool calls / calls; infra: rollouts masked (left out "
+             "of pass@k) after retries"]
     if overall["infra"]:
         notes.append("infra causes: " + "; ".join(f"{n}× {c}" for c, n in overall["infra"].items()))
     if overall["tasks_unscored"]:

@@ -1,0 +1,65 @@
+"""The [shaping] section builds the loop's shaping terms; a flagged rollout ends at 0 whatever else it earned; the
+batch and eval figures report grounded tool-call validity."""
+
+from __future__ import annotations
+
+import pytest
+
+from shipyard.harness.trajectory import CallRecord, Trajectory, Turn
+from shipyard.rl.build import shaping_terms
+from shipyard.rl.config import RLConfig, ShapingConfig, load_config
+from shipyard.rl.loop import HackPenalty, batch_metrics
+from shipyard.rollout.advantages import GroundedCalls, ParallelBonus, shaped_reward
+from shipyard.rollout.batches import RolloutBatch, RolloutGroup
+from shipyard.rollout.eval import results
+from shipyard.rollout.record import Rollout
+
+GOOD = CallRecord(0, "run_terminal", {"command": "python -m pytest -q"}, "1 passed\n[exit code 0]", None, 0.1)
+COPIED = CallRecord(1, "run_terminal", {"command": "the bash command line to run"}, "not found", None, 0.1)
+
+
+def rollout(reward, calls, *, flagged=False, index=0):
+    traj = Trajectory(task="t", model="m", prompt_ids=[1, 2])
+    traj.turns.append(Turn(index=0, text="x", completion_ids=[7, 7], logprobs=[-0.5, -0.5], finish_reason="stop",
+                           observation_ids=[9], calls=list(calls), parallel_width=len(calls), generate_seconds=0.0,
+                           tools_seconds=0.0, policy_version=0))
+    r = Rollout("t", "g", index, index, "graded", reward, trajectory=traj)
+    if flagged:
+        r.monitor_flags = [{"monitor": "test_tamper", "kind": "test_tamper", "evidence": "edited tests/"}]
+    return r
+
+
+def test_shaping_section_builds_the_terms_in_order(tmp_path):
+    assert shaping_terms(RLConfig()) == ()  # nothing on by default
+    config = RLConfig(shaping=ShapingConfig(grounded=0.2, placeholder=0.3, parallel=0.05))
+    config.run.zero_flagged = True
+    terms = shaping_terms(config)
+    assert [type(t) for t in terms] == [GroundedCalls, ParallelBonus, HackPenalty]  # the penalty last
+    assert (terms[0].coef, terms[0].placeholder_coef, terms[1].coef) == (0.2, 0.3, 0.05)
+    path = tmp_path / "c.toml"
+    path.write_text("[shaping]\ngrounded = 0.1\n")
+    assert load_config(path, ["--shaping.placeholder", "0.4"]).shaping == ShapingConfig(grounded=0.1, placeholder=0.4)
+    path.write_text("[shaping]\ngrounded = -0.1\n")
+    with pytest.raises(Exception, match=">= 0"):
+        load_config(path)
+
+
+def test_a_flagged_rollout_ends_at_zero_even_with_a_shaping_bonus():
+    terms = [GroundedCalls(0.5, 0.0), HackPenalty()]
+    flagged = rollout(1.0, [GOOD], flagged=True)
+    assert shaped_reward(flagged, terms) == pytest.approx(0.0)
+    assert flagged.shaping["grounded"] == pytest.approx(0.5) and flagged.reward == 1.0  # the grader's, kept
+    clean = rollout(1.0, [GOOD])
+    assert shaped_reward(clean, terms) == pytest.approx(1.5) and clean.shaping["hack"] == 0.0
+
+
+def test_batch_and_eval_report_grounded_validity():
+    rollouts = [rollout(0.0, [GOOD, COPIED], index=0), rollout(1.0, [GOOD], index=1)]
+    batch = RolloutBatch([RolloutGroup("t", "g", rollouts)])
+    tools = batch_metrics(batch)["tools"]
+    assert (tools["calls"], tools["grounded"], tools["placeholder"]) == (3, 2, 1)
+    assert tools["grounded_fraction"] == pytest.approx(2 / 3)
+    doc = results({"t": rollouts}, [1], config={}, wall_seconds=1.0)
+    overall = doc["overall"]
+    assert overall["validity"]["grounded_fraction"] == pytest.approx(2 / 3)
+    assert overall["reward_mean"] == pytest.approx(0.5)
