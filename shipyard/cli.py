@@ -148,32 +148,33 @@ def agent(
                   untagged, artifacts if sandbox else None)
 
 
-@app.command()
-def demo(
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP),
-    max_turns: int = typer.Option(8, "--max-turns", min=1),
-    seed: int = typer.Option(0, help="Sampling seed."),
-    untagged: str | None = typer.Option(None, help=UNTAGGED_HELP),
-) -> None:
-    """Plant a bug in a copy of the bundled example library and let the agent find and fix it."""
-    from shipyard.rollout.demo import DEMO_REPLAY, DEMO_TASK, copy_example, plant_bug, run_tests
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def demo(ctx: typer.Context) -> None:
+    """The whole RL loop on this machine: tasks synthesized from the example library, the bundled model evaluated,
+    trained for a few steps and evaluated again; a before/after table. configs/demo.toml; any key may follow as
+    --SECTION.KEY VALUE (`shipyard demo --run.steps 2`). Exits non-zero if the loop failed."""
+    from rich.table import Table
+
+    from shipyard.rl.demo import demo_config, report
 
     with user_errors():
-        work = copy_example()
-        planted = plant_bug(work)
-        console.print(f"[bold]demo[/]: planted a bug in {planted}; the agent ({model}) must find it.")
-        run_agent(DEMO_TASK, work, model, max_turns, work.parent / "trajectory.json", 0.3, seed, 768, "cpu", None,
-                  untagged)
-        fixed, last_line = run_tests(work)
-        verdict = "[green]tests pass — fixed[/]" if fixed else "[red]tests still fail[/]"
-        console.print(f"after the episode: {verdict} ({last_line})")
-        if not fixed:
-            console.print("[dim]Small models are not yet trained for this harness (that is what shipyard's RL is for; "
-                          "see docs/benchmarks.md). Try --model qwen2.5-coder-1.5b, or watch a scripted episode with "
-                          f"--model replay:{DEMO_REPLAY}[/]")
-        console.print(f"[dim]workspace and trajectory kept in {work.parent}[/]")
-        if not fixed:  # the demo's outcome is the fix: an agent that did not fix the bug is a failure
-            raise typer.Exit(1)
+        cfg = demo_config(ctx.args)
+        console.print(f"[bold]demo[/]: {cfg.run.steps} RL steps of {cfg.model.name} on tasks synthesized from "
+                      f"{cfg.run.synth_from}; run directory {cfg.run.dir}")
+        result = report(_train_with_progress(cfg, ["demo", *ctx.args]), cfg.run.steps)
+    table = Table(title="held-out tasks, before and after training")
+    for column in ("", "before", "after"):
+        table.add_column(column, justify="left" if not column else "right")
+    for row in result.rows():
+        table.add_row(*row)
+    training = Table(title="training", show_header=False)
+    for row in result.training_rows():
+        training.add_row(*row)
+    console.print(table, training)
+    out.print_json(json.dumps({"run": str(cfg.run.dir), **result.to_json()}, default=str))
+    if not result.ok:
+        console.print("[bold red]the loop failed:[/] " + "; ".join(result.failures), soft_wrap=True)
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -503,33 +504,38 @@ def _run_eval(tasks: Path, task_ids: list[str], model: str, config, episode, env
                                                                    "engine": engine.name, "environment": env.name})
 
 
+def _train_with_progress(cfg, argv: list[str]) -> list[dict]:
+    """Run a configured training (`shipyard.rl.build.train`) under a progress bar; its metrics lines."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from shipyard.rl.build import train as run_training
+    from shipyard.rl.rundir import RunDirError
+
+    try:
+        with Progress(TextColumn("[bold]trainer steps"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[last]}"), TimeElapsedColumn(), console=console) as bar:
+            job = bar.add_task("train", total=cfg.run.steps, last="")
+
+            def on_step(step: int, line: dict) -> None:
+                shown = {k: line.get(k) for k in ("reward/mean", "tools/grounded_fraction", "train/loss")}
+                bar.update(job, completed=step, last=" ".join(f"{k}={v:.3g}" for k, v in shown.items()
+                                                             if isinstance(v, int | float)))
+
+            return run_training(cfg, argv=argv, status=bar.console.print, on_step=on_step)
+    except RunDirError as e:
+        raise UserError(str(e)) from None
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def train(ctx: typer.Context,
           config: Path = typer.Argument(..., help="The run's TOML (configs/cpu.toml). Any field may follow as "
                                         "--SECTION.KEY VALUE; `shipyard train CONFIG -- --help` lists them.")) -> None:
     """Train the agent with RL: rollouts, rewards, trainer steps, weight sync, checkpoints, held-out evals."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from shipyard.rl.build import train as run_training
     from shipyard.rl.config import load_config
-    from shipyard.rl.rundir import RunDirError
 
     with user_errors():
-        try:
-            cfg = load_config(config, ctx.args)
-            with Progress(TextColumn("[bold]trainer steps"), BarColumn(), MofNCompleteColumn(),
-                          TextColumn("{task.fields[last]}"), TimeElapsedColumn(), console=console) as bar:
-                job = bar.add_task("train", total=cfg.run.steps, last="")
-
-                def on_step(step: int, line: dict) -> None:
-                    shown = {k: line.get(k) for k in ("reward/mean", "reward/pass_rate", "train/loss")}
-                    bar.update(job, completed=step, last=" ".join(f"{k}={v:.3g}" for k, v in shown.items()
-                                                                 if isinstance(v, int | float)))
-
-                lines = run_training(cfg, argv=[str(config), *ctx.args], status=bar.console.print,
-                                     on_step=on_step)
-        except RunDirError as e:
-            raise UserError(str(e)) from None
+        cfg = load_config(config, ctx.args)
+        lines = _train_with_progress(cfg, [str(config), *ctx.args])
     evals = [line for line in lines if any(k.startswith("eval/") for k in line)]
     out.print_json(json.dumps({"run": str(cfg.run.dir), "steps": cfg.run.steps, "last": lines[-1] if lines else None,
                                "evals": evals}))

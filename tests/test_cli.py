@@ -65,13 +65,18 @@ def test_help_lists_commands():
         assert command in r.stdout
 
 
-def test_demo_with_scripted_model_fixes_the_bug():
-    replay = Path(__file__).resolve().parent.parent / "examples" / "replays" / "demo_fix.jsonl"
-    r = shipyard("demo", "--model", f"replay:{replay}")
+def test_agent_with_scripted_model_fixes_the_planted_bug(tmp_path):
+    from shipyard.rollout.demo import DEMO_REPLAY, DEMO_TASK, copy_example, plant_bug, run_tests
+
+    work = copy_example(tmp_path / "pocketlib")
+    plant_bug(work)
+    assert not run_tests(work)[0]
+    r = shipyard("agent", DEMO_TASK, "--repo", str(work), "--model", f"replay:{DEMO_REPLAY}")
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stderr.split())
-    assert "2 in parallel" in text and "tests pass — fixed" in text
+    assert "2 in parallel" in text
     assert "-        while number > value:" in r.stderr and "+        while number >= value:" in r.stderr
+    assert run_tests(work)[0]
 
 
 def test_serve_and_agent_over_http(repo, tmp_path):

@@ -10,9 +10,7 @@ order; the first that fails is the call's `problem`:
    did not refuse or fail. Otherwise the problem is the call's `error_kind` (`ERROR_KINDS`; `unclassified` for a
    failed record written before error kinds existed). A non-zero exit status of a `run_terminal` command is the
    command's outcome (a failing test run is useful work), not an error.
-2. **The wire format**: written inside `<tool_call>` tags. An untagged call the parser accepted
-   (`untagged_calls="accept"`) ran, but is not grounded: `untagged`.
-3. **No placeholder argument** (`placeholder`): no string argument, at any depth, is
+2. **No placeholder argument** (`placeholder`): no string argument, at any depth, is
    - a copy of the tool's own text: its words (case-folded, split on anything that is not a letter or digit, so
      whitespace, case and punctuation do not matter) are the whole of the tool's description or of a parameter's
      description, or a run of at least `MIN_COPIED_WORDS` (3) consecutive words of one. Quoted examples inside a
@@ -25,13 +23,17 @@ order; the first that fails is the call's `problem`:
      descriptions or a slot of the wire format's own template (`<path>`, `{command}`, `<args-json-object>`; not
      `<div>`, a grep for an HTML tag), or any value containing the documentation path `path/to/`
      (`path/to/file.py`, `cat /path/to/x`).
-4. **No trivial argument** (`trivial`): no string argument is a filler (`...`, `…`, `TODO`, `TBD`, `FIXME`,
+3. **No trivial argument** (`trivial`): no string argument is a filler (`...`, `…`, `TODO`, `TBD`, `FIXME`,
    `xxx`, `placeholder`), and no required string argument is empty or blank — except those where empty is an
    answer (`EMPTY_IS_MEANINGFUL`: the `content` of a new empty file, the `new_string` that deletes text).
-5. **A target**: path arguments must name something in the workspace, or a path the call creates. This is proven
+4. **A target**: path arguments must name something in the workspace, or a path the call creates. This is proven
    by rule 1 for every tool but one: `read_file`, `list_dir`, `glob`, `grep`, `search_replace` and `delete_file`
    refuse a path that does not exist (a `tool_error`), and `write_file` creates its path. `read_lints` answers a
    path with nothing to lint ("no Python files to lint in …") without an error; that call is `no_target`.
+5. **The wire format**: written inside `<tool_call>` tags. An untagged call the parser accepted
+   (`untagged_calls="accept"`) ran, but is not grounded: `untagged_ran`. Checked last, so such a call is one that
+   would be grounded but for its format (`GroundedCalls.untagged_credit` pays part of the term for it). Under
+   `"reject"` an untagged call does not run: rule 1, `untagged`.
 
 Placeholder copies are also counted on their own (`ValidityStats.placeholder`), whether or not the call ran: it is
 the failure mode the RL loop must see. The figures are per trajectory; `ValidityStats` add up over many. The
@@ -52,7 +54,7 @@ from shipyard.harness.trajectory import ERROR_KINDS, CallRecord, Trajectory
 MIN_COPIED_WORDS = 3
 EMPTY_IS_MEANINGFUL = frozenset({"content", "new_string"})
 SCHEMA_TYPES = frozenset({"string", "integer", "number", "boolean", "array", "object", "null"})
-NOT_GROUNDED = (*ERROR_KINDS, "unclassified", "untagged", "placeholder", "trivial", "no_target")
+NOT_GROUNDED = (*ERROR_KINDS, "unclassified", "placeholder", "trivial", "no_target", "untagged_ran")
 NO_TARGET = "no Python files to lint in "  # read_lints' answer for a path with nothing to lint
 
 WORD = re.compile(r"[^\W_]+")
@@ -137,14 +139,14 @@ class ValidityChecker:
             problem = record.error_kind or "unclassified"
         elif tool is None:  # ran, but under another tool set than this checker's
             problem = "unknown_tool"
-        elif record.untagged:
-            problem = "untagged"
         elif placeholders:
             problem = "placeholder"
         elif trivial:
             problem = "trivial"
         elif record.name == "read_lints" and record.output.startswith(NO_TARGET):
             problem = "no_target"
+        elif record.untagged:  # checked last: grounded but for the wire format
+            problem = "untagged_ran"
         else:
             return CallValidity(True, None, placeholders)
         return CallValidity(False, problem, placeholders)

@@ -78,7 +78,7 @@ def shaping_terms(config: RLConfig) -> tuple[ShapingTerm, ...]:
     s = config.shaping
     terms: list[ShapingTerm] = []
     if s.grounded or s.placeholder:
-        terms.append(GroundedCalls(s.grounded, s.placeholder, tuple(default_tools())))
+        terms.append(GroundedCalls(s.grounded, s.placeholder, tuple(default_tools()), s.untagged_credit))
     if s.parallel:
         terms.append(ParallelBonus(s.parallel))
     if config.run.zero_flagged:
@@ -88,7 +88,7 @@ def shaping_terms(config: RLConfig) -> tuple[ShapingTerm, ...]:
 
 def _run_dir(config: RLConfig) -> RunDir:
     if not config.run.resume:
-        return RunDir.create(config.run.dir)
+        return RunDir.create(config.run.dir, keep=[config.run.tasks])
     checkpoint = latest_checkpoint(Path(config.run.dir) / "checkpoints")
     step = 0 if checkpoint is None else int(checkpoint.name.split("-")[1])
     return RunDir.resume(config.run.dir, step)

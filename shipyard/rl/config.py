@@ -134,9 +134,12 @@ class ShapingConfig:
     # Terms added to the grader's reward before the advantages (shipyard.rollout.advantages); 0 turns a term off.
     grounded: float = 0.0  # GroundedCalls.coef: + grounded * (grounded tool calls / calls), whatever the verdict
     placeholder: float = 0.0  # GroundedCalls.placeholder_coef: - placeholder * (calls copying a placeholder / calls)
+    untagged_credit: float = 0.0  # GroundedCalls.untagged_credit: share of `grounded` for a call grounded but untagged
     parallel: float = 0.0  # ParallelBonus.coef: + parallel * (mean calls per turn - 1) / 3, on solved rollouts only
 
     def __post_init__(self) -> None:
+        if not 0 <= self.untagged_credit <= 1:
+            raise ValueError("shaping.untagged_credit must be in [0, 1]")
         if min(self.grounded, self.placeholder, self.parallel) < 0:
             raise ValueError("shaping coefficients must be >= 0 (a negative one would reward the behaviour it names)")
 

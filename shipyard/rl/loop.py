@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -88,6 +89,20 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
         "staleness": {"max": max(batch.staleness(), default=0)},
         "tools": validity(rollouts).as_metrics(prefix=""),
     }
+
+
+def memory_metrics() -> dict[str, float]:
+    """This process's resident memory now and at its peak (MiB), and the accelerator's peak when there is one."""
+    import resource
+
+    import torch
+
+    pages = int(Path("/proc/self/statm").read_text().split()[1]) if Path("/proc/self/statm").exists() else 0
+    out = {"rss_mb": pages * os.sysconf("SC_PAGE_SIZE") / 2**20,
+           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
+    if torch.cuda.is_available():
+        out["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
 
 
 def trajectory_records(batch: RolloutBatch, hints: Sequence[Hint]) -> list[dict[str, Any]]:
@@ -175,6 +190,7 @@ class RLLoop:
                 **{key: overall[key] for key in ("passed", "scored", "masked", "flagged_rollouts", "reward_mean")},
                 "grounded_fraction": overall["validity"]["grounded_fraction"],
                 "placeholder_calls": overall["validity"]["placeholder"], "tool_calls": overall["validity"]["calls"],
+                "untagged_grounded_calls": overall["validity"]["problems"].get("untagged_ran", 0),
                 **{f"mean_{key}": value for key, value in overall["mean"].items()}}
 
     # The loop ---------------------------------------------------------------------------------------------------
@@ -200,7 +216,7 @@ class RLLoop:
                    "infra": {"masked": stats["masked_infra"], "retries": stats["infra_retries"],
                              "requeued": stats["requeued"], **{f"cause_{k}": v for k, v in
                                                                 stats["infra_by_cause"].items()}},
-                   "hints": len(hints)}
+                   "hints": len(hints), "memory": memory_metrics()}
         self.run.log_rollouts(batch.metrics())
         self.run.write_trajectories(self.step, trajectory_records(batch, hints))
         return metrics

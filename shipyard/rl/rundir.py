@@ -25,7 +25,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +80,12 @@ class RunDir:
 
     # Opening ------------------------------------------------------------------------------------------------
     @classmethod
-    def create(cls, root: str | Path) -> RunDir:
+    def create(cls, root: str | Path, *, keep: Sequence[Path] = ()) -> RunDir:
+        """A new run in `root`, which must be empty but for `keep` (paths that belong there already: the task set
+        synthesized into RUN/tasks before the run starts)."""
         run = cls(Path(root))
-        if run.root.exists() and any(run.root.iterdir()):
+        kept = {Path(p).resolve() for p in keep}
+        if run.root.exists() and any(p.resolve() not in kept for p in run.root.iterdir()):
             hint = " (pass --resume to continue it)" if run.status_path.exists() else ""
             raise RunDirError(f"run directory {run.root} exists and is not empty{hint}; choose a new run.dir")
         for d in (run.root, run.trajectories_dir, run.eval_dir, run.checkpoints_dir):

@@ -25,14 +25,18 @@ DAPO's overlong shaping (0 up to a free budget of sampled tokens, then linear do
 rollouts so that spraying calls cannot earn it, and `GroundedCalls`, for grounded tool-call validity
 (`shipyard.harness.validity`): with c calls of which g are grounded and p carry a placeholder argument,
 
-    shaping = coef · g/c − placeholder_coef · p/c        (0 when c = 0),
+    shaping = coef · (g + untagged_credit · u)/c − placeholder_coef · p/c        (0 when c = 0),
 
-bounded in [−placeholder_coef, coef]. It is paid whatever the verdict: it exists to teach the format and real
-arguments early, when almost no rollout is solved (the measured failure it answers: a reward for any parseable call
-was met by copying the tool's parameter description, 15 of 16 "valid" calls). Fractions, not counts, so that
-spraying calls earns nothing; the placeholder term makes a copied description cost more than a call that merely
-failed. Keep coef small next to the verdict's 1 so that solving stays what matters. No term is on unless the caller
-lists it.
+where u counts the calls that ran and would be grounded but were written outside the tags (the parser's
+`untagged_calls="accept"`; `untagged_ran` in `shipyard.harness.validity`), bounded in [−placeholder_coef, coef].
+`untagged_credit` (default 0) exists for models that never write the tags: a reward that only the tagged form earns
+gives a group no variance until a tag is sampled (0 of ~700 samples of the bundled 0.5B), while partial credit
+rewards real, working arguments now and the tags on top. The term is paid whatever the verdict: it exists to teach
+the format and real arguments early, when almost no rollout is solved (the measured failure it answers: a reward for
+any parseable call was met by copying the tool's parameter description, 15 of 16 "valid" calls). Fractions, not
+counts, so that spraying calls earns nothing; the placeholder term makes a copied description cost more than a call
+that merely failed. Keep coef small next to the verdict's 1 so that solving stays what matters. No term is on unless
+the caller lists it.
 """
 
 from __future__ import annotations
@@ -129,6 +133,7 @@ class GroundedCalls:
     coef: float = 0.1
     placeholder_coef: float = 0.1
     tools: tuple[Tool, ...] | None = None
+    untagged_credit: float = 0.0  # in [0, 1]: the share of `coef` an otherwise grounded untagged call earns
     name: str = "grounded"
     checker: ValidityChecker = field(init=False, repr=False, compare=False)
 
@@ -136,13 +141,18 @@ class GroundedCalls:
         if self.coef < 0 or self.placeholder_coef < 0:
             raise ValueError(f"GroundedCalls needs coef >= 0 and placeholder_coef >= 0, got coef={self.coef}, "
                              f"placeholder_coef={self.placeholder_coef}; a negative coef would reward bad calls")
+        if not 0 <= self.untagged_credit <= 1:
+            raise ValueError(f"GroundedCalls needs 0 <= untagged_credit <= 1, got {self.untagged_credit}")
         object.__setattr__(self, "checker", ValidityChecker(self.tools))
 
     def __call__(self, rollout: Rollout) -> float:
         if rollout.trajectory is None:
             return 0.0
         stats = self.checker.trajectory(rollout.trajectory)
-        return self.coef * stats.grounded_fraction - self.placeholder_coef * stats.placeholder_fraction
+        if not stats.calls:
+            return 0.0
+        credit = stats.grounded + self.untagged_credit * stats.problems.get("untagged_ran", 0)
+        return self.coef * credit / stats.calls - self.placeholder_coef * stats.placeholder_fraction
 
 
 def shaped_reward(rollout: Rollout, terms: Sequence[ShapingTerm]) -> float | None:

@@ -87,7 +87,10 @@ def test_every_failure_is_not_grounded_with_its_kind():
     legacy = CallRecord(0, None, None, "error: x", "x", 0.0)  # written before error kinds existed
     assert CHECK.call(legacy).problem == "unclassified"
     accepted = CallRecord(0, "read_file", {"path": "a.py"}, "1\tx", None, 0.0, untagged=True)
-    assert CHECK.call(accepted).problem == "untagged"
+    assert CHECK.call(accepted).problem == "untagged_ran"  # grounded but for its format
+    copied = CallRecord(0, "read_file", {"path": "File path relative to the workspace root."}, "x", None, 0.0,
+                        untagged=True)
+    assert CHECK.call(copied).problem == "placeholder"  # the format is checked last: a worse problem names it
     other_tools = CallRecord(0, "codebase_search", {"query": "roman"}, "…", None, 0.0)
     assert CHECK.call(other_tools).problem == "unknown_tool"
     assert {"placeholder", "trivial", "no_target", "unclassified"} <= set(NOT_GROUNDED)
@@ -132,7 +135,7 @@ def test_a_real_episode_read_missing_vs_write_creating(workspace):
 
 def test_untagged_calls_are_counted_and_never_grounded(workspace):
     bare = '{"name": "list_dir", "arguments": {"path": "."}}'
-    for setting, problem in (("reject", "untagged"), ("accept", "untagged")):
+    for setting, problem in (("reject", "untagged"), ("accept", "untagged_ran")):
         traj = Agent(ReplayEngine([bare, "Done."]), workspace, LoopConfig(untagged_calls=setting)).run("x")
         stats = trajectory_validity(traj)
         assert (stats.calls, stats.grounded, stats.untagged, stats.problems) == (1, 0, 1, {problem: 1})

@@ -30,6 +30,17 @@ def test_a_new_run_refuses_a_directory_in_use(tmp_path):
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
 
 
+def test_a_new_run_may_start_where_its_task_set_was_just_synthesized(tmp_path):
+    """The default task set is RUN/tasks, synthesized before the run directory is made (a fresh `shipyard train`
+    once failed on its own task set: "exists and is not empty")."""
+    (tmp_path / "run" / "tasks").mkdir(parents=True)
+    RunDir.create(tmp_path / "run", keep=[tmp_path / "run" / "tasks"]).close()
+    (tmp_path / "other" / "tasks").mkdir(parents=True)
+    (tmp_path / "other" / "stray.txt").write_text("x")
+    with pytest.raises(RunDirError, match="not empty"):
+        RunDir.create(tmp_path / "other", keep=[tmp_path / "other" / "tasks"])
+
+
 def test_metrics_go_to_json_lines_and_tensorboard(tmp_path):
     with RunDir.create(tmp_path / "run") as run:
         line = run.log(1, {"reward": {"mean": 0.5}, "loss": 1.25, "note": "text", "nan": float("nan"), "ok": True})

@@ -160,3 +160,17 @@ def test_grounded_calls_in_shaped_reward_and_off_by_default():
     assert shaped_reward(masked, [GroundedCalls()]) is None and masked.shaping == {}
     with pytest.raises(ValueError, match="placeholder_coef"):
         GroundedCalls(placeholder_coef=-1)
+
+
+def test_untagged_credit_pays_part_for_a_call_grounded_but_for_its_tags():
+    untagged = CallRecord(0, "run_terminal", {"command": "python -m pytest -q"}, "1 passed\n[exit code 0]", None, 0.1,
+                          untagged=True)
+    r = rollout_with_calls(0.0, [GOOD, untagged])
+    assert GroundedCalls(coef=0.4, placeholder_coef=0.0)(r) == pytest.approx(0.4 * 1 / 2)  # strict: tags required
+    assert GroundedCalls(coef=0.4, placeholder_coef=0.0, untagged_credit=0.5)(r) == pytest.approx(0.4 * 1.5 / 2)
+    copied_untagged = CallRecord(1, "run_terminal", {"command": "the bash command line to run"}, "x", None, 0.1,
+                                 untagged=True)
+    r = rollout_with_calls(0.0, [copied_untagged])  # a copied placeholder earns no credit, untagged or not
+    assert GroundedCalls(coef=0.4, placeholder_coef=0.2, untagged_credit=1.0)(r) == pytest.approx(-0.2)
+    with pytest.raises(ValueError, match="untagged_credit"):
+        GroundedCalls(untagged_credit=1.5)

@@ -62,6 +62,18 @@ def test_token_budget_micro_batches_give_the_same_step(episodes):
         TrainConfig(micro_batch_tokens=-1)
 
 
+def test_activation_checkpointing_gives_the_same_step(episodes):
+    """Recomputing activations in the backward pass (memory for compute) changes no number of the step."""
+    plain, recompute = _trainer(), _trainer(activation_checkpointing=True)
+    mp, mr = plain.train_step(episodes, ADV), recompute.train_step(episodes, ADV)
+    for key in ("policy_loss", "grad_norm", "entropy"):
+        assert mr[key] == pytest.approx(mp[key], rel=1e-6, abs=1e-8), key
+    after_p, after_r = plain.full_state_dict(), recompute.full_state_dict()
+    assert all(torch.allclose(after_p[k], after_r[k], rtol=1e-6, atol=1e-8) for k in after_p)
+    with pytest.raises(ValueError, match="activation_checkpointing needs a transformers model"):
+        Trainer(torch.nn.Linear(2, 2), TrainConfig(activation_checkpointing=True), pad_id=0)
+
+
 def test_idle_micro_batch_changes_nothing(episodes):
     trainer = _trainer()
     sums: dict[str, float] = {}
