@@ -17,6 +17,9 @@ order; the first that fails is the call's `problem`:
      description (`'**/*.py'`, `` `path` ``, `"…"`) are left out first: using the example the description gives is
      using the tool, not echoing it. A real command that shares words with the description (`bash run_tests.sh`
      against "The bash command line to run.") is not a copy: the words must be consecutive and in order;
+   - an edited copy: a value of at most `MAX_EDITED_WORDS` (12) words whose longest run of consecutive words copied
+     from any tool's descriptions is at least 3 words and half the value (`echo the bash command line to run`,
+     another tool's parameter description); not for `content`/`new_string` (file text);
    - an echo of a name: the words of the argument's key (`"path": "path"`, `"old_string": "old string"`), of the
      tool's name, or a JSON-Schema type name (`string`, `integer`, …);
    - a template: the whole value a `<…>` or `{…}` slot whose words are a name as above, words of the tool's
@@ -29,7 +32,8 @@ order; the first that fails is the call's `problem`:
 4. **A target**: path arguments must name something in the workspace, or a path the call creates. This is proven
    by rule 1 for every tool but one: `read_file`, `list_dir`, `glob`, `grep`, `search_replace` and `delete_file`
    refuse a path that does not exist (a `tool_error`), and `write_file` creates its path. `read_lints` answers a
-   path with nothing to lint ("no Python files to lint in …") without an error; that call is `no_target`.
+   path with nothing to lint ("no Python files to lint in …") without an error; that call is `no_target`. A
+   `run_terminal` command the shell could not run (exit 126/127) or that hit its timeout did nothing: `not_run`.
 5. **The wire format**: written inside `<tool_call>` tags. An untagged call the parser accepted
    (`untagged_calls="accept"`) ran, but is not grounded: `untagged_ran`. Checked last, so such a call is one that
    would be grounded but for its format (`GroundedCalls.untagged_credit` pays part of the term for it). Under
@@ -52,10 +56,14 @@ from shipyard.harness.tools import Tool, default_tools
 from shipyard.harness.trajectory import ERROR_KINDS, CallRecord, Trajectory
 
 MIN_COPIED_WORDS = 3
+MAX_EDITED_WORDS = 12  # values this short are checked for edited copies of any tool's descriptions
 EMPTY_IS_MEANINGFUL = frozenset({"content", "new_string"})
 SCHEMA_TYPES = frozenset({"string", "integer", "number", "boolean", "array", "object", "null"})
-NOT_GROUNDED = (*ERROR_KINDS, "unclassified", "placeholder", "trivial", "no_target", "untagged_ran")
+NOT_GROUNDED = (*ERROR_KINDS, "unclassified", "placeholder", "trivial", "no_target", "not_run", "untagged_ran")
 NO_TARGET = "no Python files to lint in "  # read_lints' answer for a path with nothing to lint
+# A command the shell could not run (126: not executable, 127: not found) or that was killed at its timeout did no
+# work: unlike a failing test run, its exit status is not an outcome of the task.
+NOT_RUN = re.compile(r"\[exit code 12[67]\]\s*$|\[timed out after [^\]]*\]\s*$")
 
 WORD = re.compile(r"[^\W_]+")
 QUOTED = re.compile(r"'[^']*'|`[^`]*`|\"[^\"]*\"")
@@ -145,6 +153,8 @@ class ValidityChecker:
             problem = "trivial"
         elif record.name == "read_lints" and record.output.startswith(NO_TARGET):
             problem = "no_target"
+        elif record.name == "run_terminal" and NOT_RUN.search(record.output[-400:]):
+            problem = "not_run"
         elif record.untagged:  # checked last: grounded but for the wire format
             problem = "untagged_ran"
         else:
@@ -178,13 +188,21 @@ class ValidityChecker:
         if slot is not None:  # `<path>` is a slot; `<div>` (a grep for a tag) is not
             inner = words(slot.group(1) or slot.group(2))
             return bool(inner) and (self._echo(tool, key, inner) or inner in FORMAT_SLOTS
+                                    or (bool(words(key)) and _contains(inner, words(key)))  # <command_to_run>
                                     or any(_contains(phrase, inner) for phrase in self._phrases[tool.name]))
         said = words(value)
         if not said:
             return False
-        return self._echo(tool, key, said) or any(
-            said == phrase or (len(said) >= MIN_COPIED_WORDS and _contains(phrase, said))
-            for phrase in self._phrases[tool.name])
+        if self._echo(tool, key, said) or any(
+                said == phrase or (len(said) >= MIN_COPIED_WORDS and _contains(phrase, said))
+                for phrase in self._phrases[tool.name]):
+            return True
+        # An edited copy, of this tool's text or another's: a short value whose longest run of words copied from a
+        # description covers at least half of it ("echo the bash command line to run", "… to run now").
+        if len(said) > MAX_EDITED_WORDS or key in EMPTY_IS_MEANINGFUL:
+            return False
+        need = max(MIN_COPIED_WORDS, (len(said) + 1) // 2)
+        return any(_longest_run(phrase, said) >= need for phrases in self._phrases.values() for phrase in phrases)
 
     @staticmethod
     def _echo(tool: Tool, key: str, said: tuple[str, ...]) -> bool:
@@ -222,6 +240,19 @@ def _strings(value: Any, where: str = "", key: str = "") -> Iterator[tuple[str, 
     elif isinstance(value, list):
         for i, v in enumerate(value):
             yield from _strings(v, f"{where}[{i}]", key)
+
+
+def _longest_run(a: tuple[str, ...], b: tuple[str, ...]) -> int:
+    """The length of the longest run of consecutive words that `a` and `b` share."""
+    best, prev = 0, [0] * (len(b) + 1)
+    for x in a:
+        cur = [0] * (len(b) + 1)
+        for j, y in enumerate(b, 1):
+            if x == y:
+                cur[j] = prev[j - 1] + 1
+                best = max(best, cur[j])
+        prev = cur
+    return best
 
 
 def _contains(phrase: tuple[str, ...], run: tuple[str, ...]) -> bool:

@@ -78,11 +78,12 @@ def shaping_terms(config: RLConfig) -> tuple[ShapingTerm, ...]:
     s = config.shaping
     terms: list[ShapingTerm] = []
     if s.grounded or s.placeholder:
-        terms.append(GroundedCalls(s.grounded, s.placeholder, tuple(default_tools()), s.untagged_credit))
+        terms.append(GroundedCalls(s.grounded, s.placeholder, tuple(default_tools()), s.untagged_credit,
+                                   s.grounded_target))
     if s.parallel:
         terms.append(ParallelBonus(s.parallel))
     if config.run.zero_flagged:
-        terms.append(HackPenalty())
+        terms.append(HackPenalty(floor=-s.placeholder))  # the lowest total a clean rollout can get
     return tuple(terms)
 
 

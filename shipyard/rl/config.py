@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import io
+import math
 import os
 import re
 import sys
@@ -134,14 +135,19 @@ class ShapingConfig:
     # Terms added to the grader's reward before the advantages (shipyard.rollout.advantages); 0 turns a term off.
     grounded: float = 0.0  # GroundedCalls.coef: + grounded * (grounded tool calls / calls), whatever the verdict
     placeholder: float = 0.0  # GroundedCalls.placeholder_coef: - placeholder * (calls copying a placeholder / calls)
+    grounded_target: int = 3  # GroundedCalls.target: distinct grounded calls that earn the whole `grounded`
     untagged_credit: float = 0.0  # GroundedCalls.untagged_credit: share of `grounded` for a call grounded but untagged
     parallel: float = 0.0  # ParallelBonus.coef: + parallel * (mean calls per turn - 1) / 3, on solved rollouts only
 
     def __post_init__(self) -> None:
         if not 0 <= self.untagged_credit <= 1:
             raise ValueError("shaping.untagged_credit must be in [0, 1]")
-        if min(self.grounded, self.placeholder, self.parallel) < 0:
-            raise ValueError("shaping coefficients must be >= 0 (a negative one would reward the behaviour it names)")
+        if self.grounded_target < 1:
+            raise ValueError("shaping.grounded_target must be at least 1")
+        if not all(math.isfinite(v) for v in (self.grounded, self.placeholder, self.parallel)) or \
+                min(self.grounded, self.placeholder, self.parallel) < 0:
+            raise ValueError("shaping coefficients must be finite and >= 0 (a negative one would reward the "
+                             "behaviour it names)")
 
 
 @dataclass

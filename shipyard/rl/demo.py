@@ -15,12 +15,13 @@ overridden, `shipyard demo --run.steps 2`) under `$SHIPYARD_HOME/runs/demo-<time
    step over training.
 
 **What is being learned.** Out of the box the 0.5B model solves none of these tasks and writes its tool calls as
-bare JSON, never in `<tool_call>` tags (0 of ~700 samples, issue 15). The demo runs the parser with
-`untagged_calls = "reject"`, so such a call is answered with a format error that shows the expected format
-(`shipyard.harness.parse`) and the episode goes on; rollouts that then make grounded calls — tagged, real
-arguments, run without error — earn the shaping term, and RL makes that behaviour more likely. A handful of steps on
-2 cores moves these figures by little and noisily (4 held-out samples per task at most); the table reports what
-happened, and docs/benchmarks.md holds a longer run's curves.
+bare JSON, never in `<tool_call>` tags (0 of ~700 samples, issue 15; it did not switch to tags when a rejected call
+was answered with the expected format either). So the demo accepts untagged calls (they run, marked untagged) and
+its shaping term pays distinct grounded calls — real arguments, run without error — in full with the tags and half
+without (`untagged_credit`), and charges copied placeholders: a group's rollouts differ in that long before one
+solves a task, and RL makes the better calls more likely. A handful of steps on 2 cores moves these figures by
+little and noisily (2 held-out tasks × 2 samples); the table reports what happened, and docs/benchmarks.md holds a
+longer run's curves.
 
 **Success.** The demo's outcome is the loop, so it fails (`DemoReport.failures`, non-zero exit) when the run raised,
 when an evaluation could not score a single rollout (infrastructure, not the model), or when no trainer step changed
@@ -30,6 +31,7 @@ that did not improve is reported as such, not as a failure of the loop.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -128,11 +130,17 @@ def report(lines: Sequence[Mapping[str, Any]], steps: int) -> DemoReport:
             failures.append(f"the evaluation {when} training scored no rollout (an infrastructure failure: see the "
                             f"run's eval/ files)")
     trained = [line for line in training if not line.get("train/skipped") and line.get("reward/advantage_abs_mean")]
+    broken = [line["step"] for line in training if any(
+        not math.isfinite(line.get(key, 0.0)) for key in ("train/policy_loss", "train/grad_norm"))]
     if len(training) < steps:
         failures.append(f"the run logged {len(training)} of {steps} trainer steps")
+    elif broken:
+        failures.append(f"non-finite loss or gradient norm at step(s) {broken}: the trainer diverged")
     elif not trained:
         failures.append("no trainer step had a learning signal: in every batch all rollouts of a group earned the "
                         "same reward (try more steps, larger groups or [shaping] terms)")
+    elif not any(line.get("train/grad_norm", 0.0) > 0 and line.get("train/lr", 1.0) > 0 for line in trained):
+        failures.append("no trainer step moved the weights (gradient norm or learning rate 0 at every step)")
     grounded = [line.get("tools/grounded_fraction") for line in training]
     widths = [line["episode/parallel_width_mean"] for line in training if line.get("episode/parallel_width_mean")]
     peaks = [line["memory/peak_rss_mb"] for line in training if "memory/peak_rss_mb" in line]

@@ -54,15 +54,18 @@ SCHEDULER_STATE = "scheduler.json"
 
 @dataclass(frozen=True)
 class HackPenalty:
-    """Shaping term: a rollout a monitor flagged ends with total reward 0 (its reward and the shaping terms applied
-    before this one are cancelled; keep it last), else 0."""
+    """Shaping term: a rollout a monitor flagged ends with total reward `floor` (its reward and the shaping terms
+    applied before this one are cancelled; keep it last), else 0. `floor` must be the lowest total a clean rollout can
+    get (0 minus the largest penalty of the other terms), so that a flagged rollout never has a positive advantage:
+    at 0, a group whose clean rollouts were charged a penalty would rank the hack above them."""
 
+    floor: float = 0.0
     name: str = "hack"
 
     def __call__(self, rollout: Rollout) -> float:
         if not rollout.monitor_flags:
             return 0.0
-        return -((rollout.reward or 0.0) + sum(v for k, v in rollout.shaping.items() if k != self.name))
+        return self.floor - ((rollout.reward or 0.0) + sum(v for k, v in rollout.shaping.items() if k != self.name))
 
 
 HintSource = Callable[[RolloutBatch], Sequence[Hint]]

@@ -23,24 +23,28 @@ curriculum tracks pass rates from that). Two are provided: `EffortPenalty`, a so
 DAPO's overlong shaping (0 up to a free budget of sampled tokens, then linear down to −coef at the limit),
 `ParallelBonus`, a bonus for the mean number of tool calls issued in parallel per turn, paid only on solved
 rollouts so that spraying calls cannot earn it, and `GroundedCalls`, for grounded tool-call validity
-(`shipyard.harness.validity`): with c calls of which g are grounded and p carry a placeholder argument,
+(`shipyard.harness.validity`): with G the rollout's *distinct* grounded calls (a call identical in name and arguments
+to an earlier one counts once; a call grounded but for its `<tool_call>` tags — `untagged_ran` — counts
+`untagged_credit`) and K = `target`,
 
-    shaping = coef · (g + untagged_credit · u)/c − placeholder_coef · p/c        (0 when c = 0),
+    shaping = coef · min(G, K)/K − placeholder_coef · [some call copied a placeholder],
 
-where u counts the calls that ran and would be grounded but were written outside the tags (the parser's
-`untagged_calls="accept"`; `untagged_ran` in `shipyard.harness.validity`), bounded in [−placeholder_coef, coef].
-`untagged_credit` (default 0) exists for models that never write the tags: a reward that only the tagged form earns
-gives a group no variance until a tag is sampled (0 of ~700 samples of the bundled 0.5B), while partial credit
-rewards real, working arguments now and the tags on top. The term is paid whatever the verdict: it exists to teach
-the format and real arguments early, when almost no rollout is solved (the measured failure it answers: a reward for
-any parseable call was met by copying the tool's parameter description, 15 of 16 "valid" calls). Fractions, not
-counts, so that spraying calls earns nothing; the placeholder term makes a copied description cost more than a call
-that merely failed. Keep coef small next to the verdict's 1 so that solving stays what matters. No term is on unless
-the caller lists it.
+bounded in [−placeholder_coef, coef]. It is paid whatever the verdict: it exists to teach the format and real
+arguments early, when almost no rollout is solved (the measured failure it answers: a reward for any parseable call
+was met by copying the tool's parameter description, 15 of 16 "valid" calls). Why this shape (an adversarial review
+of a first version, coef · grounded/calls, found each hole): a fraction of calls paid a rollout that made one cheap
+call and stopped as much as one that worked, and let cheap calls dilute a copied placeholder away; a count without a
+cap pays for spraying. Here failed calls cost nothing but the turn they took, a repeated call earns nothing, one
+copied placeholder costs the whole penalty however many other calls surround it, and past K distinct grounded calls
+only the verdict matters. It remains a lexical proxy: K distinct cheap calls (`list_dir` of three directories) earn
+the whole term — keep coef small next to the verdict's 1 so that solving stays what matters. `untagged_credit`
+(default 0) exists for models that never write the tags: a term only the tagged form earns gives a group no variance
+until a tag is sampled (0 of ~700 samples of the bundled 0.5B). No term is on unless the caller lists it.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -124,7 +128,8 @@ class ParallelBonus:
 
 @dataclass(frozen=True)
 class GroundedCalls:
-    """coef · grounded/calls − placeholder_coef · placeholder/calls over the rollout's calls (0 without calls).
+    """coef · min(G, target)/target − placeholder_coef · [some call copied a placeholder], G the rollout's distinct
+    grounded calls (+ `untagged_credit` for each distinct call grounded but for its tags); see the module docstring.
 
     `tools`: the tool set the episodes were run with (the descriptions placeholders are copied from); None means
     `default_tools()`, the harness's.
@@ -133,26 +138,35 @@ class GroundedCalls:
     coef: float = 0.1
     placeholder_coef: float = 0.1
     tools: tuple[Tool, ...] | None = None
-    untagged_credit: float = 0.0  # in [0, 1]: the share of `coef` an otherwise grounded untagged call earns
+    untagged_credit: float = 0.0  # in [0, 1]: the share of a grounded call's credit an untagged one earns
+    target: int = 3  # distinct grounded calls that earn the whole term
     name: str = "grounded"
     checker: ValidityChecker = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.coef < 0 or self.placeholder_coef < 0:
-            raise ValueError(f"GroundedCalls needs coef >= 0 and placeholder_coef >= 0, got coef={self.coef}, "
+        if not (math.isfinite(self.coef) and math.isfinite(self.placeholder_coef)) or min(
+                self.coef, self.placeholder_coef) < 0:
+            raise ValueError(f"GroundedCalls needs finite coef >= 0 and placeholder_coef >= 0, got coef={self.coef}, "
                              f"placeholder_coef={self.placeholder_coef}; a negative coef would reward bad calls")
         if not 0 <= self.untagged_credit <= 1:
             raise ValueError(f"GroundedCalls needs 0 <= untagged_credit <= 1, got {self.untagged_credit}")
+        if self.target < 1:
+            raise ValueError(f"GroundedCalls needs target >= 1, got {self.target}")
         object.__setattr__(self, "checker", ValidityChecker(self.tools))
 
     def __call__(self, rollout: Rollout) -> float:
         if rollout.trajectory is None:
             return 0.0
-        stats = self.checker.trajectory(rollout.trajectory)
-        if not stats.calls:
-            return 0.0
-        credit = stats.grounded + self.untagged_credit * stats.problems.get("untagged_ran", 0)
-        return self.coef * credit / stats.calls - self.placeholder_coef * stats.placeholder_fraction
+        credit: dict[str, float] = {}  # per distinct call (name and arguments): repeating a call earns nothing more
+        placeholder = False
+        for turn in rollout.trajectory.turns:
+            for record in turn.calls:
+                verdict = self.checker.call(record)
+                placeholder |= bool(verdict.placeholders)
+                earned = 1.0 if verdict.grounded else self.untagged_credit if verdict.problem == "untagged_ran" else 0
+                key = json.dumps([record.name, record.arguments], sort_keys=True, default=str)
+                credit[key] = max(credit.get(key, 0.0), earned)
+        return self.coef * min(sum(credit.values()), self.target) / self.target - self.placeholder_coef * placeholder
 
 
 def shaped_reward(rollout: Rollout, terms: Sequence[ShapingTerm]) -> float | None:

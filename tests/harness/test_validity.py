@@ -152,3 +152,28 @@ def test_stats_add_up_and_flatten():
                                   "validity_not_grounded_placeholder": 1, "validity_not_grounded_tool_error": 1,
                                   "validity_not_grounded_untagged": 1}
     assert ValidityStats().grounded_fraction == 0.0
+
+
+@pytest.mark.parametrize("command", ["echo the bash command line to run", "the bash command line to run now",
+                                     "File path relative to the workspace root.", "<command_to_run>"])
+def test_edited_copies_of_a_description_are_placeholders(command):
+    """Review finding: one added word, another tool's description or a slot naming the key slipped the check."""
+    record = CallRecord(0, "run_terminal", {"command": command}, "[exit code 127]", None, 0.0)
+    assert CHECK.call(record).placeholders == ("command",)
+
+
+@pytest.mark.parametrize("command", ["python -m pytest -q tests/test_stats.py", "grep -rn median pocketlib",
+                                     "cat pocketlib/stats.py", "git diff"])
+def test_real_commands_are_not_placeholders(command):
+    record = CallRecord(0, "run_terminal", {"command": command}, "ok\n[exit code 0]", None, 0.0)
+    assert CHECK.call(record).grounded
+
+
+@pytest.mark.parametrize("output", ["bash: asdf: command not found\n[exit code 127]",
+                                    "[timed out after 5 s; the command's process group was killed. Use a longer "
+                                    "`timeout`, or `background: true` for servers and watchers]"])
+def test_a_command_that_did_not_run_is_not_grounded(output):
+    record = CallRecord(0, "run_terminal", {"command": "asdf"}, output, None, 0.0)
+    assert CHECK.call(record).problem == "not_run"
+    failing_tests = CallRecord(0, "run_terminal", {"command": "python -m pytest"}, "1 failed\n[exit code 1]", None, 0)
+    assert CHECK.call(failing_tests).grounded  # a failing test run is an outcome of the task

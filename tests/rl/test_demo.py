@@ -18,8 +18,9 @@ EVAL0 = {"step": 0, "eval/scored": 4, "eval/reward_mean": 0.0, "eval/pass@1": 0.
          "eval/flagged_rollouts": 0}
 
 
-def step(n, *, signal=0.2, grounded=0.1, flagged=0, skipped=False, evaluated=None):
+def step(n, *, signal=0.2, grounded=0.1, flagged=0, skipped=False, evaluated=None, loss=0.01, grad=0.5, lr=1e-6):
     line = {"step": n, "reward/advantage_abs_mean": signal, "tools/grounded_fraction": grounded,
+            "train/policy_loss": loss, "train/grad_norm": grad, "train/lr": lr,
             "episode/parallel_width_mean": 1.5, "monitor/flagged": flagged, "time/step_seconds": 100.0 + n,
             "memory/peak_rss_mb": 1000.0 * n}
     if skipped:
@@ -48,6 +49,9 @@ def test_report_reads_before_after_and_training_figures():
     ([{**EVAL0, "eval/scored": 0}, step(1, evaluated=EVAL0)], 1, "before training scored no rollout"),
     ([EVAL0, step(1, evaluated=EVAL0)], 2, "logged 1 of 2 trainer steps"),
     ([EVAL0, step(1, signal=0.0), step(2, skipped=True, evaluated=EVAL0)], 2, "no trainer step had a learning signal"),
+    ([EVAL0, step(1, loss=float("nan"), evaluated=EVAL0)], 1, "non-finite loss"),
+    ([EVAL0, step(1, grad=float("inf"), evaluated=EVAL0)], 1, "the trainer diverged"),
+    ([EVAL0, step(1, lr=0.0), step(2, grad=0.0, evaluated=EVAL0)], 2, "no trainer step moved the weights"),
 ])
 def test_report_fails_when_the_loop_did(lines, steps, failure):
     r = report(lines, steps)

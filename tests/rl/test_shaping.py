@@ -9,7 +9,7 @@ from shipyard.harness.trajectory import CallRecord, Trajectory, Turn
 from shipyard.rl.build import shaping_terms
 from shipyard.rl.config import RLConfig, ShapingConfig, load_config
 from shipyard.rl.loop import HackPenalty, batch_metrics
-from shipyard.rollout.advantages import GroundedCalls, ParallelBonus, shaped_reward
+from shipyard.rollout.advantages import GroundedCalls, ParallelBonus, group_advantages, shaped_reward
 from shipyard.rollout.batches import RolloutBatch, RolloutGroup
 from shipyard.rollout.eval import results
 from shipyard.rollout.record import Rollout
@@ -39,18 +39,31 @@ def test_shaping_section_builds_the_terms_in_order(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("[shaping]\ngrounded = 0.1\n")
     assert load_config(path, ["--shaping.placeholder", "0.4"]).shaping == ShapingConfig(grounded=0.1, placeholder=0.4)
-    path.write_text("[shaping]\ngrounded = -0.1\n")
-    with pytest.raises(Exception, match=">= 0"):
-        load_config(path)
+    for bad in ("-0.1", "nan", "inf"):
+        path.write_text(f"[shaping]\ngrounded = {bad}\n")
+        with pytest.raises(Exception, match="finite and >= 0"):
+            load_config(path)
 
 
-def test_a_flagged_rollout_ends_at_zero_even_with_a_shaping_bonus():
-    terms = [GroundedCalls(0.5, 0.0), HackPenalty()]
+def test_a_flagged_rollout_ends_at_the_floor_even_with_a_shaping_bonus():
+    terms = [GroundedCalls(0.5, 0.0, target=1), HackPenalty()]
     flagged = rollout(1.0, [GOOD], flagged=True)
     assert shaped_reward(flagged, terms) == pytest.approx(0.0)
     assert flagged.shaping["grounded"] == pytest.approx(0.5) and flagged.reward == 1.0  # the grader's, kept
     clean = rollout(1.0, [GOOD])
     assert shaped_reward(clean, terms) == pytest.approx(1.5) and clean.shaping["hack"] == 0.0
+
+
+def test_a_flagged_rollout_never_gets_a_positive_advantage():
+    """Review finding: at a floor of 0, peers charged the placeholder penalty ranked a flagged hack above them."""
+    config = RLConfig(shaping=ShapingConfig(grounded=0.5, placeholder=0.5))
+    config.run.zero_flagged = True
+    terms = shaping_terms(config)
+    group = [rollout(1.0, [GOOD], flagged=True, index=0), rollout(0.0, [COPIED], index=1),
+             rollout(0.0, [COPIED], index=2), rollout(0.0, [], index=3)]
+    totals = [shaped_reward(r, terms) for r in group]
+    advantages = group_advantages(totals)
+    assert totals[0] == min(totals) and advantages[0] <= 0.0
 
 
 def test_batch_and_eval_report_grounded_validity():

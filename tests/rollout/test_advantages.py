@@ -137,23 +137,36 @@ COPIED_FAILED = CallRecord(3, "read_file", {"path": "File path relative to the w
                            0.0, error_kind="tool_error")
 
 
+READ = CallRecord(4, "read_file", {"path": "pocketlib/stats.py"}, "1\tdef mean(", None, 0.1)
+LS = CallRecord(5, "list_dir", {"path": "."}, "pocketlib/\ntests/", None, 0.1)
+
+
 def test_grounded_calls_shaping_by_hand():
-    term = GroundedCalls(coef=0.2, placeholder_coef=0.5)
-    # 4 calls: 1 grounded (GOOD), 2 with a placeholder (COPIED ran, COPIED_FAILED failed), 1 plain failure
+    term = GroundedCalls(coef=0.3, placeholder_coef=0.5, target=3)
+    # 1 grounded (GOOD), 2 with a placeholder (COPIED ran, COPIED_FAILED failed), 1 plain failure
     r = rollout_with_calls(0.0, [GOOD, COPIED, FAILED, COPIED_FAILED])
-    assert term(r) == pytest.approx(0.2 * 1 / 4 - 0.5 * 2 / 4)
-    assert term(rollout_with_calls(0.0, [GOOD, GOOD])) == pytest.approx(0.2)  # the maximum: coef
+    assert term(r) == pytest.approx(0.3 * 1 / 3 - 0.5)  # one copied placeholder costs the whole penalty
+    assert term(rollout_with_calls(0.0, [GOOD, READ, LS])) == pytest.approx(0.3)  # the maximum: coef
+    assert term(rollout_with_calls(0.0, [GOOD, READ, LS, GOOD, READ])) == pytest.approx(0.3)  # capped at target
     assert term(rollout_with_calls(1.0, [COPIED])) == pytest.approx(-0.5)  # the minimum, paid whatever the verdict
-    assert term(rollout_with_calls(0.0, [FAILED])) == 0.0
+    assert term(rollout_with_calls(0.0, [FAILED])) == 0.0  # a failed call costs nothing but its turn
     assert term(rollout_with_calls(0.0, [])) == 0.0  # no calls: nothing to grade
-    # spraying grounded calls earns no more than one grounded call
+    # repeating one grounded call earns no more than making it once
     assert term(rollout_with_calls(0.0, [GOOD] * 9)) == term(rollout_with_calls(0.0, [GOOD]))
+    # cheap calls do not dilute a copied placeholder away (a first version paid +0.40 for this)
+    assert term(rollout_with_calls(0.0, [COPIED, *[LS] * 9])) < term(rollout_with_calls(0.0, [LS]))
+    # one call and stop earns no more than a real attempt
+    assert term(rollout_with_calls(0.0, [LS])) <= term(rollout_with_calls(0.0, [GOOD, FAILED]))
+    with pytest.raises(ValueError, match="target"):
+        GroundedCalls(target=0)
+    with pytest.raises(ValueError, match="finite"):
+        GroundedCalls(coef=math.nan)
 
 
 def test_grounded_calls_in_shaped_reward_and_off_by_default():
     r = rollout_with_calls(1.0, [GOOD, COPIED])
-    total = shaped_reward(r, [GroundedCalls(coef=0.1, placeholder_coef=0.1)])
-    assert r.shaping == pytest.approx({"grounded": 0.1 * 0.5 - 0.1 * 0.5}) and total == pytest.approx(1.0)
+    total = shaped_reward(r, [GroundedCalls(coef=0.3, placeholder_coef=0.1, target=3)])
+    assert r.shaping == pytest.approx({"grounded": 0.3 / 3 - 0.1}) and total == pytest.approx(1.0)
     r = rollout_with_calls(1.0, [GOOD, COPIED])
     assert shaped_reward(r, []) == 1.0 and r.shaping == {}  # a term is on only when listed
     masked = rollout_with_calls(None, [GOOD])
@@ -163,11 +176,12 @@ def test_grounded_calls_in_shaped_reward_and_off_by_default():
 
 
 def test_untagged_credit_pays_part_for_a_call_grounded_but_for_its_tags():
-    untagged = CallRecord(0, "run_terminal", {"command": "python -m pytest -q"}, "1 passed\n[exit code 0]", None, 0.1,
+    untagged = CallRecord(0, "run_terminal", {"command": "python -m pytest"}, "1 passed\n[exit code 0]", None, 0.1,
                           untagged=True)
     r = rollout_with_calls(0.0, [GOOD, untagged])
-    assert GroundedCalls(coef=0.4, placeholder_coef=0.0)(r) == pytest.approx(0.4 * 1 / 2)  # strict: tags required
-    assert GroundedCalls(coef=0.4, placeholder_coef=0.0, untagged_credit=0.5)(r) == pytest.approx(0.4 * 1.5 / 2)
+    assert GroundedCalls(coef=0.4, placeholder_coef=0.0, target=2)(r) == pytest.approx(0.4 / 2)  # strict: tags
+    assert GroundedCalls(coef=0.4, placeholder_coef=0.0, untagged_credit=0.5, target=2)(r) == pytest.approx(
+        0.4 * 1.5 / 2)
     copied_untagged = CallRecord(1, "run_terminal", {"command": "the bash command line to run"}, "x", None, 0.1,
                                  untagged=True)
     r = rollout_with_calls(0.0, [copied_untagged])  # a copied placeholder earns no credit, untagged or not
