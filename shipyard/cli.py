@@ -196,11 +196,13 @@ def serve(
                                        help="Largest weight push (POST /v1/weights); a 0.5B model in bf16 is ~1000."),
     max_connections: int = typer.Option(256, "--max-connections", min=1, help="Open connections; beyond: 503."),
 ) -> None:
-    """Serve a model on an OpenAI-compatible /v1/completions endpoint (token ids + logprobs).
+    """Serve a model on OpenAI-compatible /v1/completions (token ids + logprobs) and /v1/chat/completions (tools and
+    tool_calls, in the harness's wire format) endpoints.
 
     Weight pushes (POST /v1/weights) need a bearer token: $SHIPYARD_SERVE_TOKEN (or the file in
     $SHIPYARD_SERVE_TOKEN_FILE) if set, else a fresh one written to $SHIPYARD_HOME/serve/PORT.token (mode 0600),
     where `shipyard.train.sync.push_http` finds it."""
+    from shipyard.harness.chat_api import add_chat_completions
     from shipyard.httpguard import new_token, store_token, token_from_env
     from shipyard.models.resolve import make_engine
     from shipyard.models.server import TOKEN_ENV, ServeConfig, create_app, run, token_path
@@ -218,7 +220,9 @@ def serve(
     console.print(f"serving [bold]{model}[/] on http://{host}:{port}/v1"
                   + (" (API key required)" if config.api_key else ""), soft_wrap=True)
     console.print(f"weights token for POST /v1/weights: {where}", soft_wrap=True)
-    run(create_app(engine, model, config), host, port, max_connections=max_connections)
+    served = create_app(engine, model, config)
+    add_chat_completions(served, engine, model, untagged_setting(model, None))
+    run(served, host, port, max_connections=max_connections)
 
 
 sandbox_app = typer.Typer(no_args_is_help=True, help="Run commands in bubblewrap sandboxes.")

@@ -49,6 +49,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -262,7 +263,8 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
     app = FastAPI(title="shipyard model server", lifespan=lifespan)
     app.state.batcher = batcher
     app.state.token = config.token or httpguard.new_token()
-    open_to_key = {"/v1/completions": config.api_key, "/v1/models": config.api_key}
+    open_to_key = {"/v1/completions": config.api_key, "/v1/models": config.api_key,
+                   "/v1/chat/completions": config.api_key}  # the chat route: shipyard.harness.chat_api
     httpguard.install(app, token=app.state.token, max_body=config.max_body, open_paths=("/health",),
                       path_tokens=open_to_key, path_max_body={"/v1/weights": config.max_weights_body})
 
@@ -299,6 +301,37 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         return {"version": version, "tensors": count, "bytes": len(body),
                 "seconds": round(time.perf_counter() - start, 4)}
 
+    async def generate(request: Request, prompts: list[list[int]], n: int, sampling: Callable[[int | None],
+                       SamplingParams], seed: int | None) -> list[Completion] | None:
+        """`n` completions of each prompt through the batcher (choice k draws with seed + k), or None when the client
+        disconnected first; the request's errors as HTTP errors. Shared by /v1/completions and the chat endpoint."""
+        gone = threading.Event()
+        cancelled = lambda: gone.is_set() or batcher.stopping  # noqa: E731
+        requests = []
+        for p in prompts:
+            for k in range(n):
+                try:
+                    params = sampling(None if seed is None else (seed + k) % (MAX_SEED + 1))
+                except ValueError as e:
+                    raise HTTPException(400, str(e)) from None
+                requests.append(GenerationRequest(p, params, cancelled))
+        try:
+            futures = batcher.submit(requests)
+        except ValueError as e:  # the engine's own checks (a LocalEngine: ids in its model's vocabulary)
+            raise HTTPException(400, f"the engine refused this request: {e}") from None
+        except ShuttingDown:
+            raise HTTPException(503, "the server is shutting down; send the request to another server") from None
+        except Overloaded as e:
+            raise HTTPException(503, f"the server is overloaded ({e}); retry later", {"Retry-After": "1"}) from None
+        results = await _until_disconnected(request, futures, gone)
+        if results is not None and any(c.finish_reason == "abort" for c in results):
+            raise HTTPException(503, "the server is shutting down and stopped this generation; retry elsewhere")
+        return results
+
+    app.state.generate = generate
+    app.state.context = context
+    app.state.serve_config = config
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         if body.stream:
@@ -316,32 +349,12 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         else:
             async with tokenize_slots:
                 prompts = await asyncio.to_thread(_tokenize, engine, texts, body.max_tokens, context)
-        gone = threading.Event()
-        cancelled = lambda: gone.is_set() or batcher.stopping  # noqa: E731
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         stop_ids = tuple(body.stop_token_ids or ()) or _default_stop_ids(engine)
-        requests = []
-        for p in prompts:
-            for k in range(body.n):
-                seed = None if body.seed is None else (body.seed + k) % (MAX_SEED + 1)  # choice k: seed + k
-                try:
-                    sampling = SamplingParams(body.max_tokens, body.temperature, body.top_p, stops, stop_ids, seed)
-                except ValueError as e:
-                    raise HTTPException(400, str(e)) from None
-                requests.append(GenerationRequest(p, sampling, cancelled))
-        try:
-            futures = batcher.submit(requests)
-        except ValueError as e:  # the engine's own checks (a LocalEngine: ids in its model's vocabulary)
-            raise HTTPException(400, f"the engine refused this request: {e}") from None
-        except ShuttingDown:
-            raise HTTPException(503, "the server is shutting down; send the request to another server") from None
-        except Overloaded as e:
-            raise HTTPException(503, f"the server is overloaded ({e}); retry later", {"Retry-After": "1"}) from None
-        results = await _until_disconnected(request, futures, gone)
+        results = await generate(request, prompts, body.n, lambda seed: SamplingParams(
+            body.max_tokens, body.temperature, body.top_p, stops, stop_ids, seed), body.seed)
         if results is None:
             return Response(status_code=499)  # the client has gone; nobody reads this
-        if any(c.finish_reason == "abort" for c in results):
-            raise HTTPException(503, "the server is shutting down and stopped this generation; retry elsewhere")
         return _response(engine, served_name, body, prompts, results)
 
     return app
