@@ -1,18 +1,27 @@
-"""Checkpoints: weights as safetensors, plus everything needed to continue bit-identically.
+"""Checkpoints: weights as safetensors, plus everything needed to continue — bit-identically on the same number of
+ranks, and on any other number.
 
 Layout of `DIR/step-00000042/`:
 
     model.safetensors     the full (unsharded) policy weights — what `shipyard serve --model` and exports read
-    trainer.json          step, policy version, world size, the training config
-    rank{r}-of{N}.pt      this rank's shards: policy, EMA teacher and reference weights, optimizer states (Muon
-                          momentum, AdamW moments and step counts), LR schedulers, RNG states (torch, Python)
+    trainer.json          step, policy version, world size, which modules are saved, the training config
+    dcp/                  torch.distributed.checkpoint: the policy, EMA teacher and reference weights and the optimizer
+                          states (Muon momentum, AdamW moments and step counts), each rank writing its own shards
+    trainer.pt            rank 0: the LR schedulers, the Python RNG
+    rng-rank{r}.pt        rank r's torch RNG state
 
-Every rank writes its own file (no gather of optimizer state), rank 0 the shared ones; the directory appears under
-its final name only when complete (written as `.partial`, renamed after a barrier), so a crash mid-save never
-leaves a checkpoint that looks whole. Resuming needs the same world size (the shards are per rank); the weights in
-model.safetensors load at any world size.
+**Resharding.** The weights and optimizer states go through `torch.distributed.checkpoint` (DCP) with the
+`get_state_dict`/`set_state_dict` API, which names every tensor by its parameter's fully qualified name and records
+each shard's offsets in the checkpoint's metadata. Loading asks for the tensors in the layout of the trainer being
+restored — plain tensors on one rank, FSDP2 `Shard(0)` DTensors on N — and DCP reads the byte ranges each rank
+needs, so a checkpoint written by N ranks loads on M (tests: 2 → 1, 1 → 2, 2 → 2 bitwise). Nothing is gathered or
+copied to save: the live tensors are written. The RNG rule across world sizes: rank r restores rank r's torch RNG
+if the writing run had one, else keeps its own seeded state (the trainer's sampling does not use it; the RL loop's
+randomness is in the scheduler's state).
 
-Resuming restores every tensor the next step reads, so training continues bit-identically (tested).
+Every rank writes its own shards, rank 0 the shared files; the directory appears under its final name only when
+complete (written as `.partial`, renamed after a barrier), so a crash mid-save never leaves a checkpoint that looks
+whole.
 """
 
 from __future__ import annotations
@@ -23,10 +32,18 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 from shipyard.train.trainer import Trainer
@@ -41,23 +58,32 @@ def _modules(trainer: Trainer) -> dict[str, torch.nn.Module]:
     return mods
 
 
-def _local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: (v.to_local() if isinstance(v, DTensor) else v).detach().clone() for k, v in module.state_dict().items()}
+def _state(trainer: Trainer) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """What DCP saves and loads: the trainer's modules and optimizers, by fully qualified names, in this trainer's
+    layout (collective: every rank calls it); and the optimizer states presented as DTensors here.
 
-
-def _optimizer_state(opt: torch.optim.Optimizer) -> dict:
-    """The optimizer's state dict with DTensor states as local tensors, and which ones were DTensors."""
-    sd = opt.state_dict()  # its per-parameter dicts are the live state: build new ones
-    dtensors = []
-    states = {}
-    for index, state in sd["state"].items():
-        states[index] = {}
-        for key, value in state.items():
-            if isinstance(value, DTensor):
-                value = value.to_local()
-                dtensors.append((index, key))
-            states[index][key] = value.clone() if isinstance(value, torch.Tensor) else value
-    return {"state_dict": {**sd, "state": states}, "dtensors": dtensors}
+    Muon keeps a sharded parameter's momentum as the plain local block (its Newton–Schulz runs on whole matrices it
+    gathers itself), which DCP would take for a replicated tensor of the block's shape; such a state is presented
+    as a DTensor with its parameter's placements — a view of the same memory — so it reshards like the parameter."""
+    model, optim = get_state_dict(trainer.model, trainer.optimizers)
+    params = dict(trainer.model.named_parameters())
+    wrapped = []
+    for fqn, entry in optim["state"].items():
+        p = params.get(fqn)
+        if not isinstance(p, DTensor):
+            continue
+        entry = dict(entry)  # may be the optimizer's own dict: never change it
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0 \
+                    and value.shape == p.to_local().shape:
+                entry[key] = DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                wrapped.append((fqn, key))
+        optim["state"][fqn] = entry
+    state = {"model": model, "optim": optim}
+    for name, module in _modules(trainer).items():
+        if name != "model":
+            state[name] = get_model_state_dict(module)
+    return state, wrapped
 
 
 def _untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -85,20 +111,16 @@ def save_checkpoint(trainer: Trainer, directory: str | Path, extra: Mapping[str,
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    rank_state = {
-        "modules": {name: _local_state(m) for name, m in _modules(trainer).items()},
-        "optimizers": [_optimizer_state(o) for o in trainer.optimizers],
-        "schedulers": [s.state_dict() for s in trainer.schedulers],
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        "version": trainer.version, "step": trainer.step_count,
-    }
-    torch.save(rank_state, partial / f"rank{trainer.rank}-of{trainer.world}.pt")
+    dcp.save(_state(trainer)[0], checkpoint_id=partial / "dcp")
+    torch.save(torch.get_rng_state(), partial / f"rng-rank{trainer.rank}.pt")
     if trainer.rank == 0:
         save_file(_untied(full), partial / "model.safetensors",
                   metadata={"version": str(trainer.version), "step": str(trainer.step_count)})
+        torch.save({"schedulers": [s.state_dict() for s in trainer.schedulers], "python_rng": random.getstate()},
+                   partial / "trainer.pt")
         (partial / "trainer.json").write_text(json.dumps({
             "step": trainer.step_count, "version": trainer.version, "world_size": trainer.world,
-            "config": asdict(trainer.config)}, indent=2, default=str) + "\n")
+            "modules": sorted(_modules(trainer)), "config": asdict(trainer.config)}, indent=2, default=str) + "\n")
         for name, text in (extra or {}).items():
             (partial / name).write_text(text)
     dist.barrier()
@@ -116,34 +138,32 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
 
 
 def load_checkpoint(trainer: Trainer, path: str | Path) -> None:
-    """Restore `trainer` (built with the same config and world size) from a checkpoint directory."""
+    """Restore `trainer` (built with the same config, on any number of ranks) from a checkpoint directory
+    (collective)."""
     path = Path(path)
     meta = json.loads((path / "trainer.json").read_text()) if (path / "trainer.json").exists() else None
     if meta is None:
         raise FileNotFoundError(f"{path} is not a shipyard checkpoint (no trainer.json); pick a step-* directory")
-    if meta["world_size"] != trainer.world:
-        raise ValueError(f"{path} was written by {meta['world_size']} ranks; resume it with the same world size "
-                         f"(this run has {trainer.world}), or start from its model.safetensors")
-    state = torch.load(path / f"rank{trainer.rank}-of{trainer.world}.pt", weights_only=False)
-    modules = _modules(trainer)
-    if set(state["modules"]) != set(modules):
-        raise ValueError(f"{path} holds {sorted(state['modules'])} but this trainer has {sorted(modules)}: the "
-                         "distillation teacher or KL reference settings differ from the checkpointed run's")
-    with torch.no_grad():
-        for name, module in modules.items():
-            saved = state["modules"][name]
-            for key, value in module.state_dict().items():
-                (value.to_local() if isinstance(value, DTensor) else value).copy_(saved[key])
-    for opt, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
-        opt.load_state_dict(saved["state_dict"])
-        params = [p for group in opt.param_groups for p in group["params"]]
-        for index, key in saved["dtensors"]:
-            p = params[index]
-            local = opt.state[p][key]
-            opt.state[p][key] = DTensor.from_local(local.to(p.device), p.device_mesh, p.placements,
-                                                   shape=p.shape, stride=p.stride())
-    for sched, saved in zip(trainer.schedulers, state["schedulers"], strict=True):
+    if not (path / "dcp" / ".metadata").exists():
+        raise FileNotFoundError(f"{path} has no dcp/ shards (written by an older shipyard, or incomplete): start "
+                                "from its model.safetensors")
+    modules = sorted(_modules(trainer))
+    if meta.get("modules") != modules:
+        raise ValueError(f"{path} holds {meta.get('modules')} but this trainer has {modules}: the distillation "
+                         "teacher or KL reference settings differ from the checkpointed run's")
+    state, wrapped = _state(trainer)
+    dcp.load(state, checkpoint_id=path / "dcp")
+    for fqn, key in wrapped:  # back to the local blocks the optimizer keeps
+        state["optim"]["state"][fqn][key] = state["optim"]["state"][fqn][key].to_local()
+    set_state_dict(trainer.model, trainer.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for name, module in _modules(trainer).items():
+        if name != "model":
+            set_model_state_dict(module, state[name])
+    shared = torch.load(path / "trainer.pt", weights_only=False)
+    for sched, saved in zip(trainer.schedulers, shared["schedulers"], strict=True):
         sched.load_state_dict(saved)
-    torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])
-    trainer.version, trainer.step_count = state["version"], state["step"]
+    random.setstate(shared["python_rng"])
+    rng = path / f"rng-rank{trainer.rank}.pt"
+    if rng.exists():  # a rank the writing run did not have keeps its own seeded state (module docstring)
+        torch.set_rng_state(torch.load(rng))
+    trainer.version, trainer.step_count = meta["version"], meta["step"]

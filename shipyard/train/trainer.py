@@ -324,7 +324,11 @@ class Trainer:
         self.version += 1
         self.step_count += 1
         keys = sorted(sums)
-        totals = dict(zip(keys, self._sum([sums[k] for k in keys]), strict=True))
+        if self.world > 1:  # a rank without hinted rows has no distillation figures: agree on the keys first
+            everyone: list[list[str]] = [[] for _ in range(self.world)]
+            dist.all_gather_object(everyone, keys)
+            keys = sorted({k for ks in everyone for k in ks})
+        totals = dict(zip(keys, self._sum([sums.get(k, 0.0) for k in keys]), strict=True))
         tokens = max(totals.pop("tokens", 0.0), 1.0)
         dtok = totals.pop("distill_tokens", 0.0)
         forward = totals.pop("forward_tokens", 0.0)

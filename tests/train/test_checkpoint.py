@@ -1,7 +1,12 @@
-"""Checkpoints: resuming continues bit-identically (weights, EMA teacher, Muon and AdamW state, schedule)."""
+"""Checkpoints: resuming continues bit-identically (weights, EMA teacher, Muon and AdamW state, schedule) on the same
+number of ranks, and like the uninterrupted run on another number (torch.distributed.checkpoint resharding)."""
+
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import run_ranks
 from safetensors.torch import load_file
 
 from shipyard.harness.tools import default_tools
@@ -61,7 +66,50 @@ def test_bad_checkpoints_are_refused(episodes, tmp_path):
     with pytest.raises(FileNotFoundError, match="not a shipyard checkpoint"):
         load_checkpoint(trainer, tmp_path)
     path = save_checkpoint(trainer, tmp_path)
-    (path / "trainer.json").write_text((path / "trainer.json").read_text().replace('"world_size": 1',
-                                                                                  '"world_size": 4'))
-    with pytest.raises(ValueError, match="written by 4 ranks"):
+    (path / "trainer.json").write_text((path / "trainer.json").read_text().replace('"ema"', '"teacher"'))
+    with pytest.raises(ValueError, match="distillation teacher or KL reference"):
         load_checkpoint(trainer, path)
+    (path / "dcp" / ".metadata").unlink()
+    with pytest.raises(FileNotFoundError, match="no dcp/ shards"):
+        load_checkpoint(trainer, path)
+
+
+def _reshard_worker(rank, world, episodes, ckpt, mode, out):
+    """mode "save": two steps, checkpoint, two more steps (the uninterrupted run); "load": resume, two steps."""
+    trainer = _trainer()
+    batches = _batches(episodes, trainer)
+    if mode == "save":
+        for b in batches[:2]:
+            trainer.step(b)
+        save_checkpoint(trainer, ckpt)
+    else:
+        load_checkpoint(trainer, latest_checkpoint(ckpt))
+        assert trainer.version == 2
+    for b in batches[2:]:
+        trainer.step(b)
+    state = {k: v.clone() for k, v in trainer.full_state_dict().items()}
+    if rank == 0:
+        torch.save(state, out)
+
+
+def _run(world, episodes, ckpt, mode, out):
+    if world == 1:
+        _reshard_worker(0, 1, episodes, ckpt, mode, out)
+    else:
+        run_ranks(_reshard_worker, world, episodes, str(ckpt), mode, str(out))
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("saved, loaded", [(2, 1), (1, 2), (2, 2)])
+def test_a_checkpoint_resumes_on_another_number_of_ranks(episodes, saved, loaded):
+    """The resumed run matches the uninterrupted one: bitwise on the same number of ranks, to float-summation
+    accuracy on another (N ranks train like 1: tests/train/test_trainer.py)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        straight = _run(saved, episodes, tmp / "ckpt", "save", tmp / "straight.pt")
+        resumed = _run(loaded, episodes, tmp / "ckpt", "load", tmp / "resumed.pt")
+    for k, v in straight.items():
+        if saved == loaded:
+            assert torch.equal(v, resumed[k]), k
+        else:
+            torch.testing.assert_close(resumed[k], v, rtol=1e-4, atol=1e-6, msg=k)
