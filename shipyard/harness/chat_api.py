@@ -44,19 +44,18 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import StreamingResponse
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from shipyard.harness.parse import CLOSE, OPEN, ParsedTurn, ToolCallParser
 from shipyard.harness.tools.base import Tool
 from shipyard.harness.wire import ChatFormat
-from shipyard.models.engine import MIN_TEMPERATURE, Engine, SamplingParams
-from shipyard.models.server import chars_per_token
+from shipyard.models.engine import Engine, SamplingParams
+from shipyard.models.server import SamplingRequest, chars_per_token
 
 MAX_TOOLS = 128
 MAX_MESSAGES = 2048
 DEFAULT_MAX_TOKENS = 1024
 ToolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][\w.\-]{0,63}$")]
-Stop = Annotated[str, StringConstraints(min_length=1, max_length=512)]
 
 
 class FunctionSpec(BaseModel):
@@ -93,27 +92,13 @@ class Message(BaseModel):
     tool_call_id: str | None = Field(None, max_length=256)
 
 
-class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-    model: str | None = Field(None, max_length=1000)
+class ChatRequest(SamplingRequest):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=16)
-    stop: Stop | list[Stop] | None = Field(None, max_length=16)
-    seed: int | None = Field(None, ge=0)
-    stream: bool = False
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v: float) -> float:
-        if 0 < v < MIN_TEMPERATURE:
-            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
-        return v
 
 
 def _unrunnable(**_: Any) -> str:

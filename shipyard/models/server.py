@@ -107,20 +107,16 @@ class ServeConfig:
 Stop = Annotated[str, StringConstraints(min_length=1, max_length=512)]
 
 
-class CompletionRequest(BaseModel):
+class SamplingRequest(BaseModel):
+    """The fields the completions and chat endpoints share, validated alike."""
+
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = Field(None, max_length=1000)
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=64)
     stop: Stop | list[Stop] | None = Field(None, max_length=16)
-    stop_token_ids: list[int] | None = Field(None, max_length=256)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    logprobs: int | None = Field(None, ge=0, le=1)
-    return_tokens_as_token_ids: bool = False
     stream: bool = False
 
     @field_validator("temperature")
@@ -129,6 +125,15 @@ class CompletionRequest(BaseModel):
         if 0 < v < MIN_TEMPERATURE:
             raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
         return v
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int = Field(16, ge=1)
+    n: int = Field(1, ge=1, le=64)
+    stop_token_ids: list[int] | None = Field(None, max_length=256)
+    logprobs: int | None = Field(None, ge=0, le=1)
+    return_tokens_as_token_ids: bool = False
 
 
 class ShuttingDown(RuntimeError):
