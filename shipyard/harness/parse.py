@@ -109,9 +109,10 @@ def signature(tool: Tool) -> str:
 class _Unusable(Exception):
     """Why a call's text cannot be run: an error kind and a message for the model (internal to the parser)."""
 
-    def __init__(self, kind: ErrorKind, message: str, name: str | None = None):
+    def __init__(self, kind: ErrorKind, message: str, name: str | None = None,
+                 arguments: dict[str, Any] | None = None):
         super().__init__(message)
-        self.kind, self.message, self.name = kind, message, name
+        self.kind, self.message, self.name, self.arguments = kind, message, name, arguments
 
 
 class ToolCallParser:
@@ -171,7 +172,7 @@ class ToolCallParser:
             name, args = self._read(body, at_end)
         except _Unusable as e:
             label = f"tool call #{index + 1}{f' ({e.name})' if e.name else ''}"
-            return ToolCall(index, e.name, None, raw, f"{label}: {e.message}", error_kind=e.kind)
+            return ToolCall(index, e.name, e.arguments, raw, f"{label}: {e.message}", error_kind=e.kind)
         return ToolCall(index, name, args, raw)
 
     def _read(self, body: str, at_end: bool) -> tuple[str, dict[str, Any]]:
@@ -263,7 +264,8 @@ class ToolCallParser:
             raise _Unusable("bad_arguments", f"the arguments are nested too deeply. Expected "
                                              f"{signature(self.tools[name])}.", name) from None
         raise _Unusable("bad_arguments", f"invalid arguments — {'; '.join(problems)}. Expected "
-                                         f"{signature(self.tools[name])}.", name)
+                                         f"{signature(self.tools[name])}.", name, args)  # kept: a placeholder in them
+        # still counts (shipyard.harness.validity), so breaking the schema cannot hide one
 
     def _near_misses(self, content: str) -> list[ToolCall]:
         """Calls written outside <tool_call> tags (see the module docstring): reported, or run when accepted."""
@@ -300,11 +302,15 @@ class ToolCallParser:
         calls = []
         for i, (_, raw, at_end) in enumerate(found):
             message = f"it was not executed: it is not wrapped in {OPEN}…{CLOSE} tags (code fences do not count)."
+            name, args = None, None
             try:
-                self._read(raw, at_end)
+                name, args = self._read(raw, at_end)
             except _Unusable as e:
                 message += f" It also has this problem: {e.message}"
-            calls.append(_failed(i, raw, "untagged", message))
+                name, args = e.name, e.arguments
+            call = _failed(i, raw, "untagged", message)
+            call.name, call.arguments = name, args  # what it would have run: validity still sees a placeholder
+            calls.append(call)
         return calls
 
     def _attempted(self, content: str, start: int, end: int | None, name: Any, has_arguments: bool) -> bool:

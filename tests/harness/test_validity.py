@@ -177,3 +177,18 @@ def test_a_command_that_did_not_run_is_not_grounded(output):
     assert CHECK.call(record).problem == "not_run"
     failing_tests = CallRecord(0, "run_terminal", {"command": "python -m pytest"}, "1 failed\n[exit code 1]", None, 0)
     assert CHECK.call(failing_tests).grounded  # a failing test run is an outcome of the task
+
+
+def test_a_placeholder_is_counted_when_the_call_did_not_run():
+    """Review finding: a placeholder call that also broke the schema, or that was written untagged under "reject",
+    lost its arguments in parsing, so the placeholder went uncounted — breaking the call hid it."""
+    from shipyard.harness.parse import ToolCallParser
+    from shipyard.harness.tools import default_tools
+
+    copied = '{"name": "run_terminal", "arguments": {"command": "the bash command line to run"%s}}'
+    schema_broken = "<tool_call>" + copied % ', "timeout": "9"' + "</tool_call>"
+    for setting, text in (("accept", schema_broken), ("reject", copied % "")):
+        (call,) = ToolCallParser(default_tools(), setting).parse(text).calls
+        assert call.error is not None and call.arguments["command"] == "the bash command line to run"
+        record = CallRecord(0, call.name, call.arguments, "error", call.error, 0.0, error_kind=call.error_kind)
+        assert CHECK.call(record).placeholders == ("command",) and not CHECK.call(record).grounded
