@@ -155,13 +155,18 @@ def demo(ctx: typer.Context) -> None:
     --SECTION.KEY VALUE (`shipyard demo --run.steps 2`). Exits non-zero if the loop failed."""
     from rich.table import Table
 
+    from shipyard.models.errors import InfraError
     from shipyard.rl.demo import demo_config, report
 
     with user_errors():
         cfg = demo_config(ctx.args)
         console.print(f"[bold]demo[/]: {cfg.run.steps} RL steps of {cfg.model.name} on tasks synthesized from "
                       f"{cfg.run.synth_from}; run directory {cfg.run.dir}")
-        result = report(_train_with_progress(cfg, ["demo", *ctx.args]), cfg.run.steps)
+        try:
+            result = report(_train_with_progress(cfg, ["demo", *ctx.args]), cfg.run.steps)
+        except InfraError as e:  # the run gave up: its run.json, eval/ and rollouts.jsonl hold what happened
+            console.print(f"[bold red]the loop failed:[/] {e} (run directory {cfg.run.dir})", soft_wrap=True)
+            raise typer.Exit(1) from None
     table = Table(title="held-out tasks, before and after training")
     for column in ("", "before", "after"):
         table.add_column(column, justify="left" if not column else "right")

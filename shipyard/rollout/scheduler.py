@@ -115,6 +115,7 @@ class Scheduler:
         self.gate = StalenessGate(config.max_staleness, config.groups_per_step, config.stale_tokens)
         self.counters: Counter = Counter()
         self.infra_causes: Counter = Counter()
+        self.last_infra_cause = ""  # the newest infra failure's full cause, for the error that gives up
         self._rng = random.Random(config.run_seed)
         self._slots = asyncio.Semaphore(config.max_in_flight or transport.capacity())
         self._cond = asyncio.Condition()
@@ -183,8 +184,8 @@ class Scheduler:
         self.counters["accepted_rollouts"] += len(batch.rollouts)
         if not any(batch.masks):
             raise InfraError(f"every rollout of batch {self._step} failed ({dict(self.infra_causes)} infra failures "
-                             f"by cause, {self.counters['cancelled']} cancelled): check the environment server and "
-                             f"engines, or raise the time budgets")
+                             f"by cause, {self.counters['cancelled']} cancelled; the last: {self.last_infra_cause!r}): "
+                             f"check the environment server and engines, or raise the time budgets")
         return batch
 
     async def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -343,6 +344,7 @@ class Scheduler:
                                    f"spec ({rollout.group_id}/{rollout.index}): a transport bug")
             if rollout.status == "infra_error":
                 self.infra_causes[infra_kind(rollout.infra_cause)] += 1
+                self.last_infra_cause = (rollout.infra_cause or "")[:600]
                 if spec.attempt < self.config.max_infra_retries and not self._closing:
                     self.counters["infra_retries"] += 1
                     spec = replace(spec, attempt=spec.attempt + 1)

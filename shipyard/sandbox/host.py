@@ -36,6 +36,7 @@ import pwd
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -104,6 +105,9 @@ def _fingerprint(*paths: Path) -> str:
     return h.hexdigest()[:16]
 
 
+FARM_KEEP_SECONDS = 7 * 24 * 3600
+
+
 def _runtime_farm(prefix: Path, state: Path, name: str, relocate: tuple[Path, Path] | None = None) -> Path:
     """A hard-link copy of `prefix` that any uid can traverse (rebuilt when pip changes it).
 
@@ -113,6 +117,7 @@ def _runtime_farm(prefix: Path, state: Path, name: str, relocate: tuple[Path, Pa
     """
     target = state / "runtime" / f"{name}-{_fingerprint(prefix, prefix / 'bin', _site_packages(prefix))}"
     if target.exists():
+        os.utime(target)  # in use: a farm is removed only once nothing has asked for it in FARM_KEEP_SECONDS
         return target
     partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
@@ -137,8 +142,12 @@ def _runtime_farm(prefix: Path, state: Path, name: str, relocate: tuple[Path, Pa
     except OSError:  # another process built the same farm meanwhile
         shutil.rmtree(partial, ignore_errors=True)
         return target
+    # Older farms (pip changed the environment since) may still be in use by a process that started before —
+    # a training run's sandboxes all failed when a test run rebuilt the farm and removed the one it used — so
+    # they are removed only when nothing has asked for them for FARM_KEEP_SECONDS (hard links: they cost inodes,
+    # not data).
     for old in target.parent.glob(f"{name}-*"):
-        if old != target and ".partial" not in old.name:
+        if old != target and ".partial" not in old.name and time.time() - old.stat().st_mtime > FARM_KEEP_SECONDS:
             shutil.rmtree(old, ignore_errors=True)
     return target
 

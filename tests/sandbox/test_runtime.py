@@ -144,3 +144,29 @@ def test_processes_copying_bwrap_at_once_all_get_one_working_copy(tmp_path):
     version = subprocess.run([str(bwrap), "--version"], capture_output=True, text=True, timeout=30)
     assert version.returncode == 0 and "bubblewrap" in version.stdout, version.stderr
     assert all(p.stat().st_mode & 0o555 == 0o555 for p in bwrap.parents if p.is_relative_to(tmp_path / "state"))
+
+
+def test_a_rebuilt_runtime_farm_keeps_the_one_a_running_process_uses(tmp_path):
+    """pip changing the environment makes the next process build a new farm; the old one is kept while anything may
+    still run from it (a training run's every sandbox failed when a test run removed its farm), and only removed
+    once nothing has asked for it in FARM_KEEP_SECONDS."""
+    import time
+
+    from shipyard.sandbox import host as host_module
+
+    prefix = tmp_path / "env"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "bin" / "tool").write_text("v1")
+    (prefix / "lib").mkdir()
+    state = tmp_path / "state"
+    in_use = host_module._runtime_farm(prefix, state, "venv")
+    (prefix / "bin" / "tool2").write_text("pip installed something")
+    os.utime(prefix / "bin", (time.time() + 5, time.time() + 5))  # the fingerprint sees the change
+    rebuilt = host_module._runtime_farm(prefix, state, "venv")
+    assert rebuilt != in_use and in_use.is_dir() and (in_use / "bin" / "tool").read_text() == "v1"
+    stale = time.time() - host_module.FARM_KEEP_SECONDS - 60
+    os.utime(in_use, (stale, stale))
+    (prefix / "bin" / "tool3").write_text("and again")
+    os.utime(prefix / "bin", (time.time() + 10, time.time() + 10))
+    newest = host_module._runtime_farm(prefix, state, "venv")
+    assert not in_use.exists() and rebuilt.is_dir() and newest.is_dir()
