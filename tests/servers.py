@@ -1,6 +1,6 @@
 """Real servers for tests: a free loopback port, and an ASGI app on a real uvicorn server for a with-block.
 
-Imported by test modules as `from servers import free_port, running_app` (pytest puts `tests/` on `sys.path`
+Imported by test modules as `from servers import free_port, running_app, wait_for` (pytest puts `tests/` on `sys.path`
 for its root conftest)."""
 
 from __future__ import annotations
@@ -19,6 +19,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float = 30.0) -> bool:
+    """Poll `predicate` until it holds or `timeout` seconds pass; whether it held (assert on the result)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 @contextlib.contextmanager

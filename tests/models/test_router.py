@@ -5,11 +5,10 @@ failover."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
-from servers import running_app
+from servers import running_app, wait_for
 
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.errors import InfraError
@@ -32,11 +31,6 @@ def ids(text: str) -> list[int]:
     return list(text.encode())
 
 
-def wait_for(predicate, timeout: float = 30) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return predicate()
 
 
 def test_sessions_stick_and_new_ones_go_to_the_least_loaded(tiny):

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from servers import free_port
+from servers import free_port, wait_for
 
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.local import LocalEngine
@@ -69,13 +69,6 @@ def ids(text: str) -> list[int]:
     return list(text.encode())  # the tiny model's byte tokenizer: byte b is token b
 
 
-def wait_for(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -352,11 +345,18 @@ def test_oversized_weights_body_gets_413_only_after_authentication(weights_serve
 
 class SlowToReturnEngine(LocalEngine):
     """A LocalEngine whose completions reach the server 0.5 s after they were sampled, as with a busy server thread:
-    a weight push can land between the sampling and the response."""
+    a weight push can land between the sampling and the response. While `gate` is clear, decoding waits, so a
+    sequence holds its slot for as long as a test needs (a random model may otherwise sample its end at once)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.generated = threading.Event()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def _decode(self):
+        assert self.gate.wait(30), "a test left the decode gate closed"
+        return super()._decode()
 
     def submit(self, request):
         inner, outer = super().submit(request), Future()
@@ -396,15 +396,20 @@ def test_completion_is_labelled_with_the_version_that_sampled_it(small_server):
 
 def test_full_queue_answers_503(small_server):
     engine, url = small_server
-    engine.generated.clear()
-    with ThreadPoolExecutor(2) as pool:
-        running = pool.submit(complete, url, prompt="running", max_tokens=400)
-        time.sleep(0.2)  # decoding in the engine's only slot: the queue is empty again
-        queued = pool.submit(complete, url, prompt="queued", max_tokens=8)
-        time.sleep(0.2)
-        r = complete(url, prompt="one too many", max_tokens=8)
-        assert r.status_code == 503 and r.headers["retry-after"] == "1" and "overloaded" in r.json()["error"]["message"]
-        assert running.result().status_code == 200 and queued.result().status_code == 200
+    engine.gate.clear()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(complete, url, prompt="running", max_tokens=8)
+            assert wait_for(lambda: engine.load() == 1, 10)  # in the engine's only slot, held there by the gate
+            queued = pool.submit(complete, url, prompt="queued", max_tokens=8)
+            assert wait_for(lambda: engine.load() == 2, 10)  # waiting for the slot: the queue is full
+            r = complete(url, prompt="one too many", max_tokens=8)
+            engine.gate.set()
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert "overloaded" in r.json()["error"]["message"]
+            assert running.result().status_code == 200 and queued.result().status_code == 200
+    finally:
+        engine.gate.set()
 
 
 # --- optional API key for completions -------------------------------------------------------------------------------
