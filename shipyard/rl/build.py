@@ -18,13 +18,12 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from shipyard.harness.tools import default_tools
 from shipyard.harness.wire import ChatFormat
-from shipyard.models.resolve import load_hf, load_tokenizer, make_engine
+from shipyard.models.resolve import load_tokenizer, make_engine
 from shipyard.rl.config import ConfigError, RLConfig, engine_spec, save_config
 from shipyard.rl.loop import HackPenalty, RLLoop, export_policy
+from shipyard.rl.ranks import RankSpec, trainer_ranks
 from shipyard.rl.rundir import RunDir
 from shipyard.rollout.advantages import GroundedCalls, ParallelBonus, ShapingTerm
 from shipyard.rollout.environment import LocalEnvironment
@@ -101,9 +100,6 @@ def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[st
     if config.hints.enabled:
         raise ConfigError("hints.enabled: this version has the trainer's hint distillation but no hint detectors "
                           "yet to write hints from rollouts (the targeted-feedback issue); set hints.enabled = false")
-    if config.run.world_size != 1:
-        raise ConfigError(f"run.world_size = {config.run.world_size}: `shipyard train` runs the trainer in its own "
-                          f"process (world size 1) in this version; set run.world_size = 1")
     with ExitStack() as stack:
         tasks_dir = task_set(config, status)
         task_ids = list_tasks(tasks_dir)
@@ -132,14 +128,15 @@ def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[st
             stack.callback(env.close)
             workers = config.rollout.max_in_flight or config.rollout.group_size * config.rollout.groups_per_step
             transport = InProcessTransport(engine, env, config.episode, workers)
-        model, _ = load_hf(config.model.name, device=config.run.device, dtype=torch.float32, status=status)
-        header = ChatFormat(tokenizer, default_tools()).assistant_header_ids()
-        trainer = Trainer(model, config.trainer, pad_id=tokenizer.pad_token_id, header_ids=header,
-                          device=config.run.device)
+        header = tuple(ChatFormat(tokenizer, default_tools()).assistant_header_ids())
+        spec = RankSpec(config.model.name, config.run.device, config.trainer, tokenizer.pad_token_id, header,
+                        config.run.world_size)
+        model, device = stack.enter_context(trainer_ranks(spec, status))
+        trainer = Trainer(model, config.trainer, pad_id=tokenizer.pad_token_id, header_ids=header, device=device)
         shaping = shaping_terms(config)
         scheduler = Scheduler(copy.deepcopy(config.rollout), transport, tasks_dir, curriculum, shaping=shaping)
         yield RLLoop(scheduler, trainer, run, config.run, eval_tasks=evals,
-                     export=lambda t, d: export_policy(t, tokenizer, d))
+                     export=lambda t, full, d: export_policy(t, full, tokenizer, d))
 
 
 def train(config: RLConfig, *, argv: list[str] | None = None, status: Status = lambda _: None,

@@ -164,7 +164,7 @@ class RunConfig:
     checkpoint_every: int = 1  # steps between checkpoints
     export: bool = True  # write the policy as a Hugging Face model directory with each checkpoint
     zero_flagged: bool = False  # a rollout a reward-hacking monitor flags gets reward 0 (flags are always logged)
-    world_size: int = 1  # trainer ranks
+    world_size: int = 1  # trainer ranks (FSDP2): the loop's process and world_size - 1 more (shipyard.rl.ranks)
     device: str = "cpu"  # the trainer's device
     resume: bool = False  # continue the run in `dir` from its latest checkpoint
 
@@ -176,6 +176,9 @@ class RunConfig:
         if self.held_out and self.held_out_count:
             raise ValueError("give held_out (task ids) or held_out_count (how many to pick), not both")
         _check_device("run.device", self.device)
+        if self.world_size > 1 and self.device not in ("cpu", "cuda"):
+            raise ValueError(f"run.device = {self.device!r} with run.world_size = {self.world_size}: give \"cuda\" "
+                             f"(rank r trains on cuda:r) or \"cpu\"")
 
 
 @dataclass

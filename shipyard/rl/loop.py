@@ -15,7 +15,8 @@
 One step: wait for the next batch (the engines kept generating while the trainer trained, up to `max_staleness`
 versions ahead), train on it in a worker thread (so the event loop — and with it the rollouts — keeps running),
 push the new weights to the engines, log. Nothing here knows whether the transport is in-process or Ray, or
-whether the trainer is one process or many.
+whether the trainer is one process or many: every trainer call that the other ranks take part in goes through
+`TrainerRanks` (`shipyard.rl.ranks`), which at world size 1 just makes it.
 
 **Monitors.** `run_episode` runs the reward-hacking monitors on every rollout and keeps their flags with evidence
 in `Rollout.monitor_flags`. The loop counts them per step (`monitor/flagged`), writes the flagged rollouts'
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from shipyard.rl.config import RunConfig
+from shipyard.rl.ranks import TrainerRanks
 from shipyard.rl.rundir import RunDir
 from shipyard.rollout.batches import RolloutBatch
 from shipyard.rollout.eval import default_ks, results, save_results, validity
@@ -117,41 +119,37 @@ def trajectory_records(batch: RolloutBatch, hints: Sequence[Hint]) -> list[dict[
     return [{**r.to_json(), "hints": by_sample.get(i, [])} for i, r in enumerate(batch.rollouts)]
 
 
-def export_policy(trainer: Trainer, tokenizer, directory: Path) -> None:
-    """The policy as a Hugging Face model directory (config, safetensors weights, tokenizer) that `shipyard serve
-    --model DIR`, transformers and vLLM load. Collective (every rank gathers the weights); rank 0 writes it beside
-    `directory` and swaps it in, so a reader never sees half an export."""
+def export_policy(trainer: Trainer, full: dict[str, Any], tokenizer, directory: Path) -> None:
+    """The policy (`full`: `Trainer.full_state_dict()`) as a Hugging Face model directory (config, safetensors
+    weights, tokenizer) that `shipyard serve --model DIR`, transformers and vLLM load; written beside `directory` and
+    swapped in, so a reader never sees half an export. Rank 0 only."""
     import shutil
 
-    import torch.distributed as dist
-
-    full = trainer.full_state_dict()
-    if trainer.rank == 0:
-        directory = Path(directory)
-        partial = directory.with_name(f".{directory.name}.partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        trainer.model.save_pretrained(partial, state_dict={k: v.contiguous() for k, v in full.items()})
-        tokenizer.save_pretrained(partial)
-        (partial / "shipyard.json").write_text(json.dumps({"policy_version": trainer.version,
-                                                            "step": trainer.step_count}) + "\n")
-        old = directory.with_name(f".{directory.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if directory.exists():
-            directory.rename(old)
-        partial.rename(directory)
-        shutil.rmtree(old, ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
+    directory = Path(directory)
+    partial = directory.with_name(f".{directory.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    trainer.model.save_pretrained(partial, state_dict={k: v.contiguous() for k, v in full.items()})
+    tokenizer.save_pretrained(partial)
+    (partial / "shipyard.json").write_text(json.dumps({"policy_version": trainer.version,
+                                                        "step": trainer.step_count}) + "\n")
+    old = directory.with_name(f".{directory.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if directory.exists():
+        directory.rename(old)
+    partial.rename(directory)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 class RLLoop:
-    """Drives `scheduler` and `trainer` for `settings.steps` steps, writing everything to `run`."""
+    """Drives `scheduler` and `trainer` (rank 0's, with the other ranks through `TrainerRanks`) for `settings.steps`
+    steps, writing everything to `run`. `export(trainer, full_state_dict, directory)` writes the policy for serving."""
 
     def __init__(self, scheduler: Scheduler, trainer: Trainer, run: RunDir, settings: RunConfig, *,
                  eval_tasks: Sequence[str] = (), hints: HintSource | None = None,
-                 export: Callable[[Trainer, Path], None] | None = None,
+                 export: Callable[[Trainer, dict[str, Any], Path], None] | None = None,
                  on_step: Callable[[int, dict[str, Any]], None] | None = None):
         self.scheduler, self.trainer, self.run, self.settings = scheduler, trainer, run, settings
+        self.ranks = TrainerRanks(trainer)
         self.eval_tasks = list(eval_tasks)
         self.hints = hints
         self.export = export
@@ -164,17 +162,17 @@ class RLLoop:
         path = latest_checkpoint(self.run.checkpoints_dir)
         if path is None:
             return 0
-        load_checkpoint(self.trainer, path)
+        self.ranks(load_checkpoint, path)
         self.scheduler.load_state(json.loads((path / SCHEDULER_STATE).read_text()))
-        await self.scheduler.restore_weights(self.trainer.full_state_dict())
+        await self.scheduler.restore_weights(self.ranks(Trainer.full_state_dict))
         self.step = self.trainer.step_count
         return self.step
 
     def checkpoint(self) -> Path:
-        path = save_checkpoint(self.trainer, self.run.checkpoints_dir,
-                               extra={SCHEDULER_STATE: json.dumps(self.scheduler.state())})
+        path = self.ranks(save_checkpoint, self.run.checkpoints_dir,
+                          extra={SCHEDULER_STATE: json.dumps(self.scheduler.state())})
         if self.settings.export and self.export is not None:
-            self.export(self.trainer, self.run.export_dir)
+            self.export(self.trainer, self.ranks(Trainer.full_state_dict), self.run.export_dir)
         return path
 
     # Evaluation -----------------------------------------------------------------------------------------------
@@ -204,10 +202,10 @@ class RLLoop:
         hints = list(self.hints(batch)) if self.hints is not None else []
         batch.hints = hints
         tensors = Batch.from_rollouts(batch, pad_id=self.trainer.pad_id, header_ids=self.trainer.header_ids)
-        train = await asyncio.to_thread(self.trainer.step, tensors)
+        train = await asyncio.to_thread(self.ranks, Trainer.step, tensors)
         t1 = time.monotonic()
         if not train.get("skipped"):
-            await self.scheduler.update_weights(self.trainer.version, self.trainer.full_state_dict())
+            await self.scheduler.update_weights(self.trainer.version, self.ranks(Trainer.full_state_dict))
         self.step += 1
         stats = self.scheduler.stats()
         seen = batch_metrics(batch)

@@ -210,6 +210,10 @@ class Trainer:
         self.device = torch.device(device)
         torch.manual_seed(config.seed)
         model = self._own(model, config)
+        if self.world > 1:  # every rank starts from rank 0's weights, however each rank got its copy
+            with torch.no_grad():
+                for t in model.state_dict().values():
+                    dist.broadcast(t, src=0)
         if config.mxfp8:
             convert_to_mxfp8(model)
         if config.activation_checkpointing:
@@ -429,10 +433,14 @@ class Trainer:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded weights (collective: every rank calls it; every rank gets them). Tied weights (the head and
         the embedding) come back as one tensor under both names."""
-        full: dict[int, torch.Tensor] = {}
+        first: dict[int, str] = {}  # tied parameters are one parameter under several names; FSDP2's state_dict
+        alias = {name: first.setdefault(id(p), name)  # gives each name its own DTensor, so tie by the parameters
+                 for name, p in self.model.named_parameters(remove_duplicate=False)}
+        full: dict[str, torch.Tensor] = {}
         out = {}
         for k, v in self.model.state_dict().items():
-            if id(v) not in full:
-                full[id(v)] = (v.full_tensor() if isinstance(v, DTensor) else v).detach()
-            out[k] = full[id(v)]
+            source = alias.get(k, k)
+            if source not in full:
+                full[source] = (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+            out[k] = full[source]
         return out

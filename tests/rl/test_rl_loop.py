@@ -53,7 +53,7 @@ def make_loop(tasks_dir, run: RunDir, steps: int, closing: list) -> tuple[RLLoop
                       header_ids=header)
     settings = RunConfig(steps=steps, eval_every=0, eval_samples=1, checkpoint_every=1)
     loop = RLLoop(sched, trainer, run, settings, eval_tasks=tasks[:1],
-                  export=lambda t, d: export_policy(t, tok, d))
+                  export=lambda t, full, d: export_policy(t, full, tok, d))
     return loop, engine
 
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from shipyard.sandbox.run import sandbox_problem
@@ -96,6 +97,51 @@ def test_train_writes_a_run_and_a_killed_run_resumes_to_the_same_end(taskset, tm
     for mine, theirs in zip(lines, reference, strict=True):
         for key in ("reward/mean", "train/loss", "episode/sampled_tokens"):
             assert mine.get(key) == theirs.get(key), (mine["step"], key)
+
+
+def train(config: Path, run: Path, *args: str) -> str:
+    proc = shipyard("train", str(config), "--run.dir", str(run), *args)
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    return out
+
+
+def test_train_on_two_ranks_checkpoints_the_shards_of_two(taskset, tmp_path):
+    config = tmp_path / "tiny.toml"
+    config.write_text(CONFIG.format(tasks=taskset[0]))
+    run = tmp_path / "two"
+    train(config, run, "--run.world_size", "2", "--run.steps", "1")
+    step = run / "checkpoints" / "step-00000001"
+    assert json.loads((step / "trainer.json").read_text())["world_size"] == 2
+    assert sorted(p.name for p in (step / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert (run / "export" / "model.safetensors").exists()
+    assert json.loads((run / "run.json").read_text())["status"] == "finished"
+
+
+@pytest.mark.slow  # ~4 minutes: four training runs
+def test_a_run_resumes_on_another_number_of_ranks_and_ends_where_one_rank_does(taskset, tmp_path):
+    """1 rank for 3 steps against: 2 ranks for step 1, resumed on 1 rank for step 2, resumed on 2 ranks for step 3.
+    A step on 2 ranks equals one on 1 rank but for the order of float sums, so the weights agree to float accuracy
+    and the rollouts (sampled from the synced weights with the same seeds) are the same."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(CONFIG.format(tasks=taskset[0]))
+    whole, chain = tmp_path / "whole", tmp_path / "chain"
+    train(config, whole)
+    train(config, chain, "--run.world_size", "2", "--run.steps", "1")
+    train(config, chain, "--run.world_size", "1", "--run.steps", "2", "--run.resume", "true")
+    train(config, chain, "--run.world_size", "2", "--run.steps", "3", "--run.resume", "true")
+    sizes = [json.loads((chain / "checkpoints" / f"step-0000000{s}" / "trainer.json").read_text())["world_size"]
+             for s in (1, 2, 3)]
+    assert sizes == [2, 1, 2]
+    a, b = weights(whole), weights(chain)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-5), (k, (a[k] - b[k]).abs().max())
+    lines = [json.loads(x) for x in (chain / "metrics.jsonl").read_text().splitlines()]
+    reference = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2, 3]
+    for mine, theirs in zip(lines, reference, strict=True):
+        assert mine.get("episode/sampled_tokens") == theirs.get("episode/sampled_tokens"), mine["step"]
 
 
 def test_train_refuses_a_run_directory_in_use_and_a_bad_override(taskset, tmp_path):

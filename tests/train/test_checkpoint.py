@@ -87,7 +87,9 @@ def _reshard_worker(rank, world, episodes, ckpt, mode, out):
         assert trainer.version == 2
     for b in batches[2:]:
         trainer.step(b)
-    state = {k: v.clone() for k, v in trainer.full_state_dict().items()}
+    full = trainer.full_state_dict()
+    assert full["lm_head.weight"] is full["model.embed_tokens.weight"]  # tied, on any number of ranks: stored once
+    state = {k: v.clone() for k, v in full.items()}
     if rank == 0:
         torch.save(state, out)
 
