@@ -75,12 +75,17 @@ HintSource = Callable[[RolloutBatch], Sequence[Hint]]
 
 def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
     """What a batch says about the policy: rewards, pass rate, lengths, parallel width, monitor flags, staleness,
-    grounded tool-call validity (`tools/grounded_fraction`: grounded calls / calls, `shipyard.harness.validity`)."""
+    grounded tool-call validity (`tools/grounded_fraction`: grounded calls / calls, `shipyard.harness.validity`), and
+    how busy the sandboxes were (`sandbox/*`, from the rollouts' timings)."""
     rollouts = batch.rollouts
     scored = [r for r in rollouts if r.reward is not None]
     turns = [t for r in rollouts if r.trajectory is not None for t in r.trajectory.turns]
     widths = [t.parallel_width for t in turns if t.parallel_width]
     flags = Counter(f.get("monitor", "unknown") for r in rollouts for f in r.monitor_flags)
+    seconds = Counter()
+    for r in rollouts:
+        seconds.update(r.timings)
+    total = seconds["total"]
     return {
         "reward": {"mean": sum(r.reward for r in scored) / len(scored) if scored else None,
                    "pass_rate": sum(r.reward >= 1.0 for r in scored) / len(scored) if scored else None,
@@ -93,6 +98,12 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
                                                                                  flags.items()}},
         "staleness": {"max": max(batch.staleness(), default=0)},
         "tools": validity(rollouts).as_metrics(prefix=""),
+        # Sandbox utilisation: the share of the rollouts' lives their sandboxes spent running tools and tests, and
+        # the share spent waiting for the model (the rest: starting sandboxes, the harness itself).
+        "sandbox": {"busy_fraction": (seconds["tools"] + seconds["grade"]) / total if total else None,
+                    "model_wait_fraction": seconds["generate"] / total if total else None,
+                    "tool_seconds": seconds["tools"], "grade_seconds": seconds["grade"],
+                    "start_seconds_mean": seconds["sandbox"] / max(len(rollouts), 1)},
     }
 
 

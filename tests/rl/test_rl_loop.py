@@ -67,6 +67,9 @@ def test_the_loop_trains_syncs_checkpoints_evaluates_and_exports(taskset, tmp_pa
     for line in lines[1:]:
         assert line["rollouts/accepted"] == 2 and line["train/version"] == line["step"]
         assert line["reward/mean"] is not None and line["monitor/flagged"] >= 0
+        busy, wait = line["sandbox/busy_fraction"], line["sandbox/model_wait_fraction"]
+        assert 0 < busy < 1 and 0 < wait < 1 and busy + wait <= 1  # tests and tools, the model: never both at once
+        assert line["sandbox/grade_seconds"] > 0
     assert engine.policy_version == 2  # the engines got every new policy
     assert run.status()["status"] == "finished"
     assert sorted(p.name for p in run.checkpoints_dir.iterdir()) == ["step-00000001", "step-00000002"]
