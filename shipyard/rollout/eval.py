@@ -319,6 +319,8 @@ def save_results(doc: Mapping[str, Any], path: str | Path) -> Path:
 def _metrics(s: Mapping[str, Any], ks: list[int]) -> dict[str, float | None]:
     values: dict[str, float | None] = {f"pass@{k}": s["pass_at"].get(str(k)) for k in ks}
     values.update({k: s["mean"].get(k) for k in EFFORT})
+    values["reward_mean"] = s.get("reward_mean")  # absent from results written before these fields existed
+    values["grounded_fraction"] = s.get("validity", {}).get("grounded_fraction")
     values["masked"] = s["masked"]
     values["monitor_flags"] = sum(v for v in s["monitor_flags"].values() if isinstance(v, int | float))
     return values
@@ -337,7 +339,7 @@ def compare(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
         ma, mb = _metrics(a["tasks"][t], ks), _metrics(b["tasks"][t], ks)
         tasks[t] = {name: _delta(ma[name], mb[name]) for name in ma}
     overall = {}
-    for name in [*(f"pass@{k}" for k in ks), *EFFORT, "masked", "monitor_flags"]:
+    for name in [*(f"pass@{k}" for k in ks), *EFFORT, "reward_mean", "grounded_fraction", "masked", "monitor_flags"]:
         pairs = [(v["a"], v["b"]) for v in (tasks[t][name] for t in common)
                  if v["a"] is not None and v["b"] is not None]
         summed = name in ("masked", "monitor_flags")  # counts add up; rates and effort are means over tasks
@@ -359,7 +361,8 @@ def _signed(value: float | None, digits: int) -> str:
 
 def compare_markdown(doc: Mapping[str, Any]) -> str:
     ks = doc["ks"]
-    names = [*(f"pass@{k}" for k in ks), "sampled_tokens", "turns", "tool_calls", "seconds", "masked"]
+    names = [*(f"pass@{k}" for k in ks), "reward_mean", "grounded_fraction", "sampled_tokens", "turns", "tool_calls",
+             "seconds", "masked"]
     digits = {"sampled_tokens": 0, "turns": 1, "tool_calls": 1, "seconds": 1, "masked": 0}
     head = ["task", *(f"{n} A → B (Δ)" for n in names)]
     lines = _header(head)

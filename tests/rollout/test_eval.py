@@ -200,6 +200,11 @@ def test_compare_reports_deltas_per_task_and_overall_and_flags_unshared_tasks(tm
     assert doc["overall"]["pass@1"]["a"] == pytest.approx(0.125)
     assert doc["overall"]["pass@1"]["b"] == pytest.approx(0.375)
     assert doc["overall"]["pass@1"]["delta"] == pytest.approx(0.25) and doc["overall"]["pass@1"]["tasks"] == 2
+    assert alpha["reward_mean"] == {"a": 0.25, "b": 0.75, "delta": pytest.approx(0.5)}
+    assert set(alpha["grounded_fraction"]) == {"a", "b", "delta"}
+    older = load_results(write(tmp_path / "old.json", a))
+    del older["tasks"]["alpha"]["reward_mean"], older["tasks"]["alpha"]["validity"]  # a file from before the fields
+    assert compare(older, b)["tasks"]["alpha"]["reward_mean"] == {"a": None, "b": 0.75, "delta": None}
     table = compare_markdown(doc)
     assert "| alpha | 0.250 → 0.750 (+0.500) |" in table
     assert "only in A (left out of the overall): only-a" in table and "only in B" in table
