@@ -131,12 +131,13 @@ def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[st
         header = tuple(ChatFormat(tokenizer, default_tools()).assistant_header_ids())
         spec = RankSpec(config.model.name, config.run.device, config.trainer, tokenizer.pad_token_id, header,
                         config.run.world_size)
-        model, device = stack.enter_context(trainer_ranks(spec, status))
-        trainer = Trainer(model, config.trainer, pad_id=tokenizer.pad_token_id, header_ids=header, device=device)
+        group = stack.enter_context(trainer_ranks(spec, status))
+        trainer = Trainer(group.model, config.trainer, pad_id=tokenizer.pad_token_id, header_ids=header,
+                          device=group.device)
         shaping = shaping_terms(config)
         scheduler = Scheduler(copy.deepcopy(config.rollout), transport, tasks_dir, curriculum, shaping=shaping)
         yield RLLoop(scheduler, trainer, run, config.run, eval_tasks=evals,
-                     export=lambda t, full, d: export_policy(t, full, tokenizer, d))
+                     export=lambda t, full, d: export_policy(t, full, tokenizer, d), ranks=group.ranks(trainer))
 
 
 def train(config: RLConfig, *, argv: list[str] | None = None, status: Status = lambda _: None,

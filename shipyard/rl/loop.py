@@ -153,14 +153,15 @@ def export_policy(trainer: Trainer, full: dict[str, Any], tokenizer, directory: 
 
 class RLLoop:
     """Drives `scheduler` and `trainer` (rank 0's, with the other ranks through `TrainerRanks`) for `settings.steps`
-    steps, writing everything to `run`. `export(trainer, full_state_dict, directory)` writes the policy for serving."""
+    steps, writing everything to `run`. `export(trainer, full_state_dict, directory)` writes the policy for serving;
+    `ranks`: the trainer's other ranks (`shipyard.rl.ranks.RankGroup.ranks`; default: none)."""
 
     def __init__(self, scheduler: Scheduler, trainer: Trainer, run: RunDir, settings: RunConfig, *,
                  eval_tasks: Sequence[str] = (), hints: HintSource | None = None,
                  export: Callable[[Trainer, dict[str, Any], Path], None] | None = None,
-                 on_step: Callable[[int, dict[str, Any]], None] | None = None):
+                 on_step: Callable[[int, dict[str, Any]], None] | None = None, ranks: TrainerRanks | None = None):
         self.scheduler, self.trainer, self.run, self.settings = scheduler, trainer, run, settings
-        self.ranks = TrainerRanks(trainer)
+        self.ranks = ranks or TrainerRanks(trainer)
         self.eval_tasks = list(eval_tasks)
         self.hints = hints
         self.export = export

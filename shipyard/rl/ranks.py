@@ -16,20 +16,27 @@ to the weights). Checkpoints are `torch.distributed.checkpoint`, so a run resume
 
 **Start-up and failure.** Rank 0 starts the other ranks as subprocesses; each loads the model, reports ready (a file
 in a private 0700 directory) and only then joins the process group (a `FileStore` there), so a rank that fails to
-load fails the start with its message instead of leaving rank 0 waiting in a collective. A rank that dies later
-closes its gloo connections and rank 0's next collective raises. The other ranks die with rank 0 (`PR_SET_PDEATHSIG`),
-so a `kill -9` of `shipyard train` leaves nothing behind; on a clean end rank 0 broadcasts "stop" and waits for them.
+load fails the start with its message instead of leaving rank 0 waiting in a collective. Operations travel on a
+control group of their own (gloo, `CONTROL_TIMEOUT`: the other ranks wait there while rank 0 collects rollouts, which
+can take long), the trainer's collectives on the default group (`COLLECTIVE_TIMEOUT`: no collective legitimately
+waits that long). A rank that dies closes its connections, rank 0's next collective raises, and the error names the
+rank and its exit code (`RankError`, chained to the collective's error). The other ranks die with rank 0
+(`PR_SET_PDEATHSIG`, set before anything else is imported, and a check that rank 0 still is their parent), so a
+`kill -9` of `shipyard train` leaves no rank behind; on a clean end rank 0 sends "stop" and waits for them. All ranks
+are local processes, so gloo is bound to the loopback interface (`GLOO_SOCKET_IFNAME=lo` unless set): nothing on the
+network can reach the sockets whose messages the ranks unpickle.
 
-**Devices.** `run.device = "cpu"`: every rank on the CPU (gloo). `"cuda"`: rank r on `cuda:r`, gloo for objects and
-NCCL for tensors.
+**Devices.** `run.device = "cpu"`: every rank on the CPU (gloo); ranks 1..N−1 use cores / N threads each (rank 0
+keeps its threads for the engine). `"cuda"`: rank r on `cuda:r` (checked against the visible GPUs first), NCCL for
+tensors, gloo for the control group. Every rank gathers the full weights for the weight sync (`full_state_dict` is
+an all-gather); at a 7B scale that is a transient full copy per GPU — a gather to rank 0 alone is not done yet.
 """
 
 from __future__ import annotations
 
-import ctypes
+import os
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -47,10 +54,15 @@ from torch import nn
 
 from shipyard.train.trainer import TrainConfig, Trainer
 
-# Ranks 1..N−1 wait in a broadcast while rank 0 collects the next batch (rollouts can take many minutes); a dead rank
-# 0 is noticed through its closed connections or PR_SET_PDEATHSIG, not through this timeout.
-RANK_TIMEOUT = timedelta(hours=12)
+CONTROL_TIMEOUT = timedelta(hours=24)  # ranks 1..N−1 waiting for rank 0's next operation (rollouts, evaluations)
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # one trainer collective (a step's all-gathers, a checkpoint's barriers)
 READY_SECONDS = 1800.0  # loading a model on every rank
+
+# How a rank starts: tie its life to rank 0's before the slow imports (torch: seconds), so that a rank 0 killed in
+# that window does not leave an orphan loading a model; exit at once if rank 0 is already gone.
+_BOOT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL); "  # PR_SET_PDEATHSIG
+         "os.getppid() == int(sys.argv[3]) or os._exit(3); "
+         "from shipyard.rl.ranks import main; main(sys.argv[1:])")
 
 T = TypeVar("T")
 
@@ -71,6 +83,19 @@ class RankSpec:
     world: int
 
 
+@dataclass
+class RankGroup:
+    """What `trainer_ranks` gives rank 0: its float32 model and device for its `Trainer`, and the control group the
+    operations travel on (None at world size 1)."""
+
+    model: nn.Module
+    device: str
+    control: Any = None
+
+    def ranks(self, trainer: Trainer) -> TrainerRanks:
+        return TrainerRanks(trainer, self.control)
+
+
 def rank_device(device: str, rank: int, world: int) -> str:
     """The device of `rank`: the CPU, or one GPU per rank for `cuda`."""
     if world == 1 or device == "cpu":
@@ -87,22 +112,23 @@ def _backend(device: str) -> str:
 
 class TrainerRanks:
     """Rank 0's handle on the trainer: `ranks(op, *args)` runs `op(trainer, *args)` on every rank and returns rank 0's
-    result. `op` must be a module-level function (it is pickled by name for the other ranks)."""
+    result. `op` must be a module-level function (it is pickled by name for the other ranks). One caller at a time
+    (the loop awaits each operation before the next)."""
 
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
+    def __init__(self, trainer: Trainer, control: Any = None):
+        self.trainer, self.control = trainer, control
 
     def __call__(self, op: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if self.trainer.world > 1:
-            dist.broadcast_object_list([(op, args, kwargs)], src=0)
+            dist.broadcast_object_list([(op, args, kwargs)], src=0, group=self.control)
         return op(self.trainer, *args, **kwargs)
 
 
-def follow(trainer: Trainer) -> None:
+def follow(trainer: Trainer, control: Any) -> None:
     """Ranks 1..N−1: run rank 0's operations until it says stop (None)."""
     while True:
         message: list[Any] = [None]
-        dist.broadcast_object_list(message, src=0)
+        dist.broadcast_object_list(message, src=0, group=control)
         if message[0] is None:
             return
         op, args, kwargs = message[0]
@@ -115,42 +141,61 @@ def _load(spec: RankSpec, device: str, status: Callable[[str], None]) -> nn.Modu
     return load_hf(spec.model, device=device, dtype=torch.float32, status=status)[0]
 
 
+def _join(work: Path, spec: RankSpec, rank: int, device: str) -> Any:
+    """Join the process group (FileStore in `work`) and the control group; the control group."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    dist.init_process_group(_backend(device), store=dist.FileStore(str(work / "store"), spec.world), rank=rank,
+                            world_size=spec.world, timeout=COLLECTIVE_TIMEOUT)
+    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
 @contextmanager
-def trainer_ranks(spec: RankSpec, status: Callable[[str], None] = lambda _: None) -> Iterator[tuple[nn.Module, str]]:
+def trainer_ranks(spec: RankSpec, status: Callable[[str], None] = lambda _: None) -> Iterator[RankGroup]:
     """Rank 0's side (module docstring): start ranks 1..N−1, load rank 0's model while they load theirs, wait until
-    each is ready, join the process group with them; yields rank 0's (float32 model, device) for its `Trainer`. On a
-    clean exit the ranks are told to stop and waited for; on an error they are killed. World size 1: the model only
-    (the trainer makes its own process group of one)."""
+    each is ready, join the process group with them. On a clean exit the ranks are told to stop and waited for; on
+    an error they are killed, and a rank that had died is named. World size 1: the model only (the trainer makes
+    its own process group of one)."""
     device = rank_device(spec.device, 0, spec.world)
     if spec.world == 1:
-        yield _load(spec, device, status), device
+        yield RankGroup(_load(spec, device, status), device)
         return
     if dist.is_initialized():
         raise RankError(f"run.world_size = {spec.world} needs a process without a torch.distributed process group "
                         f"(this one has {dist.get_world_size()} ranks): run `shipyard train` in its own process")
+    if device.startswith("cuda") and torch.cuda.device_count() < spec.world:
+        raise RankError(f"run.world_size = {spec.world} needs {spec.world} GPUs; {torch.cuda.device_count()} visible")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is local (module docstring)
     work = Path(tempfile.mkdtemp(prefix="shipyard-ranks-"))  # 0700: the spec and the store are private
     procs: list[subprocess.Popen] = []
-    clean = False
     try:
         (work / "spec.pkl").write_bytes(pickle.dumps(spec))
-        procs = [subprocess.Popen([sys.executable, "-m", "shipyard.rl.ranks", str(work), str(rank)],
+        procs = [subprocess.Popen([sys.executable, "-c", _BOOT, str(work), str(rank), str(os.getpid())],
                                   stdin=subprocess.DEVNULL) for rank in range(1, spec.world)]
         model = _load(spec, device, status)
         _wait_ready(work, procs)
-        if device.startswith("cuda"):
-            torch.cuda.set_device(device)
-        dist.init_process_group(_backend(device), store=dist.FileStore(str(work / "store"), spec.world), rank=0,
-                                world_size=spec.world, timeout=RANK_TIMEOUT)
-        yield model, device
-        clean = True
+        control = _join(work, spec, 0, device)
+        yield RankGroup(model, device, control)
+    except BaseException as e:
+        dead = _died(procs, wait=3.0)
+        if dead:
+            raise RankError(f"trainer rank(s) died (rank, exit code; negative: killed by that signal): {dead}; "
+                            f"what a rank printed is above") from e
+        raise
+    else:
+        try:
+            dist.broadcast_object_list([None], src=0, group=control)
+        except Exception as e:
+            raise RankError(f"trainer ranks could not be stopped (rank, exit code): {_died(procs, 3.0)}") from e
+        for p in procs:
+            try:
+                p.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        failed = [(rank, p.returncode) for rank, p in enumerate(procs, 1) if p.returncode]
+        if failed:
+            raise RankError(f"trainer ranks ended with errors (rank, exit code): {failed}; their messages are above")
     finally:
-        if clean:
-            dist.broadcast_object_list([None], src=0)
-            for p in procs:
-                try:
-                    p.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    p.kill()
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -158,9 +203,17 @@ def trainer_ranks(spec: RankSpec, status: Callable[[str], None] = lambda _: None
         if dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(work, ignore_errors=True)
-    failed = [(rank, p.returncode) for rank, p in enumerate(procs, 1) if p.returncode]
-    if failed:
-        raise RankError(f"trainer ranks ended with errors (rank, exit code): {failed}; their messages are above")
+
+
+def _died(procs: list[subprocess.Popen], wait: float) -> list[tuple[int, int]]:
+    """(rank, exit code) of the ranks that exited on their own with an error, given `wait` seconds to do so (a rank
+    whose peer failed exits moments later)."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        if any(p.returncode for p in procs):
+            break
+        time.sleep(0.05)
+    return [(rank, p.returncode) for rank, p in enumerate(procs, 1) if p.poll() is not None and p.returncode]
 
 
 def _wait_ready(work: Path, procs: list[subprocess.Popen]) -> None:
@@ -175,29 +228,17 @@ def _wait_ready(work: Path, procs: list[subprocess.Popen]) -> None:
         time.sleep(0.1)
 
 
-def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when rank 0 dies, however it died."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def main(argv: list[str]) -> None:
-    """A trainer rank: `python -m shipyard.rl.ranks WORKDIR RANK` (started by `trainer_ranks`)."""
+    """A trainer rank (started by `trainer_ranks` through `_BOOT`): WORKDIR RANK PARENT_PID."""
     work, rank = Path(argv[0]), int(argv[1])
-    _die_with_parent()
     spec: RankSpec = pickle.loads((work / "spec.pkl").read_bytes())
     device = rank_device(spec.device, rank, spec.world)
+    if device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))
     model = _load(spec, device, lambda _: None)
     (work / f"ready-{rank}").touch()
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
-    dist.init_process_group(_backend(device), store=dist.FileStore(str(work / "store"), spec.world), rank=rank,
-                            world_size=spec.world, timeout=RANK_TIMEOUT)
+    control = _join(work, spec, rank, device)
     try:
-        follow(Trainer(model, spec.trainer, pad_id=spec.pad_id, header_ids=spec.header_ids, device=device))
+        follow(Trainer(model, spec.trainer, pad_id=spec.pad_id, header_ids=spec.header_ids, device=device), control)
     finally:
         dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
