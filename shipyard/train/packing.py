@@ -35,8 +35,8 @@ class Packed:
     input_ids: torch.Tensor  # [R, C] long, pad_id after the last sequence of a row
     position_ids: torch.Tensor  # [R, C] long, 0 at the start of every sequence (and of the trailing padding)
     index: torch.Tensor  # [B, T] long: flat position in [R·C] of each original token, −1 for padding
-    # [R, 1, C, C] bool, True where query i may attend key j: set when rows share a computed prefix
-    # (`shipyard.train.prefix`), which one position per token cannot express; None: restarting position ids say it.
+    # [R, 1, C, C] bool, True where query i may attend key j (block-diagonal causal), for calls that pass a key/value
+    # cache, where transformers does not derive it from restarting position ids (`prefix.cascade`); None: they say it.
     mask: torch.Tensor | None = None
 
     @property
@@ -119,9 +119,10 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int, cap
     return Packed(ids, pos, index)
 
 
-def forward_kept(model: nn.Module, packed: Packed, keep: torch.Tensor) -> torch.Tensor:
+def forward_kept(model: nn.Module, packed: Packed, keep: torch.Tensor, cache=None) -> torch.Tensor:
     """Logits [N, V] at the True positions of `keep` ([B, T], over real tokens), in `keep`'s row-major order. Rows
-    sharing a packed prefix get the same logits there (gathered twice, so their gradients add up)."""
+    sharing a packed position get the same logits there (gathered twice, so their gradients add up). `cache`: a
+    transformers key/value cache the call writes into (`prefix.forward_cascade`)."""
     where = packed.index[keep]
     if bool((where < 0).any()):
         raise ValueError("logits requested at a padding position")
@@ -131,7 +132,7 @@ def forward_kept(model: nn.Module, packed: Packed, keep: torch.Tensor) -> torch.
     mask = packed.mask
     if mask is not None and model.config._attn_implementation == "eager":  # eager adds the mask to the scores
         mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
-    logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=mask,
+    logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=mask, cache=cache,
                    use_cache=False, logits_to_keep=flat.view(packed.input_ids.shape)).logits
     # The model returns the kept positions in packed row-major order; put them back in the original order.
     return logits[torch.searchsorted(computed, where)]

@@ -23,15 +23,16 @@ A step:
 1. micro-batches of at most `micro_batch` rows and, with `micro_batch_tokens` > 0, at most that many *unique* tokens
    (`prefix.micro_batches`: rows sharing a prompt stay together and count it once; activation memory bounded by
    tokens, whatever the trajectories' lengths). A micro-batch's shared prefixes are computed once, with their
-   gradient accumulated from every row (`prefix.pack_shared`: exact; a step's cost follows the unique tokens,
-   reported as `forward_tokens`). Every rank
-   runs as many micro-batches as the busiest rank — the others add a one-token micro-batch that counts for
-   nothing — so the FSDP collectives stay in step. Per micro-batch: forward, per-token log-probabilities and
-   entropies, the policy loss (`losses.policy_loss`; one optimizer step per batch, so π_old = π_θ and the
-   importance weights carry the sampler/trainer mismatch), the k3 KL to the frozen initial policy when `kl_coef > 0`;
+   gradient accumulated from every row (`prefix.forward_cascade`: the prefixes in one call, the rows' own tokens
+   in a second against the prefixes' keys and values; exact; a step's cost follows the unique tokens, reported as
+   `forward_tokens`). Every rank runs as many micro-batches as the busiest rank — the others add a two-token
+   micro-batch that counts for nothing — so the FSDP collectives stay in step. Per micro-batch: forward, per-token
+   log-probabilities and entropies, the policy loss (`losses.policy_loss`; one optimizer step per batch, so
+   π_old = π_θ and the importance weights carry the sampler/trainer mismatch), the k3 KL to the frozen initial
+   policy when `kl_coef > 0`;
 2. for rows with hints (`distill.enabled`): the teacher (EMA of the policy by default, frozen initial weights, or
    the live policy) runs without gradient on the hinted contexts; `distill.distill_loss` on the target turn's
-   tokens, weight λ. Every rank runs the teacher on every micro-batch (a one-token stand-in when it has no hint) so
+   tokens, weight λ. Every rank runs the teacher on every micro-batch (a two-token stand-in when it has no hint) so
    the FSDP collectives of all ranks stay in step;
 3. gradient clipping, Muon (matrices; q/k/v per head, experts per expert) + AdamW (embeddings, head, norms,
    biases) or AdamW alone, the LR schedule, the EMA teacher update, policy version + 1; on CPU, freed heap pages go
@@ -46,6 +47,7 @@ import copy
 import ctypes
 import sys
 import time
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -63,8 +65,8 @@ from shipyard.train.distill import DistillConfig, distill_loss
 from shipyard.train.losses import PolicyLossConfig, policy_loss, token_logprobs
 from shipyard.train.muon import Muon, muon_param_groups
 from shipyard.train.mx import convert_to_mxfp8
-from shipyard.train.packing import balance, forward_kept
-from shipyard.train.prefix import micro_batches, pack_shared, supports_tree
+from shipyard.train.packing import balance
+from shipyard.train.prefix import forward_layout, layout, micro_batches, supports_cascade
 
 
 def default_optimizer(device: str) -> Literal["muon", "adamw"]:
@@ -160,14 +162,22 @@ def _shard(model: nn.Module, mesh, compute_dtype: str) -> nn.Module:
     return model
 
 
+def _checkpointed_forward(layer: nn.Module, *args, **kwargs):
+    return torch.utils.checkpoint.checkpoint(type(layer).forward, layer, *args, use_reentrant=False, **kwargs)
+
+
 def _recompute_activations(model: nn.Module) -> None:
-    """Activation checkpointing per decoder layer, transformers' own (non-reentrant, so it composes with FSDP2)."""
+    """Activation checkpointing per decoder layer (non-reentrant, so it composes with FSDP2: the layer's FSDP hooks
+    stay outside the recomputed region, as in torchtitan). Not transformers' own `activation_checkpointing_enable`:
+    that drops the key/value cache inside each layer, and the shared-prefix layout passes the prefix's keys and
+    values to the suffix call through one (`prefix.forward_cascade`; its caches are safe to recompute)."""
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
         raise ValueError(f"activation_checkpointing needs a transformers model; got {type(model).__name__}: set "
                          "trainer.activation_checkpointing = false")
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    for layer in model.model.layers:
+        layer.forward = types.MethodType(_checkpointed_forward, layer)  # a deep copy rebinds it to the copy
 
 
 def _adder(sums: dict[str, float]):
@@ -190,10 +200,11 @@ def _dense(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
 
 
 def _idle_batch(pad_id: int, device: torch.device) -> Batch:
-    """One token of one failed sample (`sample_mask` 0): a forward and backward that change nothing, for a rank with
-    fewer micro-batches than another, whose FSDP all-gathers and reduce-scatters must still be matched."""
-    one = torch.ones(1, 1, dtype=torch.long, device=device)
-    zero = torch.zeros(1, 1, device=device)
+    """Two tokens of one failed sample (`sample_mask` 0): a forward and backward that change nothing, for a rank with
+    fewer micro-batches than another, whose FSDP all-gathers and reduce-scatters must still be matched (two tokens:
+    the shared-prefix layout makes its two model calls for it too)."""
+    one = torch.ones(1, 2, dtype=torch.long, device=device)
+    zero = torch.zeros(1, 2, device=device)
     return Batch(one * pad_id, one, zero, zero, zero, one * 0, torch.zeros(1, device=device), [], pad_id)
 
 
@@ -233,7 +244,7 @@ class Trainer:
         self.autocast = torch.autocast(self.device.type, torch.bfloat16,
                                        enabled=dtype == "bfloat16" and self.world == 1)
         # Shared prefixes need a custom 4-D attention mask; other attention kernels get rows one by one.
-        self.shared_prefix = config.shared_prefix if supports_tree(self.model) else 0
+        self.shared_prefix = config.shared_prefix if supports_cascade(self.model) else 0
         self.optimizers = self._optimizers()
         warmup = config.optim.warmup_steps
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / (warmup + 1)))
@@ -356,15 +367,15 @@ class Trainer:
         keep = torch.zeros_like(mb.attention_mask, dtype=torch.bool)
         keep[:, :-1] = mask > 0
         targets = mb.input_ids[:, 1:][keep[:, :-1]]
-        packed = pack_shared(mb.input_ids, mb.attention_mask, self.pad_id, self.shared_prefix)
+        packed = layout(mb.input_ids, mb.attention_mask, self.pad_id, self.shared_prefix)
         ref_lp = None
         if self.reference is not None and cfg.policy.kl_coef > 0:
             with torch.no_grad(), self.autocast:
-                ref = forward_kept(self.reference, packed, keep)
+                ref = forward_layout(self.reference, packed, keep)
                 ref_lp = _dense(token_logprobs(ref[None], targets[None])[0][0], keep[:, :-1])
             _reshard(self.reference)
         with self.autocast:
-            logits = forward_kept(self.model, packed, keep)
+            logits = forward_layout(self.model, packed, keep)
         flat_lp, flat_entropy = token_logprobs(logits[None], targets[None])
         lp = _dense(flat_lp[0], keep[:, :-1])
         loss, metrics = policy_loss(lp, lp.detach(), mb.sampler_logprobs[:, 1:], mb.advantages[:, 1:], mask,
@@ -406,7 +417,7 @@ class Trainer:
             rows.append(row)
             spans.append((h.start - 1 + shift, h.end - 1 + shift))
         if not rows:  # keep this rank's FSDP collectives in step with ranks that have hints
-            rows = [torch.tensor([self.pad_id], device=self.device)]
+            rows = [torch.tensor([self.pad_id] * 2, device=self.device)]
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=self.device)
         att = torch.zeros_like(ids)
@@ -416,7 +427,7 @@ class Trainer:
         for i, (a, b) in enumerate(spans):
             keep[i, a:b] = True
         with torch.no_grad(), self.autocast:  # logits of the target spans only, flattened in hint order
-            out = forward_kept(self.teacher, pack_shared(ids, att, self.pad_id, self.shared_prefix), keep)
+            out = forward_layout(self.teacher, layout(ids, att, self.pad_id, self.shared_prefix), keep)
         if self.teacher is not self.model:
             _reshard(self.teacher)
         return out

@@ -11,8 +11,8 @@ import torch
 from shipyard.models.resolve import tiny_model
 from shipyard.train.batch import Batch, HintTarget
 from shipyard.train.distill import DistillConfig
-from shipyard.train.packing import forward_kept, pack
-from shipyard.train.prefix import groups, micro_batches, pack_shared
+from shipyard.train.packing import pack
+from shipyard.train.prefix import cascade, forward_cascade, groups, micro_batches
 from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer
 
 PAD = 0
@@ -70,11 +70,13 @@ def test_shared_forward_equals_each_row_alone(attention):
     ids, att = _padded(rows)
     g = torch.Generator().manual_seed(1)
     keep = att.bool() & (torch.rand(att.shape, generator=g) > 0.3)
-    packed = pack_shared(ids, att, PAD, 16)
-    assert packed.mask is not None and packed.tokens == 35 + (10 + 14 + 6 + 0) + 30 + 26 + 3 + 11
-    assert packed.tokens < pack(ids, att, PAD).tokens
+    layout = cascade(ids, att, PAD, 16)
+    # The group of 4 shares 34 tokens (one short of its shortest row, which keeps one token of its own), the lone
+    # row computes its first token as its prefix, the group of 2 shares 26.
+    assert layout.tokens == 34 + (11 + 15 + 7 + 1) + 30 + 26 + (3 + 11)
+    assert layout.tokens < pack(ids, att, PAD).tokens
     weights = torch.randn(int(keep.sum()), model.config.vocab_size, generator=g, dtype=torch.float64)
-    shared = forward_kept(model, packed, keep)
+    shared = forward_cascade(model, layout, keep)
     (shared * weights).sin().sum().backward()
     got = _grads(model)
     alone = torch.cat([model(input_ids=r[None]).logits[0][keep[i, :len(r)]] for i, r in enumerate(rows)])
@@ -104,16 +106,18 @@ def _trainer(shared: int, **kw) -> Trainer:
                    pad_id=PAD)
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
-def test_micro_batch_loss_and_gradients_equal_per_sample(aggregation):
+@pytest.mark.parametrize("aggregation, recompute", [("token_mean", False), ("seq_mean_token_mean", False),
+                                                     ("token_mean", True)])
+def test_micro_batch_loss_and_gradients_equal_per_sample(aggregation, recompute):
     """The trainer's micro-batch (policy loss, k3 KL to a frozen reference, hint distillation) with the prompt
-    computed once vs every row computing it: the same loss and the same gradient for every parameter."""
+    computed once vs every row computing it: the same loss and the same gradient for every parameter — also with
+    activation checkpointing, whose recomputed layers must see the prefix's keys and values again."""
     from shipyard.train.losses import PolicyLossConfig
 
     batch = _group_batch(_rows(), prompt=40)
     batch.hints = [HintTarget(1, 38, (7, 8, 9), 40, 45), HintTarget(5, 20, (3,), 26, 29)]
     kw = dict(policy=PolicyLossConfig(aggregation=aggregation, kl_coef=0.1),
-              distill=DistillConfig(enabled=True, weight=0.5, teacher="frozen"))
+              distill=DistillConfig(enabled=True, weight=0.5, teacher="frozen"), activation_checkpointing=recompute)
     out = []
     for shared in (16, 0):
         trainer = _trainer(shared, **kw)
@@ -142,7 +146,7 @@ def test_unique_tokens_bound_micro_batches_and_the_step_cost():
     assert micro_batches(ids, lengths, max_rows=2, min_tokens=16)[0] != [0, 1, 2, 3]
     batch = _group_batch(rows, prompt=40)
     shared, alone = _trainer(16).step(batch), _trainer(0).step(batch)
-    assert shared["forward_tokens"] == pack_shared(ids, att, PAD, 16).tokens
+    assert shared["forward_tokens"] == cascade(ids, att, PAD, 16).tokens
     assert alone["forward_tokens"] == sum(lengths)
     assert shared["policy_loss"] == pytest.approx(alone["policy_loss"], rel=1e-5)
     assert shared["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-4)
