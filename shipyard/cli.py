@@ -176,7 +176,8 @@ def demo(ctx: typer.Context) -> None:
     for row in result.training_rows():
         training.add_row(*row)
     console.print(table, training)
-    out.print_json(json.dumps({"run": str(cfg.run.dir), **result.to_json()}, default=str))
+    sys.stdout.write(json.dumps({"run": str(cfg.run.dir), **result.to_json()}, default=str) + "\n")  # one line, last
+    sys.stdout.flush()
     if not result.ok:
         console.print("[bold red]the loop failed:[/] " + "; ".join(result.failures), soft_wrap=True)
         raise typer.Exit(1)
