@@ -14,9 +14,10 @@ world size 1 it only runs it. The batch crosses as part of the step's arguments 
 to the weights). Checkpoints are `torch.distributed.checkpoint`, so a run resumes on any number of ranks
 (`--run.world_size M --run.resume true`).
 
-**Start-up and failure.** Rank 0 starts the other ranks as subprocesses; each loads the model, reports ready (a file
-in a private 0700 directory) and only then joins the process group (a `FileStore` there), so a rank that fails to
-load fails the start with its message instead of leaving rank 0 waiting in a collective. Operations travel on a
+**Start-up and failure.** Rank 0 loads its model (a model fetched or converted on first use is then cached for the
+others), then starts the other ranks as subprocesses; each loads it, reports ready (a file in a private 0700
+directory) and only then joins the process group (a `FileStore` there), so a rank that fails to load fails the
+start with its message instead of leaving rank 0 waiting in a collective. Operations travel on a
 control group of their own (gloo, `CONTROL_TIMEOUT`: the other ranks wait there while rank 0 collects rollouts, which
 can take long), the trainer's collectives on the default group (`COLLECTIVE_TIMEOUT`: no collective legitimately
 waits that long). A rank that dies closes its connections, rank 0's next collective raises, and the error names the
@@ -152,8 +153,9 @@ def _join(work: Path, spec: RankSpec, rank: int, device: str) -> Any:
 
 @contextmanager
 def trainer_ranks(spec: RankSpec, status: Callable[[str], None] = lambda _: None) -> Iterator[RankGroup]:
-    """Rank 0's side (module docstring): start ranks 1..N−1, load rank 0's model while they load theirs, wait until
-    each is ready, join the process group with them. On a clean exit the ranks are told to stop and waited for; on
+    """Rank 0's side (module docstring): load rank 0's model (so that ranks 1..N−1 find a model that is fetched or
+    converted on first use in the cache, instead of all converting it at once), start them, wait until each has
+    loaded it, join the process group with them. On a clean exit the ranks are told to stop and waited for; on
     an error they are killed, and a rank that had died is named. World size 1: the model only (the trainer makes
     its own process group of one)."""
     device = rank_device(spec.device, 0, spec.world)
@@ -170,9 +172,9 @@ def trainer_ranks(spec: RankSpec, status: Callable[[str], None] = lambda _: None
     procs: list[subprocess.Popen] = []
     try:
         (work / "spec.pkl").write_bytes(pickle.dumps(spec))
+        model = _load(spec, device, status)  # first: a model fetched or converted on first use is then in the cache
         procs = [subprocess.Popen([sys.executable, "-c", _BOOT, str(work), str(rank), str(os.getpid())],
                                   stdin=subprocess.DEVNULL) for rank in range(1, spec.world)]
-        model = _load(spec, device, status)
         _wait_ready(work, procs)
         control = _join(work, spec, 0, device)
         yield RankGroup(model, device, control)
