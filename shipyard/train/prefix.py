@@ -32,6 +32,13 @@ on every rank, as FSDP's collectives need. The caches used are stateless across 
 `_Prefixed`), so activation checkpointing may recompute a layer (the trainer's own per-layer checkpointing;
 transformers' drops caches inside checkpointed layers).
 
+Known costs (review, not yet addressed): the suffix call is a padded batch, B × (widest prefix + longest suffix)
+positions, while `micro_batches` and `forward_tokens` count unique tokens — a lone 2k-token row in a micro-batch with
+a group of short suffixes pads every suffix to 2k (bucketing suffixes by length would fix it); the gathered
+prefix keys and values of every layer are built up front and kept to the backward under activation checkpointing
+(gathering inside the cache's `update` would recompute them per layer); under FSDP2 each layer is gathered twice per
+micro-batch (two calls); several prefixes in one row attend under an explicit mask (no causal fast path).
+
 The cascade needs an attention implementation that takes a key/value cache with a 2-D padding mask (transformers'
 `sdpa` and `eager`, the CPU defaults: `supports_cascade`); with another, rows are packed one by one.
 
@@ -116,9 +123,14 @@ def micro_batches(input_ids: torch.Tensor, lengths: list[int], max_rows: int, ma
 
 
 def supports_cascade(model: nn.Module) -> bool:
-    """Whether the model's attention takes a key/value cache with a 2-D padding mask (transformers' `sdpa` and
-    `eager`, the CPU defaults); otherwise rows are packed one by one (`packing.pack`)."""
-    return getattr(model.config, "_attn_implementation", None) in ("sdpa", "eager")
+    """Whether the cascade is exact for this model: attention that takes a key/value cache with a 2-D padding mask
+    (transformers' `sdpa` and `eager`, the CPU defaults) and no sliding window (the explicit masks here carry no
+    window, and a window counted in cache columns would be off for rows with shorter prefixes). Otherwise rows are
+    packed one by one (`packing.pack`)."""
+    config = model.config
+    sliding = getattr(config, "sliding_window", None) or "sliding_attention" in (getattr(config, "layer_types", None)
+                                                                                 or ())
+    return getattr(config, "_attn_implementation", None) in ("sdpa", "eager") and not sliding
 
 
 class _Capture(DynamicCache):
@@ -188,7 +200,9 @@ def cascade(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int, 
         for b in g.rows:
             n = lengths[b] - p
             suffix_ids[b, :n] = input_ids[b, p:lengths[b]]
-            suffix_pos[b] = p + torch.arange(longest, device=device)
+            # Padding repeats the last real position: no position id beyond the row's own (rotary scalings that
+            # depend on the largest position, learned position tables).
+            suffix_pos[b] = p + torch.arange(longest, device=device).clamp(max=n - 1)
             suffix_mask[b, :p] = 1
             suffix_mask[b, wide:wide + n] = 1
             kv_index[b, :p] = columns

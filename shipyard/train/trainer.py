@@ -173,10 +173,11 @@ def _recompute_activations(model: nn.Module) -> None:
     values to the suffix call through one (`prefix.forward_cascade`; its caches are safe to recompute)."""
     from transformers import PreTrainedModel
 
-    if not isinstance(model, PreTrainedModel):
-        raise ValueError(f"activation_checkpointing needs a transformers model; got {type(model).__name__}: set "
-                         "trainer.activation_checkpointing = false")
-    for layer in model.model.layers:
+    layers = model.get_decoder().layers if isinstance(model, PreTrainedModel) else None
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"activation_checkpointing needs a transformers decoder with a `layers` list; got "
+                         f"{type(model).__name__}: set trainer.activation_checkpointing = false")
+    for layer in layers:
         layer.forward = types.MethodType(_checkpointed_forward, layer)  # a deep copy rebinds it to the copy
 
 
@@ -306,6 +307,8 @@ class Trainer:
         # laid out); the rest is split over ranks by tokens — the same plan on every rank: no communication.
         live = [i for i, m in enumerate(batch.sample_mask.tolist()) if m > 0]
         lengths = batch.attention_mask[live].sum(-1).tolist()
+        if any(n < 2 for n in lengths):  # checked on every rank alike, before any collective
+            raise ValueError("a sample of fewer than 2 tokens has nothing to train on: drop it or mark it failed")
         shares = [[live[i] for i in share] for share in balance(lengths, self.world)]
         full = batch.attention_mask.sum(-1).tolist()
         plans = [micro_batches(batch.input_ids[share], [full[i] for i in share], self.config.micro_batch,

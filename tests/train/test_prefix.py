@@ -12,7 +12,7 @@ from shipyard.models.resolve import tiny_model
 from shipyard.train.batch import Batch, HintTarget
 from shipyard.train.distill import DistillConfig
 from shipyard.train.packing import pack
-from shipyard.train.prefix import cascade, forward_cascade, groups, micro_batches
+from shipyard.train.prefix import cascade, forward_cascade, groups, micro_batches, supports_cascade
 from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer
 
 PAD = 0
@@ -84,6 +84,26 @@ def test_shared_forward_equals_each_row_alone(attention):
     want = _grads(model)
     assert float((shared - alone).detach().abs().max()) < (1e-12 if attention == "sdpa" else 1e-6)  # eager: fp32
     _close(got, want, rel=1e-6)
+
+
+def test_padding_positions_stay_within_each_row_and_sliding_windows_fall_back_to_packing():
+    """Padded suffix positions repeat the row's last position (a position beyond the longest row changes dynamic
+    rotary scalings and overruns learned position tables); a sliding-window model is not cascaded: the explicit
+    masks carry no window (review: wrong logits with two groups)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    rows = _rows()
+    ids, att = _padded(rows)
+    layout = cascade(ids, att, PAD, 16)
+    lengths = att.sum(-1)
+    assert int(layout.suffix_pos.max()) == int(lengths.max()) - 1
+    config = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+    assert supports_cascade(Qwen2ForCausalLM(Qwen2Config(**config)))
+    windowed = Qwen2ForCausalLM(Qwen2Config(**config, use_sliding_window=True, sliding_window=8, max_window_layers=0))
+    assert not supports_cascade(windowed)
+    trainer = Trainer(windowed, TrainConfig(optim=OptimConfig(lr=1e-3)), pad_id=PAD)
+    assert trainer.shared_prefix == 0  # packed rows, one by one: exact with the window
 
 
 def _group_batch(rows: list[torch.Tensor], prompt: int) -> Batch:

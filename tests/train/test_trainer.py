@@ -70,7 +70,7 @@ def test_activation_checkpointing_gives_the_same_step(episodes):
         assert mr[key] == pytest.approx(mp[key], rel=1e-6, abs=1e-8), key
     after_p, after_r = plain.full_state_dict(), recompute.full_state_dict()
     assert all(torch.allclose(after_p[k], after_r[k], rtol=1e-6, atol=1e-8) for k in after_p)
-    with pytest.raises(ValueError, match="activation_checkpointing needs a transformers model"):
+    with pytest.raises(ValueError, match="activation_checkpointing needs a transformers decoder"):
         Trainer(torch.nn.Linear(2, 2), TrainConfig(activation_checkpointing=True), pad_id=0)
 
 
