@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shipyard.rl.config import ConfigError
 from shipyard.train.trainer import TrainConfig, Trainer
 
 CONTROL_TIMEOUT = timedelta(hours=24)  # ranks 1..N−1 waiting for rank 0's next operation (rollouts, evaluations)
@@ -162,11 +163,12 @@ def trainer_ranks(spec: RankSpec, status: Callable[[str], None] = lambda _: None
     if spec.world == 1:
         yield RankGroup(_load(spec, device, status), device)
         return
+    if device.startswith("cuda") and torch.cuda.device_count() < spec.world:  # a config error: one line from the CLI
+        raise ConfigError(f"run.world_size = {spec.world} with run.device = \"cuda\" needs {spec.world} GPUs; "
+                          f"{torch.cuda.device_count()} visible: lower run.world_size or train on \"cpu\"")
     if dist.is_initialized():
         raise RankError(f"run.world_size = {spec.world} needs a process without a torch.distributed process group "
                         f"(this one has {dist.get_world_size()} ranks): run `shipyard train` in its own process")
-    if device.startswith("cuda") and torch.cuda.device_count() < spec.world:
-        raise RankError(f"run.world_size = {spec.world} needs {spec.world} GPUs; {torch.cuda.device_count()} visible")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is local (module docstring)
     work = Path(tempfile.mkdtemp(prefix="shipyard-ranks-"))  # 0700: the spec and the store are private
     procs: list[subprocess.Popen] = []

@@ -94,3 +94,14 @@ def test_ranks_die_with_a_killed_rank_0():
             os.kill(rank, signal.SIGKILL)
             pytest.fail("a trainer rank outlived rank 0 by 30 s")
         time.sleep(0.1)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.device_count() >= 2, reason="this host has the GPUs")
+def test_more_gpu_ranks_than_gpus_is_a_config_error():
+    from shipyard.rl.config import ConfigError
+    from shipyard.rl.ranks import RankSpec, trainer_ranks
+    from shipyard.train.trainer import TrainConfig
+
+    with pytest.raises(ConfigError, match="needs 2 GPUs"), trainer_ranks(RankSpec("random:tiny", "cuda", TrainConfig(),
+                                                                                  0, (), 2)):
+        pass
