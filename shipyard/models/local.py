@@ -290,7 +290,7 @@ class LocalEngine:
             ids = torch.tensor([prompt[shared:]], device=self.device)
             mask = torch.ones(1, len(prompt), dtype=torch.long, device=self.device)
             pos = torch.arange(shared, len(prompt), device=self.device)[None, :]
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
                              use_cache=True, logits_to_keep=1)
             version = self.policy_version
         seq.fed, seq.prefill_version = list(prompt), version
@@ -330,7 +330,7 @@ class LocalEngine:
         mask = self._batch.next_mask(self.device)
         with self._lock:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                             past_key_values=self._batch.cache, use_cache=True)
+                             cache=self._batch.cache, use_cache=True)
             version = self.policy_version
         self._batch.grew()
         self.stats["decode_steps"] += 1

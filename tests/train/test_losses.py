@@ -111,14 +111,47 @@ def test_micro_batches_with_a_shared_denominator_sum_to_the_full_loss():
         assert parts == pytest.approx(float(full), rel=1e-6), mode
 
 
-def test_token_logprobs_and_entropy():
+@pytest.mark.parametrize("chunk", [1, 2, 3, None])
+def test_token_logprobs_entropy_and_gradient_match_log_softmax(chunk):
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 5, 11, generator=g)
+    logits = torch.randn(2, 5, 11, generator=g, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 11, (2, 5), generator=g)
-    lp, ent = token_logprobs(logits, targets, chunk=2)
+    weights = torch.randn(2, 5, generator=g, dtype=torch.float64)
+    lp, ent = token_logprobs(logits, targets, chunk=chunk)
+    (grad,) = torch.autograd.grad((lp * weights).sum(), logits)
     ref = torch.log_softmax(logits, -1)
-    assert torch.allclose(lp, ref.gather(-1, targets[..., None]).squeeze(-1), atol=1e-6)
-    assert torch.allclose(ent, -(ref.exp() * ref).sum(-1), atol=1e-5)
+    ref_lp = ref.gather(-1, targets[..., None]).squeeze(-1)
+    (ref_grad,) = torch.autograd.grad((ref_lp * weights).sum(), logits)
+    assert torch.allclose(lp.double(), ref_lp, atol=1e-6)
+    assert torch.allclose(ent.double(), -(ref.exp() * ref).sum(-1), atol=1e-5)
+    assert torch.allclose(grad, ref_grad, atol=1e-6)
+    assert not ent.requires_grad
+
+
+def test_token_logprobs_keeps_only_the_logits_for_the_backward():
+    """Autograd through log_softmax would save a float32 [N, V] log-softmax besides the logits: 1.2 GB at 2,000
+    positions of a 152k vocabulary. Saved for the backward: the logits once, then O(N)."""
+    logits = torch.randn(64, 5000, requires_grad=True)
+    targets = torch.randint(0, 5000, (64,))
+    saved: list[int] = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp, _ = token_logprobs(logits[None], targets[None], chunk=16)
+    assert sum(saved) <= logits.numel() * 4 + 64 * 16
+    lp.sum().backward()
+    assert logits.grad.shape == logits.shape
+
+
+def test_token_logprobs_of_bfloat16_logits_are_float32():
+    logits = torch.randn(1, 3, 7).bfloat16().requires_grad_()
+    lp, _ = token_logprobs(logits, torch.tensor([[1, 2, 3]]))
+    assert lp.dtype == torch.float32
+    lp.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
 
 
 def test_bad_configs_are_refused():
