@@ -136,16 +136,17 @@ class ToolExecutor:
     def _run_one(self, call: ToolCall) -> CallRecord:
         start = time.perf_counter()
         try:
-            output, error = self.tools[call.name].run(self.ctx, **call.arguments), None
+            output, error, kind = self.tools[call.name].run(self.ctx, **call.arguments), None, None
         except InfraError:  # not the model's doing (many are OSErrors): the episode ends, see Agent.run
             raise
         except (ToolError, PathError, OSError, UnicodeError) as e:
             message = str(e) if isinstance(e, ToolError | PathError) else f"{type(e).__name__}: {e}"
             error = f"tool call #{call.index + 1} ({call.name}) failed: {message}"
             output = f"error: {error}"
+            kind = e.kind if isinstance(e, ToolError) else "tool_error"
         error = None if error is None else self._clean(error)
         return CallRecord(call.index, call.name, call.arguments, self._clean(output), error,
-                          time.perf_counter() - start, call.untagged, None if error is None else "tool_error")
+                          time.perf_counter() - start, call.untagged, kind)
 
     def _clean(self, text: str) -> str:
         """What goes back to the model is bounded, valid UTF-8 text whatever a tool or an error message held (a lone

@@ -17,7 +17,8 @@ order of precedence):
   `</tool_call>`, a block left open before the next one);
 - `unknown_tool`: it names no tool of this episode;
 - `bad_arguments`: the arguments do not match the tool's JSON-Schema (missing, unexpected, mistyped);
-- `tool_error`: the tool ran and refused or failed (a missing file, an ambiguous edit, a timeout…).
+- `rejected_edit`: an edit the syntax gate refused (it would have left a file that parsed unable to parse);
+- `tool_error`: the tool ran and refused or failed otherwise (a missing file, an ambiguous edit, a timeout…).
 
 Records written before `error_kind` existed load with `error_kind=None` (`shipyard.harness.validity` counts a
 failed call without a kind as `unclassified`).
@@ -32,9 +33,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-ErrorKind = Literal["untagged", "truncated", "malformed", "unknown_tool", "bad_arguments", "tool_error"]
+ErrorKind = Literal["untagged", "truncated", "malformed", "unknown_tool", "bad_arguments", "rejected_edit",
+                    "tool_error"]
 ERROR_KINDS: tuple[ErrorKind, ...] = ("untagged", "truncated", "malformed", "unknown_tool", "bad_arguments",
-                                      "tool_error")
+                                      "rejected_edit", "tool_error")
 FORMAT_KINDS: tuple[ErrorKind, ...] = ("untagged", "truncated", "malformed", "unknown_tool")  # the wire format's
 
 

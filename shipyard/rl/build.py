@@ -22,6 +22,7 @@ from shipyard.harness.tools import default_tools
 from shipyard.harness.wire import ChatFormat
 from shipyard.models.resolve import load_tokenizer, make_engine
 from shipyard.rl.config import ConfigError, RLConfig, engine_spec, save_config
+from shipyard.rl.hints import HintWriter
 from shipyard.rl.loop import HackPenalty, RLLoop, export_policy
 from shipyard.rl.ranks import RankSpec, trainer_ranks
 from shipyard.rl.rundir import RunDir
@@ -97,9 +98,9 @@ def _run_dir(config: RLConfig) -> RunDir:
 @contextmanager
 def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[str] | None = None) -> Iterator[RLLoop]:
     """Everything the configuration describes, built and wired (module docstring); closed on exit."""
-    if config.hints.enabled:
-        raise ConfigError("hints.enabled: this version has the trainer's hint distillation but no hint detectors "
-                          "yet to write hints from rollouts (the targeted-feedback issue); set hints.enabled = false")
+    # the teacher exists exactly when hints can arrive (an EMA teacher is a second copy of the model)
+    config = replace(config, trainer=replace(config.trainer, distill=replace(config.trainer.distill,
+                                                                             enabled=config.hints.enabled)))
     with ExitStack() as stack:
         tasks_dir = task_set(config, status)
         task_ids = list_tasks(tasks_dir)
@@ -128,7 +129,8 @@ def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[st
             stack.callback(env.close)
             workers = config.rollout.max_in_flight or config.rollout.group_size * config.rollout.groups_per_step
             transport = InProcessTransport(engine, env, config.episode, workers)
-        header = tuple(ChatFormat(tokenizer, default_tools()).assistant_header_ids())
+        chat = ChatFormat(tokenizer, default_tools())
+        header = tuple(chat.assistant_header_ids())
         spec = RankSpec(config.model.name, config.run.device, config.trainer, tokenizer.pad_token_id, header,
                         config.run.world_size)
         group = stack.enter_context(trainer_ranks(spec, status))
@@ -136,7 +138,9 @@ def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[st
                           device=group.device)
         shaping = shaping_terms(config)
         scheduler = Scheduler(copy.deepcopy(config.rollout), transport, tasks_dir, curriculum, shaping=shaping)
-        yield RLLoop(scheduler, trainer, run, config.run, eval_tasks=evals,
+        hints = HintWriter(tasks_dir, chat, max_turns=config.hints.max_turns, verbose_words=config.hints.verbose_words,
+                           detectors=config.hints.detectors) if config.hints.enabled else None
+        yield RLLoop(scheduler, trainer, run, config.run, eval_tasks=evals, hints=hints,
                      export=lambda t, full, d: export_policy(t, full, tokenizer, d), ranks=group.ranks(trainer))
 
 

@@ -59,6 +59,7 @@ import sys
 import tomllib
 import types
 import urllib.parse
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -123,11 +124,31 @@ class EngineConfig:
         _check_device("engine.device", self.device)
 
 
+HINT_DETECTORS = ("call_format", "ungrounded", "rejected_edit", "unread_edit", "repeated_failure", "test_edit",
+                  "serial_calls", "verbose_step", "finished")  # shipyard.rl.hints says what each finds
+
+
+def check_detectors(names: Sequence[str]) -> None:
+    unknown = sorted(set(names) - set(HINT_DETECTORS))
+    if unknown:
+        raise ValueError(f"unknown hint detectors {unknown}: the detectors are {', '.join(HINT_DETECTORS)}")
+
+
 @dataclass
 class HintsConfig:
-    # Targeted-feedback hints: a hinted teacher's distribution distilled into the policy ([trainer.distill] holds how).
-    # Off: no hints, no distillation term, no teacher model kept.
+    # Targeted-feedback hints (shipyard.rl.hints): detectors read each trajectory and write a short hint at the turn
+    # that went wrong; a hinted teacher's distribution is distilled into the policy there ([trainer.distill] holds
+    # how; its `enabled` follows this one). Off: no hints, no distillation term, no teacher model kept.
     enabled: bool = False
+    max_turns: int = 2  # hinted turns per rollout (the earliest with findings)
+    verbose_words: int = 120  # verbose_step: words of prose allowed in a turn that only explores
+    detectors: tuple[str, ...] = HINT_DETECTORS  # which run (all by default)
+
+    def __post_init__(self) -> None:
+        check_detectors(self.detectors)
+        if self.max_turns < 1 or self.verbose_words < 1:
+            raise ValueError(f"hints.max_turns and hints.verbose_words must be >= 1, got {self.max_turns} and "
+                             f"{self.verbose_words}")
 
 
 @dataclass

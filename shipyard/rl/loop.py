@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from shipyard.rl.config import RunConfig
+from shipyard.rl.hints import HintReport
 from shipyard.rl.ranks import TrainerRanks
 from shipyard.rl.rundir import RunDir
 from shipyard.rollout.batches import RolloutBatch
@@ -70,7 +71,7 @@ class HackPenalty:
         return self.floor - ((rollout.reward or 0.0) + sum(v for k, v in rollout.shaping.items() if k != self.name))
 
 
-HintSource = Callable[[RolloutBatch], Sequence[Hint]]
+HintSource = Callable[[RolloutBatch], HintReport]  # shipyard.rl.hints.HintWriter
 
 
 def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
@@ -126,7 +127,8 @@ def trajectory_records(batch: RolloutBatch, hints: Sequence[Hint]) -> list[dict[
     evidence, advantage) and the hints given for it."""
     by_sample: dict[int, list[dict]] = {}
     for h in hints:
-        by_sample.setdefault(h.sample, []).append({"turn": h.turn, "hint_ids": list(h.hint_ids)})
+        by_sample.setdefault(h.sample, []).append({"turn": h.turn, "kinds": list(h.kinds), "text": h.text,
+                                                   "evidence": list(h.evidence), "hint_ids": list(h.hint_ids)})
     return [{**r.to_json(), "hints": by_sample.get(i, [])} for i, r in enumerate(batch.rollouts)]
 
 
@@ -211,8 +213,8 @@ class RLLoop:
         t0 = time.monotonic()
         batch = await self.scheduler.next_batch()
         waited = time.monotonic() - t0
-        hints = list(self.hints(batch)) if self.hints is not None else []
-        batch.hints = hints
+        report = self.hints(batch) if self.hints is not None else HintReport()
+        hints = batch.hints = report.hints
         tensors = Batch.from_rollouts(batch, pad_id=self.trainer.pad_id, header_ids=self.trainer.header_ids)
         train = await asyncio.to_thread(self.ranks, Trainer.step, tensors)
         t1 = time.monotonic()
@@ -229,7 +231,7 @@ class RLLoop:
                    "infra": {"masked": stats["masked_infra"], "retries": stats["infra_retries"],
                              "requeued": stats["requeued"], **{f"cause_{k}": v for k, v in
                                                                 stats["infra_by_cause"].items()}},
-                   "hints": len(hints), "memory": memory_metrics()}
+                   "hints": report.metrics(), "memory": memory_metrics()}
         self.run.log_rollouts(batch.metrics())
         self.run.write_trajectories(self.step, trajectory_records(batch, hints))
         return metrics

@@ -40,6 +40,9 @@ class Hint:
     sample: int
     turn: int
     hint_ids: tuple[int, ...]
+    kinds: tuple[str, ...] = ()  # what was found (shipyard.rl.hints), for the run's logs
+    text: str = ""
+    evidence: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

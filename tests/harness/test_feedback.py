@@ -172,7 +172,8 @@ def test_trajectories_saved_before_error_kind_still_load(workspace, tmp_path):
 
 
 def test_error_kinds_are_a_closed_vocabulary():
-    assert set(ERROR_KINDS) == {"untagged", "truncated", "malformed", "unknown_tool", "bad_arguments", "tool_error"}
+    assert set(ERROR_KINDS) == {"untagged", "truncated", "malformed", "unknown_tool", "bad_arguments", "rejected_edit",
+                                "tool_error"}
     seen = {k for text, s, lenient in FAILURES.values() for k in (s, lenient)} - {None}
     assert seen <= set(ERROR_KINDS)
 

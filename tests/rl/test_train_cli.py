@@ -155,3 +155,21 @@ def test_train_refuses_a_run_directory_in_use_and_a_bad_override(taskset, tmp_pa
     proc = shipyard("train", str(config), "--run.stepz", "4")
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2 and "--run.steps" in err
+
+
+def test_train_with_hints_writes_them_and_distils_on_the_hinted_turns(taskset, tmp_path):
+    """The tiny random model writes no call, so its first turn is a final answer with nothing changed: the
+    `finished` detector hints that turn, the EMA teacher is built (distillation follows hints.enabled) and the step
+    distils into the turn's tokens; the hints are in the metrics and beside the trajectories."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(CONFIG.format(tasks=taskset[0]))
+    run = tmp_path / "hinted"
+    train(config, run, "--run.steps", "1", "--hints.enabled", "true")
+    assert "enabled = true" in (run / "config.toml").read_text().split("[trainer.distill]")[1].split("[")[0]
+    step = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][1]
+    assert step["hints/count"] >= 1 and step["hints/found_finished_unchanged"] >= 1
+    assert step["train/distill_tokens"] > 0 and step["train/distill_loss"] >= 0
+    records = [json.loads(x) for x in (run / "trajectories" / "step-000001.jsonl").read_text().splitlines()]
+    hinted = [h for r in records for h in r["hints"]]
+    assert hinted and all(h["text"] and h["kinds"] and h["evidence"] for h in hinted)
+    assert "finished_unchanged" in hinted[0]["kinds"] and "nothing was changed" in hinted[0]["text"]

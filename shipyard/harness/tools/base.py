@@ -33,7 +33,16 @@ def installed_binary(name: str) -> str:
 
 
 class ToolError(Exception):
-    """A tool call that cannot be carried out; the message goes back to the model verbatim."""
+    """A tool call that cannot be carried out; the message goes back to the model verbatim. `kind` is the error kind
+    its call record gets (`shipyard.harness.trajectory.ERROR_KINDS`)."""
+
+    kind = "tool_error"
+
+
+class EditRejected(ToolError):
+    """An edit the syntax gate refused: it would have left a file that parsed unable to parse."""
+
+    kind = "rejected_edit"
 
 
 @dataclass

@@ -26,7 +26,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from shipyard.harness.tools.base import Tool, ToolContext, ToolError, params
+from shipyard.harness.tools.base import EditRejected, Tool, ToolContext, ToolError, params
 from shipyard.harness.workspace import MAX_FILE_BYTES, PathError
 
 MAX_GATE_CHARS = 256 << 10
@@ -68,7 +68,7 @@ def _gate(path: str, before: str | None, after: str) -> str:
     if new_error is None:
         return ""
     if before is None or syntax_error(path, before) is None:
-        raise ToolError(f"edit rejected: it would leave '{path}' with a syntax error — {new_error}. "
+        raise EditRejected(f"edit rejected: it would leave '{path}' with a syntax error — {new_error}. "
                         "The file was not changed; fix the new text and try again.")
     return f"\nwarning: '{path}' still does not parse — {new_error}"
 
