@@ -22,7 +22,7 @@ covers the turn's completion tokens. The student's own row is never changed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,6 +54,7 @@ class HintTarget:
     hint_ids: tuple[int, ...]
     start: int
     end: int
+    kinds: tuple[str, ...] = ()  # the hint's kinds (Hint.kinds): its lift is reported per kind
 
 
 @dataclass
@@ -86,8 +87,7 @@ class Batch:
         pick = torch.tensor(index, dtype=torch.long)
         tensors = {k: v[pick] for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
         where = {old: new for new, old in enumerate(index)}
-        hints = [HintTarget(where[h.sample], h.insert_at, h.hint_ids, h.start, h.end)
-                 for h in self.hints if h.sample in where]
+        hints = [replace(h, sample=where[h.sample]) for h in self.hints if h.sample in where]
         return Batch(**tensors, hints=hints, pad_id=self.pad_id)
 
     @classmethod
@@ -156,7 +156,7 @@ class Batch:
                 span = fresh[h.sample, h.start:h.end]
                 if bool(span.any()):
                     start = h.start + int(span.to(torch.int8).argmax())
-                    kept.append(HintTarget(h.sample, h.insert_at, h.hint_ids, start, h.end))
+                    kept.append(replace(h, start=start))
             out.hints = kept
         return out
 
@@ -181,7 +181,7 @@ def place_hint(traj: Trajectory, hint: Hint, header_ids: tuple[int, ...]) -> Hin
                          f"{list(header_ids)}; pass the header ids of the chat format the trajectory was made with")
     if end == start:
         raise ValueError(f"turn {hint.turn} of sample {hint.sample} has no sampled tokens to distill")
-    return HintTarget(hint.sample, insert_at, tuple(hint.hint_ids), start, end)
+    return HintTarget(hint.sample, insert_at, tuple(hint.hint_ids), start, end, tuple(hint.kinds))
 
 
 def teacher_row(ids: torch.Tensor, target: HintTarget) -> tuple[torch.Tensor, int]:

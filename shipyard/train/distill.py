@@ -27,6 +27,12 @@ the sampler that drew y (the student may have moved since), and clipped at `toke
 where the teacher is sure and the student is not cannot dominate. The distillation loss is the mean over target
 tokens and joins the policy loss with weight λ: L = L^PG + λ L^distill.
 
+**Lift.** A hint is kept only when it argues against what the student did. Its lift is the mean, over the turn's
+sampled tokens y_1..y_n, of log p_s(y_i) − log p_t(y_i): how much less likely the hinted teacher finds the sampled
+turn than the student does. A hint with lift ≤ `min_lift` (default 0: the teacher would make the sampled behaviour
+*more* likely, or changes nothing) is dropped from the loss — its tokens stay in the denominator, so the other hints'
+weight does not grow — and counted; the trainer reports lift per hint kind (`hint_lift_<kind>`).
+
 Note on `torch.nn.functional.kl_div(input, target)`: it computes Σ target (log target − input), i.e.
 KL(target ‖ exp(input)) — the *second* argument is the first distribution of the KL. We write the sums out.
 """
@@ -37,6 +43,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from shipyard.train.losses import token_logprobs
 
 Divergence = Literal["reverse_kl", "forward_kl", "jsd"]
 Support = Literal["full", "topk", "sampled"]
@@ -57,6 +65,7 @@ class DistillConfig:
     token_kl_clip: float = 10.0
     teacher: TeacherKind = "ema"
     ema_decay: float = 0.99
+    min_lift: float = 0.0  # hints whose lift (module docstring) is not above this are dropped; -1e9 keeps every one
 
     def __post_init__(self) -> None:
         if self.divergence not in ("reverse_kl", "forward_kl", "jsd"):
@@ -96,6 +105,15 @@ def topk_with_tail(log_p: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     head = log_p.gather(-1, index)
     tail = torch.log1p(-head.exp().sum(-1, keepdim=True).clamp(max=1 - 1e-6))
     return torch.cat([head, tail], -1)
+
+
+def lift(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Per-token log p_s(y) − log p_t(y) of the sampled tokens [N] (no gradient): > 0 where the hinted teacher finds
+    the student's choice less likely."""
+    with torch.no_grad():
+        s = token_logprobs(student_logits.detach()[None], tokens[None])[0][0]
+        t = token_logprobs(teacher_logits.detach()[None], tokens[None])[0][0]
+    return s - t
 
 
 def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tokens: torch.Tensor,

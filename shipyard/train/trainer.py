@@ -61,7 +61,7 @@ from torch.distributed.tensor import DTensor
 
 from shipyard.harness.trajectory import Trajectory
 from shipyard.train.batch import Batch, Hint, teacher_row
-from shipyard.train.distill import DistillConfig, distill_loss
+from shipyard.train.distill import DistillConfig, distill_loss, lift
 from shipyard.train.losses import PolicyLossConfig, policy_loss, token_logprobs
 from shipyard.train.muon import Muon, muon_param_groups
 from shipyard.train.mx import convert_to_mxfp8
@@ -352,6 +352,9 @@ class Trainer:
         forward = totals.pop("forward_tokens", 0.0)
         scale = {"t": tokens, "d": max(dtok, 1.0), "s": 1.0}
         metrics = {k[2:]: v / scale[k[0]] for k, v in totals.items()}
+        for key in [k for k in metrics if k.startswith("hint_lift_sum")]:  # per hint kind: the mean lift
+            suffix = key.removeprefix("hint_lift_sum")
+            metrics["hint_lift" + suffix] = metrics.pop(key) / max(metrics.get("hints" + suffix, 0.0), 1.0)
         seconds = time.perf_counter() - start
         norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
         metrics |= {"grad_norm": float(norm), "tokens": tokens, "distill_tokens": dtok, "forward_tokens": forward,
@@ -400,14 +403,28 @@ class Trainer:
                 student = torch.cat([logits[row_of[h.sample, h.start - 1:h.end - 1]] for h in hinted])
                 tokens = torch.cat([mb.input_ids[h.sample, h.start:h.end] for h in hinted])
                 sampler = torch.cat([mb.sampler_logprobs[h.sample, h.start:h.end] for h in hinted])
-                dl, dm = distill_loss(student, teacher_logits, tokens, sampler, cfg.distill)
-                k = float(tokens.numel())
-                loss = loss + cfg.distill.weight * dl * k / dden
-                for key, v in dm.items():
-                    if key != "distill_tokens":
-                        add("d:" + key, v * k)
-                add("distill_tokens", k)
-                add("s:distill_loss", float(dl.detach()) * k / dden)
+                # each hint's lift (distill.py): one without lift is dropped from the loss, not from the denominator
+                spans = [h.end - h.start for h in hinted]
+                per_hint = torch.stack([x.mean() for x in lift(student, teacher_logits, tokens).split(spans)])
+                kept = per_hint > cfg.distill.min_lift
+                for h, value, ok in zip(hinted, per_hint.tolist(), kept.tolist(), strict=True):
+                    for suffix in ("", *(f"_{kind}" for kind in h.kinds)):
+                        add("s:hints" + suffix, 1.0)
+                        add("s:hint_lift_sum" + suffix, value)
+                    add("s:hints_kept", float(ok))
+                if not bool(kept.all()):
+                    rows = torch.repeat_interleave(kept, torch.tensor(spans, device=kept.device))
+                    student, teacher_logits, tokens, sampler = (x[rows] for x in (student, teacher_logits, tokens,
+                                                                                  sampler))
+                if tokens.numel():
+                    dl, dm = distill_loss(student, teacher_logits, tokens, sampler, cfg.distill)
+                    k = float(tokens.numel())
+                    loss = loss + cfg.distill.weight * dl * k / dden
+                    for key, v in dm.items():
+                        if key != "distill_tokens":
+                            add("d:" + key, v * k)
+                    add("distill_tokens", k)
+                    add("s:distill_loss", float(dl.detach()) * k / dden)
         (loss * self.world).backward()
 
     def _teacher_logits(self, mb: Batch) -> torch.Tensor:

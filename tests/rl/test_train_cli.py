@@ -164,11 +164,14 @@ def test_train_with_hints_writes_them_and_distils_on_the_hinted_turns(taskset, t
     config = tmp_path / "tiny.toml"
     config.write_text(CONFIG.format(tasks=taskset[0]))
     run = tmp_path / "hinted"
-    train(config, run, "--run.steps", "1", "--hints.enabled", "true")
+    # every hint kept whatever its lift: the random model's lift has either sign
+    train(config, run, "--run.steps", "1", "--hints.enabled", "true", "--trainer.distill.min_lift", "-1e9")
     assert "enabled = true" in (run / "config.toml").read_text().split("[trainer.distill]")[1].split("[")[0]
     step = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][1]
     assert step["hints/count"] >= 1 and step["hints/found_finished_unchanged"] >= 1
     assert step["train/distill_tokens"] > 0 and step["train/distill_loss"] >= 0
+    assert step["train/hints"] == step["train/hints_kept"] == step["hints/count"]
+    assert "train/hint_lift" in step and "train/hint_lift_finished_unchanged" in step
     records = [json.loads(x) for x in (run / "trajectories" / "step-000001.jsonl").read_text().splitlines()]
     hinted = [h for r in records for h in r["hints"]]
     assert hinted and all(h["text"] and h["kinds"] and h["evidence"] for h in hinted)

@@ -3,6 +3,7 @@ it optimizes is the hand-computed one, failed samples count for nothing, hints d
 like 1."""
 
 import copy
+import itertools
 import tempfile
 from pathlib import Path
 
@@ -103,14 +104,38 @@ def test_failed_samples_count_for_nothing(episodes):
 def test_hints_distill_and_an_empty_hint_gives_zero_divergence(episodes):
     fmt = ChatFormat(tiny_model()[1], default_tools())
     multi = [i for i, t in enumerate(episodes) if len(t.turns) >= 2][:2]
-    trainer = _trainer(distill=DistillConfig(enabled=True, weight=0.5, teacher="live"))
-    hints = [Hint(0, 1, ())]  # nothing inserted: teacher context == student context
-    metrics = trainer.train_step([episodes[multi[0]]], [0.0], hints=hints)
+    keep_all = DistillConfig(enabled=True, weight=0.5, teacher="live", min_lift=-1e9)
+    hints = [Hint(0, 1, (), kinds=("call_format",))]  # nothing inserted: teacher context == student context
+    metrics = _trainer(distill=keep_all).train_step([episodes[multi[0]]], [0.0], hints=hints)
     assert metrics["distill_tokens"] > 0 and metrics["distill_divergence"] == pytest.approx(0.0, abs=1e-6)
-    ema = _trainer(distill=DistillConfig(enabled=True, weight=0.5, teacher="ema", ema_decay=0.5))
+    assert metrics["hint_lift"] == pytest.approx(0.0, abs=1e-6) and metrics["hints_call_format"] == 1
+    # by default a hint without lift is dropped: the empty hint changes nothing, so it has none
+    dropped = _trainer(distill=DistillConfig(enabled=True, teacher="live")).train_step([episodes[multi[0]]], [0.0],
+                                                                                       hints=hints)
+    assert dropped["hints"] == 1 and dropped["hints_kept"] == 0 and dropped["distill_tokens"] == 0
+    ema = _trainer(distill=DistillConfig(enabled=True, weight=0.5, teacher="ema", ema_decay=0.5, min_lift=-1e9))
     hints = [Hint(0, 1, fmt.hint_ids("Read the test first.")), Hint(1, 0, fmt.hint_ids("List the files."))]
     m = ema.train_step([episodes[i] for i in multi], [0.0, 0.0], hints=hints)
-    assert m["distill_divergence"] > 0 and m["distill_loss"] > 0
+    assert m["distill_divergence"] > 0 and m["distill_loss"] > 0 and m["hints_kept"] == 2
+
+
+def test_the_distillation_term_moves_the_student_towards_the_hinted_teacher(episodes):
+    """Zero advantages, one hinted turn, a frozen teacher (the initial weights) and a student moved away from it:
+    the only gradient is the distillation's, and the divergence between the student and the hinted teacher on the
+    turn's tokens falls step after step."""
+    fmt = ChatFormat(tiny_model()[1], default_tools())
+    index = next(i for i, t in enumerate(episodes) if len(t.turns) >= 2)
+    hints = [Hint(0, 1, fmt.hint_ids("Reminder: write the call inside <tool_call></tool_call> tags."),
+                  kinds=("call_format",))]
+    trainer = _trainer(distill=DistillConfig(enabled=True, weight=1.0, teacher="frozen", min_lift=-1e9))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    divergences = [trainer.train_step([episodes[index]], [0.0], hints=hints)["distill_divergence"]
+                   for _ in range(6)]
+    assert divergences[-1] < 0.5 * divergences[0], divergences
+    assert all(b < a for a, b in itertools.pairwise(divergences)), divergences
 
 
 def _dist_worker(rank, world, episodes, out):
