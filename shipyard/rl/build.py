@@ -26,7 +26,13 @@ from shipyard.rl.hints import HintWriter
 from shipyard.rl.loop import HackPenalty, RLLoop, export_policy
 from shipyard.rl.ranks import RankSpec, trainer_ranks
 from shipyard.rl.rundir import RunDir
-from shipyard.rollout.advantages import GroundedCalls, ParallelBonus, ShapingTerm
+from shipyard.rollout.advantages import (
+    EffortCalibration,
+    GroundedCalls,
+    GroupShapingTerm,
+    ParallelBonus,
+    ShapingTerm,
+)
 from shipyard.rollout.environment import LocalEnvironment
 from shipyard.rollout.scheduler import Scheduler
 from shipyard.rollout.transport import InProcessTransport
@@ -87,6 +93,14 @@ def shaping_terms(config: RLConfig) -> tuple[ShapingTerm, ...]:
     return tuple(terms)
 
 
+def group_shaping_terms(config: RLConfig) -> tuple[GroupShapingTerm, ...]:
+    """The configured group-level shaping terms (`[shaping] effort…`)."""
+    s = config.shaping
+    if not s.effort:
+        return ()
+    return (EffortCalibration(s.effort, s.effort_turn_tokens, tuple(s.effort_tier_scale)),)
+
+
 def _run_dir(config: RLConfig) -> RunDir:
     if not config.run.resume:
         return RunDir.create(config.run.dir, keep=[config.run.tasks])
@@ -137,7 +151,8 @@ def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[st
         trainer = Trainer(group.model, config.trainer, pad_id=tokenizer.pad_token_id, header_ids=header,
                           device=group.device)
         shaping = shaping_terms(config)
-        scheduler = Scheduler(copy.deepcopy(config.rollout), transport, tasks_dir, curriculum, shaping=shaping)
+        scheduler = Scheduler(copy.deepcopy(config.rollout), transport, tasks_dir, curriculum, shaping=shaping,
+                              group_shaping=group_shaping_terms(config))
         hints = HintWriter(tasks_dir, chat, max_turns=config.hints.max_turns, verbose_words=config.hints.verbose_words,
                            detectors=config.hints.detectors) if config.hints.enabled else None
         yield RLLoop(scheduler, trainer, run, config.run, eval_tasks=evals, hints=hints,

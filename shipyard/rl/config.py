@@ -159,16 +159,21 @@ class ShapingConfig:
     grounded_target: int = 3  # GroundedCalls.target: distinct grounded calls that earn the whole `grounded`
     untagged_credit: float = 0.0  # GroundedCalls.untagged_credit: share of `grounded` for a call grounded but untagged
     parallel: float = 0.0  # ParallelBonus.coef: + parallel * (mean calls per turn - 1) / 3, on solved rollouts only
+    effort: float = 0.0  # EffortCalibration.coef: group-relative effort cost (Kimi k1.5's length reward), by tier
+    effort_turn_tokens: int = 256  # EffortCalibration.turn_tokens: a turn's cost in sampled tokens
+    effort_tier_scale: tuple[float, ...] = (1.0, 0.5, 0.25)  # EffortCalibration.tier_scale: the cost's scale by tier
 
     def __post_init__(self) -> None:
         if not 0 <= self.untagged_credit <= 1:
             raise ValueError("shaping.untagged_credit must be in [0, 1]")
         if self.grounded_target < 1:
             raise ValueError("shaping.grounded_target must be at least 1")
-        if not all(math.isfinite(v) for v in (self.grounded, self.placeholder, self.parallel)) or \
-                min(self.grounded, self.placeholder, self.parallel) < 0:
-            raise ValueError("shaping coefficients must be finite and >= 0 (a negative one would reward the "
-                             "behaviour it names)")
+        coefs = (self.grounded, self.placeholder, self.parallel, self.effort, *self.effort_tier_scale)
+        if not all(math.isfinite(v) for v in coefs) or min(coefs) < 0:
+            raise ValueError("shaping coefficients (and effort_tier_scale) must be finite and >= 0 (a negative one "
+                             "would reward the behaviour it names)")
+        if self.effort_turn_tokens < 0 or not self.effort_tier_scale:
+            raise ValueError("shaping.effort_turn_tokens must be >= 0 and effort_tier_scale non-empty")
 
 
 @dataclass

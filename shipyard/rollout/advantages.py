@@ -169,14 +169,83 @@ class GroundedCalls:
         return self.coef * min(sum(credit.values()), self.target) / self.target - self.placeholder_coef * placeholder
 
 
+class GroupShapingTerm(Protocol):
+    """A reward term computed from a whole finished group of one task (of curriculum tier `tier`): one value per
+    rollout, recorded under `name` in `Rollout.shaping` (0 for a masked rollout)."""
+
+    name: str
+
+    def group(self, rollouts: Sequence[Rollout], tier: int) -> list[float]: ...
+
+
+@dataclass(frozen=True)
+class EffortCalibration:
+    """Effort calibration (issue 16): little work for easy tasks, more allowed for hard ones, relative to the group.
+
+    A rollout's effort is e = sampled tokens + `turn_tokens` · turns (a turn also costs a tool round trip and a longer
+    context). Within a group, with e_min and e_max over its rewarded rollouts, the length reward of Kimi k1.5 (arXiv
+    2501.12599, §2.3.3) is λ = 0.5 − (e − e_min)/(e_max − e_min) ∈ [−0.5, 0.5], paid as
+
+        shaping = coef · s_tier · (λ if solved else min(0, λ))
+
+    so the shortest solution earns the most, a longer failure costs, and a short failure earns nothing for being
+    short. s_tier = `tier_scale`[tier − 1] (the last entry for higher tiers): hard tiers get a smaller cost, so they
+    may take longer. A group whose efforts are all equal gets 0."""
+
+    coef: float = 0.1
+    turn_tokens: int = 256
+    tier_scale: tuple[float, ...] = (1.0, 0.5, 0.25)
+    solved: float = 1.0
+    name: str = "effort_calibration"
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.coef) or self.coef < 0 or self.turn_tokens < 0:
+            raise ValueError(f"EffortCalibration needs coef >= 0 and turn_tokens >= 0, got coef={self.coef}, "
+                             f"turn_tokens={self.turn_tokens}")
+        if not self.tier_scale or any(not math.isfinite(s) or s < 0 for s in self.tier_scale):
+            raise ValueError(f"EffortCalibration needs a non-empty tier_scale of numbers >= 0, got {self.tier_scale}")
+
+    def effort(self, rollout: Rollout) -> int:
+        turns = rollout.trajectory.turns if rollout.trajectory else []
+        return sum(len(t.completion_ids) for t in turns) + self.turn_tokens * len(turns)
+
+    def group(self, rollouts: Sequence[Rollout], tier: int) -> list[float]:
+        efforts = [self.effort(r) for r in rollouts]
+        scored = [e for e, r in zip(efforts, rollouts, strict=True) if r.reward is not None]
+        if len(scored) < 2 or max(scored) == min(scored):
+            return [0.0] * len(rollouts)
+        lo, hi = min(scored), max(scored)
+        scale = self.coef * self.tier_scale[min(max(tier, 1), len(self.tier_scale)) - 1]
+        out = []
+        for e, r in zip(efforts, rollouts, strict=True):
+            lam = 0.5 - (e - lo) / (hi - lo)
+            out.append(0.0 if r.reward is None else scale * (lam if r.reward >= self.solved else min(0.0, lam)))
+        return out
+
+
+def shaped_rewards(rollouts: Sequence[Rollout], terms: Sequence[ShapingTerm],
+                   group_terms: Sequence[GroupShapingTerm] = (), tier: int = 1) -> list[float | None]:
+    """A finished group's rewards: the group terms first, then each rollout's own terms (`shaped_reward`; so a term
+    that reads the others, like the RL loop's `HackPenalty`, sees the group terms too)."""
+    for term in group_terms:
+        values = term.group(rollouts, tier)
+        for rollout, value in zip(rollouts, values, strict=True):
+            if rollout.reward is not None:
+                rollout.shaping[term.name] = _finite(float(value), term.name, rollout)
+    return [shaped_reward(r, terms) for r in rollouts]
+
+
+def _finite(value: float, name: str, rollout: Rollout) -> float:
+    if not math.isfinite(value):  # one NaN would make its whole group's advantages NaN
+        raise ValueError(f"shaping term {name!r} returned {value} for rollout {rollout.group_id}/{rollout.index}: a "
+                         f"shaping term must return a finite number")
+    return value
+
+
 def shaped_reward(rollout: Rollout, terms: Sequence[ShapingTerm]) -> float | None:
     """Apply the shaping terms to a rewarded rollout (recording each in `rollout.shaping`); None when masked."""
     if rollout.reward is None:
         return None
     for term in terms:
-        value = float(term(rollout))
-        if not math.isfinite(value):  # one NaN would make its whole group's advantages NaN
-            raise ValueError(f"shaping term {term.name!r} returned {value} for rollout {rollout.group_id}/"
-                             f"{rollout.index}: a shaping term must return a finite number")
-        rollout.shaping[term.name] = value
+        rollout.shaping[term.name] = _finite(float(term(rollout)), term.name, rollout)
     return rollout.reward + sum(rollout.shaping.values())

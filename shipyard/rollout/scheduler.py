@@ -19,7 +19,8 @@ episode gets what is left as its wall time (`EpisodeSpec.wall_time`) and, when i
 too — stops with `wall_time` and is graded, so a slow policy cannot turn its failures into masked rollouts. Only
 what the model cannot cause masks: a rollout whose group's budget ran out before it started, a doomed group, shutdown.
 
-**Advantages** (`advantages.py`): shaping terms are added to each rewarded rollout, then group-relative
+**Advantages** (`advantages.py`): shaping terms are added to each rewarded rollout (group terms such as
+`EffortCalibration` first, with the task's curriculum tier), then group-relative
 advantages (mean or leave-one-out baseline, optional std normalisation). With `dynamic_sampling`, a group without
 signal (zero reward variance) is dropped and replaced (DAPO), counted; at most `max_refills` replacements per
 batch, after which such groups are kept (their advantages are 0), so the loop always ends. Every group's rewards
@@ -54,7 +55,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from shipyard.models.errors import InfraError
-from shipyard.rollout.advantages import ShapingTerm, group_advantages, no_signal, shaped_reward
+from shipyard.rollout.advantages import GroupShapingTerm, ShapingTerm, group_advantages, no_signal, shaped_rewards
 from shipyard.rollout.batches import RolloutBatch, RolloutGroup
 from shipyard.rollout.record import EpisodeSpec, Rollout, rollout_seed
 from shipyard.rollout.staleness import STALE_TOKENS, StalenessGate
@@ -108,10 +109,11 @@ def infra_kind(cause: str | None) -> str:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, transport: Transport, tasks_dir: Path,
-                 curriculum: Curriculum | None = None, shaping: Sequence[ShapingTerm] = ()):
+                 curriculum: Curriculum | None = None, shaping: Sequence[ShapingTerm] = (),
+                 group_shaping: Sequence[GroupShapingTerm] = ()):
         self.config, self.transport, self.tasks_dir = config, transport, Path(tasks_dir)
         self.curriculum = curriculum if curriculum is not None else Curriculum.from_taskset(self.tasks_dir)
-        self.shaping = tuple(shaping)
+        self.shaping, self.group_shaping = tuple(shaping), tuple(group_shaping)
         self.gate = StalenessGate(config.max_staleness, config.groups_per_step, config.stale_tokens)
         self.counters: Counter = Counter()
         self.infra_causes: Counter = Counter()
@@ -228,6 +230,10 @@ class Scheduler:
         except Exception as e:  # handed to next_batch, which raises it to the caller
             await self._fail(e)
 
+    def _tier(self, task_id: str) -> int:
+        state = self.curriculum.tasks.get(task_id)
+        return state.difficulty.tier if state is not None else 1
+
     async def _train_group(self, specs: list[EpisodeSpec], started_version: int, seq: int) -> None:
         try:
             group, doomed = await self._run_group(specs, started_version)
@@ -241,7 +247,7 @@ class Scheduler:
                     f"update). Its samples would be trained on as if they came from the pushed policy")
             if self._closing:
                 return  # cut short by `close`: not evidence of anything
-            rewards = [shaped_reward(r, self.shaping) for r in group.rollouts]
+            rewards = shaped_rewards(group.rollouts, self.shaping, self.group_shaping, self._tier(group.task_id))
             entry = self._pending.get(group.group_id, {})
             if not entry.get("recorded"):  # a group re-run on resume was recorded before the state was saved
                 self.curriculum.record(group.task_id, [r.reward for r in group.rollouts if r.reward is not None])

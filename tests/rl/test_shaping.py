@@ -6,10 +6,16 @@ from __future__ import annotations
 import pytest
 
 from shipyard.harness.trajectory import CallRecord, Trajectory, Turn
-from shipyard.rl.build import shaping_terms
+from shipyard.rl.build import group_shaping_terms, shaping_terms
 from shipyard.rl.config import RLConfig, ShapingConfig, load_config
 from shipyard.rl.loop import HackPenalty, batch_metrics
-from shipyard.rollout.advantages import GroundedCalls, ParallelBonus, group_advantages, shaped_reward
+from shipyard.rollout.advantages import (
+    EffortCalibration,
+    GroundedCalls,
+    ParallelBonus,
+    group_advantages,
+    shaped_reward,
+)
 from shipyard.rollout.batches import RolloutBatch, RolloutGroup
 from shipyard.rollout.eval import results
 from shipyard.rollout.record import Rollout
@@ -43,6 +49,13 @@ def test_shaping_section_builds_the_terms_in_order(tmp_path):
         path.write_text(f"[shaping]\ngrounded = {bad}\n")
         with pytest.raises(Exception, match="finite and >= 0"):
             load_config(path)
+    assert group_shaping_terms(RLConfig()) == ()
+    path.write_text("[shaping]\neffort = 0.1\neffort_tier_scale = [1.0, 0.3]\n")
+    [effort] = group_shaping_terms(load_config(path))
+    assert effort == EffortCalibration(0.1, 256, (1.0, 0.3))
+    path.write_text("[shaping]\neffort = 0.1\neffort_tier_scale = [1.0, -0.3]\n")
+    with pytest.raises(Exception, match="finite and >= 0"):
+        load_config(path)
 
 
 def test_a_flagged_rollout_ends_at_the_floor_even_with_a_shaping_bonus():

@@ -9,14 +9,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 from schedfakes import turn
 
-from shipyard.harness.trajectory import CallRecord, Trajectory
+from shipyard.harness.trajectory import CallRecord, Trajectory, Turn
 from shipyard.rollout.advantages import (
+    EffortCalibration,
     EffortPenalty,
     GroundedCalls,
     ParallelBonus,
     group_advantages,
     no_signal,
     shaped_reward,
+    shaped_rewards,
 )
 from shipyard.rollout.record import Rollout
 
@@ -188,3 +190,29 @@ def test_untagged_credit_pays_part_for_a_call_grounded_but_for_its_tags():
     assert GroundedCalls(coef=0.4, placeholder_coef=0.2, untagged_credit=1.0)(r) == pytest.approx(-0.2)
     with pytest.raises(ValueError, match="untagged_credit"):
         GroundedCalls(untagged_credit=1.5)
+
+
+def _effort_rollout(index, tokens, turns, reward):
+    traj = Trajectory(task="t", model="m", prompt_ids=[1])
+    per_turn = [tokens // turns + (1 if i < tokens % turns else 0) for i in range(turns)]
+    traj.turns = [Turn(i, "x", [5] * n, [0.0] * n, "stop", [], [], 0, 0.0, 0.0) for i, n in enumerate(per_turn)]
+    return Rollout("t", "g", index, seed=index, status="x", reward=reward, trajectory=traj)
+
+
+def test_effort_calibration_is_kimis_length_reward_relative_to_the_group_and_scaled_by_tier():
+    term = EffortCalibration(coef=0.2, turn_tokens=10, tier_scale=(1.0, 0.5))
+    group = [_effort_rollout(0, 90, 1, 1.0),    # effort 100: the shortest, solved → +0.5
+             _effort_rollout(1, 280, 2, 1.0),   # effort 300: the middle, solved → 0
+             _effort_rollout(2, 470, 3, 0.0),   # effort 500: the longest, failed → −0.5
+             _effort_rollout(3, 190, 1, 0.0),   # effort 200: failed, short → min(0, 0.25) = 0
+             _effort_rollout(4, 5, 1, None)]    # masked: sets no bound, gets nothing
+    assert term.group(group, tier=1) == pytest.approx([0.1, 0.0, -0.1, 0.0, 0.0])
+    assert term.group(group, tier=2) == pytest.approx([0.05, 0.0, -0.05, 0.0, 0.0])
+    assert term.group(group, tier=7) == term.group(group, tier=2)  # the last scale holds for higher tiers
+    same = [_effort_rollout(i, 100, 1, 1.0) for i in range(3)]
+    assert term.group(same, tier=1) == [0.0, 0.0, 0.0]
+    rewards = shaped_rewards(group, [], [term], tier=1)
+    assert rewards == pytest.approx([1.1, 1.0, -0.1, 0.0, None]) and group[0].shaping == {"effort_calibration": 0.1}
+    assert group[4].shaping == {}
+    with pytest.raises(ValueError, match="tier_scale"):
+        EffortCalibration(tier_scale=())

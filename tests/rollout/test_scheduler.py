@@ -29,10 +29,11 @@ def mixed(spec) -> Outcome:
     return Outcome(reward=float(spec.index % 2))
 
 
-def scheduler(script, *, tasks=("a", "b"), capacity=4, shaping=(), **config) -> tuple[Scheduler, ScriptedTransport]:
+def scheduler(script, *, tasks=("a", "b"), capacity=4, shaping=(), group_shaping=(),
+              **config) -> tuple[Scheduler, ScriptedTransport]:
     transport = ScriptedTransport(script, capacity=capacity)
     cfg = SchedulerConfig(**{"group_size": 4, "groups_per_step": 2, "max_staleness": 0, **config})
-    return Scheduler(cfg, transport, TASKS, curriculum(*tasks), shaping), transport
+    return Scheduler(cfg, transport, TASKS, curriculum(*tasks), shaping, group_shaping), transport
 
 
 def run(coro):
@@ -220,6 +221,28 @@ def test_shaping_is_added_before_advantages():
     assert [r.reward for r in rollouts] == [0.0] * 4  # the grader's reward is kept
     assert rollouts[0].shaping == {"first": 0.5} and rollouts[1].shaping == {"first": 0.0}
     assert batch.advantages == pytest.approx([0.375, -0.125, -0.125, -0.125])
+
+
+def test_group_shaping_sees_the_whole_group_and_its_tier_before_the_rollout_terms():
+    class Rank:
+        name = "rank"
+
+        def group(self, rollouts, tier):
+            return [0.1 * tier * r.index for r in rollouts]
+
+    class Reads:  # a rollout term that reads the others (as the RL loop's HackPenalty does)
+        name = "reads"
+
+        def __call__(self, rollout):
+            return -rollout.shaping["rank"]
+
+    sched, _ = scheduler(lambda s: Outcome(reward=0.0), tasks=("a",), groups_per_step=1, shaping=[Reads()],
+                         group_shaping=[Rank()])
+    [batch] = run(batches(sched, 1))
+    tier = sched.curriculum.tasks["a"].difficulty.tier
+    rollouts = batch.groups[0].rollouts
+    assert [r.shaping["rank"] for r in rollouts] == pytest.approx([0.1 * tier * i for i in range(4)])
+    assert all(r.shaping["reads"] == -r.shaping["rank"] for r in rollouts) and batch.advantages == [0.0] * 4
 
 
 def test_in_flight_is_bounded_by_max_in_flight():
