@@ -22,6 +22,7 @@ from shipyard.harness.tools import default_tools
 from shipyard.harness.wire import ChatFormat
 from shipyard.models.resolve import load_tokenizer, make_engine
 from shipyard.rl.config import ConfigError, RLConfig, engine_spec, save_config
+from shipyard.rl.critic import Critic
 from shipyard.rl.hints import HintWriter
 from shipyard.rl.loop import HackPenalty, RLLoop, export_policy
 from shipyard.rl.ranks import RankSpec, trainer_ranks
@@ -153,8 +154,18 @@ def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[st
         shaping = shaping_terms(config)
         scheduler = Scheduler(copy.deepcopy(config.rollout), transport, tasks_dir, curriculum, shaping=shaping,
                               group_shaping=group_shaping_terms(config))
-        hints = HintWriter(tasks_dir, chat, max_turns=config.hints.max_turns, verbose_words=config.hints.verbose_words,
-                           detectors=config.hints.detectors) if config.hints.enabled else None
+        hints = None
+        if config.hints.enabled:
+            critic = None
+            if config.hints.critic:
+                status(f"loading the critic {config.hints.critic}")
+                critic_engine = make_engine(config.hints.critic, device=config.engine.device,
+                                            tokenizer=config.hints.critic_tokenizer, status=status)
+                stack.callback(critic_engine.close)
+                critic = Critic(critic_engine, max_hints=config.hints.critic_max_hints).review
+            hints = HintWriter(tasks_dir, chat, max_turns=config.hints.max_turns,
+                               verbose_words=config.hints.verbose_words, detectors=config.hints.detectors,
+                               critic=critic)
         yield RLLoop(scheduler, trainer, run, config.run, eval_tasks=evals, hints=hints,
                      export=lambda t, full, d: export_policy(t, full, tokenizer, d), ranks=group.ranks(trainer))
 

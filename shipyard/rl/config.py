@@ -143,12 +143,17 @@ class HintsConfig:
     max_turns: int = 2  # hinted turns per rollout (the earliest with findings)
     verbose_words: int = 120  # verbose_step: words of prose allowed in a turn that only explores
     detectors: tuple[str, ...] = HINT_DETECTORS  # which run (all by default)
+    # An optional critic model that reviews each episode and may add hints (shipyard.rl.critic): a model name as for
+    # [model] (bundled, local directory, hub id) or "openai:URL" (a server), with its tokenizer where it needs one.
+    critic: str = ""
+    critic_tokenizer: str | None = None
+    critic_max_hints: int = 2
 
     def __post_init__(self) -> None:
         check_detectors(self.detectors)
-        if self.max_turns < 1 or self.verbose_words < 1:
-            raise ValueError(f"hints.max_turns and hints.verbose_words must be >= 1, got {self.max_turns} and "
-                             f"{self.verbose_words}")
+        if self.max_turns < 1 or self.verbose_words < 1 or self.critic_max_hints < 1:
+            raise ValueError(f"hints.max_turns, hints.verbose_words and hints.critic_max_hints must be >= 1, got "
+                             f"{self.max_turns}, {self.verbose_words} and {self.critic_max_hints}")
 
 
 @dataclass

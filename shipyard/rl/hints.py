@@ -109,6 +109,7 @@ class TaskFacts:
     test_command: str = DEFAULT_TEST_COMMAND
     test_files: frozenset[str] = frozenset()
     secret: frozenset[str] = frozenset()
+    statement: str = ""
 
     @classmethod
     def of(cls, task: Task, gold: str) -> TaskFacts:
@@ -117,7 +118,8 @@ class TaskFacts:
         secret = {w.casefold() for w in IDENTIFIER.findall(added) if not keyword.iskeyword(w)} - shown
         suite = SUITE_COMMAND.search(task.statement)
         files = {*task.test_files, *(t.split("::")[0] for t in [*task.fail_to_pass, *task.pass_to_pass])}
-        return cls(f"`{suite.group(1)}`" if suite else DEFAULT_TEST_COMMAND, frozenset(files), frozenset(secret))
+        return cls(f"`{suite.group(1)}`" if suite else DEFAULT_TEST_COMMAND, frozenset(files), frozenset(secret),
+                   task.statement)
 
     @classmethod
     def load(cls, tasks_dir: Path, task_id: str) -> TaskFacts:
@@ -349,23 +351,30 @@ class HintReport:
     found: Counter = field(default_factory=Counter)
     dropped_leak: int = 0
     dropped_turns: int = 0  # findings beyond `max_turns` hinted turns of a rollout
+    dropped_critic: int = 0  # critic answers that failed its gate (shipyard.rl.critic)
 
     def metrics(self) -> dict[str, float]:
         return {"count": len(self.hints), "rollouts": len({h.sample for h in self.hints}),
                 "dropped_leak": self.dropped_leak, "dropped_turns": self.dropped_turns,
+                "dropped_critic": self.dropped_critic,
                 **{f"found_{k}": n for k, n in sorted(self.found.items())}}
+
+
+CriticReview = Callable[[Trajectory, str, TaskFacts], tuple[list[Finding], int]]  # shipyard.rl.critic.Critic.review
 
 
 class HintWriter:
     """The RL loop's hint source: `writer(batch)` → `HintReport` with one `Hint` per hinted turn (module docstring).
-    Task facts are read once per task from `tasks_dir`."""
+    Task facts are read once per task from `tasks_dir`. `critic`: an optional reviewer adding its own findings."""
 
     def __init__(self, tasks_dir: Path, chat: ChatFormat, *, tools: Sequence[Tool] | None = None, max_turns: int = 2,
-                 verbose_words: int = 120, detectors: Sequence[str] = tuple(DETECTORS)):
+                 verbose_words: int = 120, detectors: Sequence[str] = tuple(DETECTORS),
+                 critic: CriticReview | None = None):
         check_detectors(detectors)
         self.tasks_dir, self.chat = Path(tasks_dir), chat
         self.tools = list(default_tools() if tools is None else tools)
         self.max_turns, self.verbose_words, self.detectors = max_turns, verbose_words, tuple(detectors)
+        self.critic = critic
         self._facts: dict[str, TaskFacts] = {}
 
     def facts(self, task_id: str) -> TaskFacts:
@@ -381,8 +390,13 @@ class HintWriter:
             facts = self.facts(rollout.task_id)
             traj = rollout.trajectory
             by_turn: dict[int, list[Finding]] = {}
-            for f in detect(traj, facts, tools=self.tools, verbose_words=self.verbose_words,
-                            detectors=self.detectors):
+            findings = detect(traj, facts, tools=self.tools, verbose_words=self.verbose_words,
+                              detectors=self.detectors)
+            if self.critic is not None:
+                reviewed, rejected = self.critic(traj, facts.statement, facts)
+                findings += reviewed
+                report.dropped_critic += rejected
+            for f in sorted(findings, key=lambda f: f.turn):
                 report.found[f.kind] += 1
                 if any(facts.leaks(s) for s in f.slots):
                     report.dropped_leak += 1

@@ -15,6 +15,7 @@ from shipyard.harness.trajectory import Trajectory
 from shipyard.harness.wire import ChatFormat
 from shipyard.models.replay import ReplayEngine
 from shipyard.rl.config import HintsConfig
+from shipyard.rl.critic import Critic
 from shipyard.rl.hints import HINTS, HintWriter, TaskFacts, detect, hint
 from shipyard.rollout.batches import RolloutBatch, RolloutGroup
 from shipyard.rollout.record import Rollout
@@ -226,3 +227,28 @@ def test_recorded_episodes_of_the_bundled_model():
     assert (0, "call_format") in seen[2] and (len(rows[2]["trajectory"]["turns"]) - 1, "finished_unchanged") in seen[2]
     first = detect(Trajectory.from_dict(rows[0]["trajectory"]), TaskFacts(), detectors=["call_format"])
     assert "read_file, list_dir" in first[0].hint and "<tool_call>" in first[1].hint  # unknown tool, then untagged
+
+
+def test_a_critic_adds_hints_through_a_stricter_gate(workspace):
+    """The critic is any engine (here a scripted one): its lines `TURN n: hint` become findings of kind critic,
+    unless they point at no sampled turn, quote code, name a secret identifier or run long."""
+    traj, _ = episode(workspace, call("list_dir"), call("read_file", path="README.md"), "Done.")
+    answer = ("Looking at the episode.\nTURN 1: Read the file the failing test imports before anything else.\n"
+              "TURN 0: Call `sorted(values)` first.\nTURN 7: Nothing.\nTURN 2: Mind the ordered list.\n"
+              "TURN 0: " + "Be careful. " * 40 + "\nTURN 2: Run the tests before the final answer.")
+    critic = Critic(ReplayEngine([answer]), max_hints=10, max_new_tokens=4000)
+    findings, rejected = critic.review(traj, "Implement median.", FACTS)
+    assert [(f.turn, f.kind, f.hint) for f in findings] == [
+        (1, "critic", "Read the file the failing test imports before anything else."),
+        (2, "critic", "Run the tests before the final answer.")]
+    assert rejected == 4  # code, no such turn, a secret identifier (ordered), too long
+    transcript = critic.transcript(traj, "Implement median.")
+    assert "TASK:\nImplement median." in transcript and "TURN 1:" in transcript and "read_file" in transcript
+    chat = ChatFormat(ReplayEngine(["x"]).tokenizer, default_tools())
+    writer = _Facts(workspace.root, chat, max_turns=5, detectors=[],
+                    critic=Critic(ReplayEngine([answer]), max_hints=10, max_new_tokens=4000).review)
+    report = writer(_batch([traj]))
+    assert [h.kinds for h in report.hints] == [("critic",), ("critic",)] and report.dropped_critic == 4
+    cut = Critic(ReplayEngine([answer]), max_hints=10, max_new_tokens=100)  # cut off after "TURN 0: Call `so"
+    findings, rejected = cut.review(traj, "x", FACTS)
+    assert [f.turn for f in findings] == [1] and rejected == 0  # the half line is not read at all
