@@ -48,8 +48,9 @@ from shipyard.rollout.batches import RolloutBatch
 from shipyard.rollout.eval import default_ks, results, save_results, validity
 from shipyard.rollout.record import Rollout
 from shipyard.rollout.scheduler import Scheduler
-from shipyard.train.batch import Batch, Hint
+from shipyard.train.batch import Batch
 from shipyard.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from shipyard.train.distill import Hint
 from shipyard.train.trainer import Trainer
 
 SCHEDULER_STATE = "scheduler.json"

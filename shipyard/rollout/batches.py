@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from shipyard.rollout.record import Rollout, append_jsonl
 
 if TYPE_CHECKING:
-    from shipyard.train.batch import Hint
+    from shipyard.train.distill import Hint
 
 
 @dataclass

@@ -1,5 +1,11 @@
 """Targeted self-distillation: the hinted policy teaches the unhinted one, on the turn the hint is about.
 
+Everything about it lives in this module: where a hint goes (`Hint` → `place_hint` → `HintTarget`; the teacher's
+row is the student's with the hint's ids inserted before the turn's assistant header, `teacher_row`), the teacher's
+logits at the target tokens (`teacher_logits_at_hints`), the loss and its lift test (`distill_term`, per micro-batch).
+The trainer owns the teacher module (an EMA copy, the frozen initial weights or the live policy) and calls the two.
+The hints themselves are written by the RL loop's detectors (`shipyard.rl.hints`).
+
 Cursor's targeted RL with textual feedback, after SDPO (arXiv 2601.20802), OPSD (arXiv 2601.18734) and SDFT
 (arXiv 2601.19897): when an episode goes wrong at a turn, a hint is written for that turn. The *teacher* is the
 model with the hint inserted into its context immediately before the target message; the *student* is the policy
@@ -39,12 +45,20 @@ KL(target ‖ exp(input)) — the *second* argument is the first distribution of
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+from torch import nn
 
+from shipyard.harness.trajectory import Trajectory
 from shipyard.train.losses import token_logprobs
+from shipyard.train.prefix import forward_layout, layout
+
+if TYPE_CHECKING:
+    from shipyard.train.batch import Batch
 
 Divergence = Literal["reverse_kl", "forward_kl", "jsd"]
 Support = Literal["full", "topk", "sampled"]
@@ -81,6 +95,59 @@ class DistillConfig:
             raise ValueError(f"jsd_alpha must be in (0, 1), got {self.jsd_alpha}")
         if self.top_k < 1 or self.is_clip < 1 or self.token_kl_clip <= 0 or not 0 <= self.ema_decay < 1:
             raise ValueError("top_k >= 1, is_clip >= 1, token_kl_clip > 0 and 0 <= ema_decay < 1 are required")
+
+
+@dataclass(frozen=True)
+class Hint:
+    """Targeted feedback for one trajectory: `hint_ids` (a rendered message) go before turn `turn`'s header."""
+
+    sample: int
+    turn: int
+    hint_ids: tuple[int, ...]
+    kinds: tuple[str, ...] = ()  # what was found (shipyard.rl.hints), for the run's logs
+    text: str = ""
+    evidence: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class HintTarget:
+    """A hint placed in token coordinates of row `sample`: insert at `insert_at`, loss on [start, end)."""
+
+    sample: int
+    insert_at: int
+    hint_ids: tuple[int, ...]
+    start: int
+    end: int
+    kinds: tuple[str, ...] = ()  # the hint's kinds (Hint.kinds): its lift is reported per kind
+
+
+def turn_span(traj: Trajectory, turn: int) -> tuple[int, int]:
+    """[start, end) of turn `turn`'s completion tokens in the trajectory's token sequence."""
+    if not 0 <= turn < len(traj.turns):
+        raise ValueError(f"turn {turn} does not exist: the trajectory has {len(traj.turns)} turns")
+    pos = len(traj.prompt_ids)
+    for t in traj.turns[:turn]:
+        pos += len(t.completion_ids) + len(t.observation_ids)
+    return pos, pos + len(traj.turns[turn].completion_ids)
+
+
+def place_hint(traj: Trajectory, hint: Hint, header_ids: tuple[int, ...]) -> HintTarget:
+    """Where a hint goes: before the assistant header that opens the target turn (checked against the ids)."""
+    start, end = turn_span(traj, hint.turn)
+    insert_at = start - len(header_ids)
+    ids = traj.token_ids()
+    if insert_at < 0 or tuple(ids[insert_at:start]) != tuple(header_ids):
+        raise ValueError(f"turn {hint.turn} of sample {hint.sample} is not preceded by the assistant header "
+                         f"{list(header_ids)}; pass the header ids of the chat format the trajectory was made with")
+    if end == start:
+        raise ValueError(f"turn {hint.turn} of sample {hint.sample} has no sampled tokens to distill")
+    return HintTarget(hint.sample, insert_at, tuple(hint.hint_ids), start, end, tuple(hint.kinds))
+
+
+def teacher_row(ids: torch.Tensor, target: HintTarget) -> tuple[torch.Tensor, int]:
+    """The teacher's context: the student's ids with the hint inserted; and the shift of later positions."""
+    hint = torch.tensor(target.hint_ids, dtype=ids.dtype, device=ids.device)
+    return torch.cat([ids[:target.insert_at], hint, ids[target.insert_at:]]), len(target.hint_ids)
 
 
 def kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -146,3 +213,69 @@ def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tok
                    "distill_teacher_logprob_gain": float((lp_t - lp_s).mean()) if tokens.numel() else 0.0,
                    "distill_is_weight_mean": float(w.mean()) if w.numel() else 0.0}
     return loss, metrics
+
+
+def teacher_logits_at_hints(teacher: nn.Module, mb: Batch, pad_id: int, shared_prefix: int,
+                            autocast: contextlib.AbstractContextManager) -> torch.Tensor:
+    """The teacher's logits at the target positions of the micro-batch's hints (each row with its hint inserted),
+    concatenated in hint order. A rank with no hint runs a two-token stand-in, so that its FSDP collectives stay in
+    step with the ranks that have some."""
+    device = mb.input_ids.device
+    targets = [h for h in mb.hints if mb.sample_mask[h.sample] > 0]
+    rows, spans = [], []
+    for h in targets:
+        length = int(mb.attention_mask[h.sample].sum())
+        row, shift = teacher_row(mb.input_ids[h.sample, :length], h)
+        rows.append(row)
+        spans.append((h.start - 1 + shift, h.end - 1 + shift))
+    if not rows:
+        rows = [torch.tensor([pad_id] * 2, device=device)]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
+    att = torch.zeros_like(ids)
+    keep = torch.zeros_like(ids, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], att[i, :len(r)] = r, 1
+    for i, (a, b) in enumerate(spans):
+        keep[i, a:b] = True
+    with torch.no_grad(), autocast:  # logits of the target spans only, flattened in hint order
+        return forward_layout(teacher, layout(ids, att, pad_id, shared_prefix), keep)
+
+
+def distill_term(mb: Batch, logits: torch.Tensor, keep: torch.Tensor, teacher_logits: torch.Tensor, denominator: float,
+                 config: DistillConfig, add: Callable[[str, float], None]) -> torch.Tensor | float:
+    """λ × this micro-batch's share of the step's distillation loss (`denominator`: the step's hinted tokens, all
+    ranks): `logits` are the student's at `keep`'s positions (flattened, row-major), `teacher_logits` from
+    `teacher_logits_at_hints`. Hints without lift are dropped (module docstring). Metrics go to `add` — "d:" keys
+    weighted by tokens, "s:" keys summed, "distill_tokens"."""
+    hinted = [h for h in mb.hints if mb.sample_mask[h.sample] > 0]
+    if not hinted:
+        return 0.0
+    row_of = torch.full(keep.shape, -1, dtype=torch.long, device=keep.device)
+    row_of[keep] = torch.arange(int(keep.sum()), device=keep.device)
+    student = torch.cat([logits[row_of[h.sample, h.start - 1:h.end - 1]] for h in hinted])
+    tokens = torch.cat([mb.input_ids[h.sample, h.start:h.end] for h in hinted])
+    sampler = torch.cat([mb.sampler_logprobs[h.sample, h.start:h.end] for h in hinted])
+    # each hint's lift (module docstring): one without lift is dropped from the loss, not from the denominator
+    spans = [h.end - h.start for h in hinted]
+    per_hint = torch.stack([x.mean() for x in lift(student, teacher_logits, tokens).split(spans)])
+    kept = per_hint > config.min_lift
+    for h, value, ok in zip(hinted, per_hint.tolist(), kept.tolist(), strict=True):
+        for suffix in ("", *(f"_{kind}" for kind in h.kinds)):
+            add("s:hints" + suffix, 1.0)
+            add("s:hint_lift_sum" + suffix, value)
+        add("s:hints_kept", float(ok))
+    if not bool(kept.all()):
+        rows = torch.repeat_interleave(kept, torch.tensor(spans, device=kept.device))
+        student, teacher_logits, tokens, sampler = (x[rows] for x in (student, teacher_logits, tokens,
+                                                                      sampler))
+    if not tokens.numel():
+        return 0.0
+    dl, dm = distill_loss(student, teacher_logits, tokens, sampler, config)
+    k = float(tokens.numel())
+    for key, v in dm.items():
+        if key != "distill_tokens":
+            add("d:" + key, v * k)
+    add("distill_tokens", k)
+    add("s:distill_loss", float(dl.detach()) * k / denominator)
+    return config.weight * dl * k / denominator

@@ -31,9 +31,9 @@ A step:
    π_old = π_θ and the importance weights carry the sampler/trainer mismatch), the k3 KL to the frozen initial
    policy when `kl_coef > 0`;
 2. for rows with hints (`distill.enabled`): the teacher (EMA of the policy by default, frozen initial weights, or
-   the live policy) runs without gradient on the hinted contexts; `distill.distill_loss` on the target turn's
-   tokens, weight λ. Every rank runs the teacher on every micro-batch (a two-token stand-in when it has no hint) so
-   the FSDP collectives of all ranks stay in step;
+   the live policy) runs without gradient on the hinted contexts (`distill.teacher_logits_at_hints`);
+   `distill.distill_term` on the target turn's tokens, weight λ, hints without lift dropped. Every rank runs the
+   teacher on every micro-batch (a two-token stand-in when it has no hint) so the FSDP collectives stay in step;
 3. gradient clipping, Muon (matrices; q/k/v per head, experts per expert) + AdamW (embeddings, head, norms,
    biases) or AdamW alone, the LR schedule, the EMA teacher update, policy version + 1; on CPU, freed heap pages go
    back to the OS (`malloc_trim`), so resident memory does not creep as batches of other shapes come and go.
@@ -60,8 +60,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from shipyard.harness.trajectory import Trajectory
-from shipyard.train.batch import Batch, Hint, teacher_row
-from shipyard.train.distill import DistillConfig, distill_loss, lift
+from shipyard.train.batch import Batch
+from shipyard.train.distill import DistillConfig, Hint, distill_term, teacher_logits_at_hints
 from shipyard.train.losses import PolicyLossConfig, policy_loss, token_logprobs
 from shipyard.train.muon import Muon, muon_param_groups
 from shipyard.train.mx import convert_to_mxfp8
@@ -365,7 +365,11 @@ class Trainer:
     def _micro(self, mb: Batch, den: float, dden: float, sums: dict[str, float]) -> None:
         cfg = self.config
         distilling = self.distilling and dden > 0
-        teacher_logits = self._teacher_logits(mb) if distilling else None
+        teacher_logits = None
+        if distilling:
+            teacher_logits = teacher_logits_at_hints(self.teacher, mb, self.pad_id, self.shared_prefix, self.autocast)
+            if self.teacher is not self.model:
+                _reshard(self.teacher)
         # Logits only where a sampled token is predicted (position t − 1 for token t): the output head and the
         # log-softmax over the vocabulary are skipped for prompts and observations — in agent trajectories most of
         # the sequence. They come back flattened, [N, V], in row-major order.
@@ -396,61 +400,8 @@ class Trainer:
         add("forward_tokens", float(packed.tokens))
         add("s:policy_loss", float(loss.detach()))  # micro-batch losses sum to the full-batch loss
         if distilling:
-            hinted = [h for h in mb.hints if mb.sample_mask[h.sample] > 0]
-            if hinted:
-                row_of = torch.full(keep.shape, -1, dtype=torch.long, device=keep.device)
-                row_of[keep] = torch.arange(int(keep.sum()), device=keep.device)
-                student = torch.cat([logits[row_of[h.sample, h.start - 1:h.end - 1]] for h in hinted])
-                tokens = torch.cat([mb.input_ids[h.sample, h.start:h.end] for h in hinted])
-                sampler = torch.cat([mb.sampler_logprobs[h.sample, h.start:h.end] for h in hinted])
-                # each hint's lift (distill.py): one without lift is dropped from the loss, not from the denominator
-                spans = [h.end - h.start for h in hinted]
-                per_hint = torch.stack([x.mean() for x in lift(student, teacher_logits, tokens).split(spans)])
-                kept = per_hint > cfg.distill.min_lift
-                for h, value, ok in zip(hinted, per_hint.tolist(), kept.tolist(), strict=True):
-                    for suffix in ("", *(f"_{kind}" for kind in h.kinds)):
-                        add("s:hints" + suffix, 1.0)
-                        add("s:hint_lift_sum" + suffix, value)
-                    add("s:hints_kept", float(ok))
-                if not bool(kept.all()):
-                    rows = torch.repeat_interleave(kept, torch.tensor(spans, device=kept.device))
-                    student, teacher_logits, tokens, sampler = (x[rows] for x in (student, teacher_logits, tokens,
-                                                                                  sampler))
-                if tokens.numel():
-                    dl, dm = distill_loss(student, teacher_logits, tokens, sampler, cfg.distill)
-                    k = float(tokens.numel())
-                    loss = loss + cfg.distill.weight * dl * k / dden
-                    for key, v in dm.items():
-                        if key != "distill_tokens":
-                            add("d:" + key, v * k)
-                    add("distill_tokens", k)
-                    add("s:distill_loss", float(dl.detach()) * k / dden)
+            loss = loss + distill_term(mb, logits, keep, teacher_logits, dden, cfg.distill, add)
         (loss * self.world).backward()
-
-    def _teacher_logits(self, mb: Batch) -> torch.Tensor:
-        """Teacher logits at the target positions of the micro-batch's hints, concatenated in hint order."""
-        targets = [h for h in mb.hints if mb.sample_mask[h.sample] > 0]
-        rows, spans = [], []
-        for h in targets:
-            length = int(mb.attention_mask[h.sample].sum())
-            row, shift = teacher_row(mb.input_ids[h.sample, :length], h)
-            rows.append(row)
-            spans.append((h.start - 1 + shift, h.end - 1 + shift))
-        if not rows:  # keep this rank's FSDP collectives in step with ranks that have hints
-            rows = [torch.tensor([self.pad_id] * 2, device=self.device)]
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=self.device)
-        att = torch.zeros_like(ids)
-        keep = torch.zeros_like(ids, dtype=torch.bool)
-        for i, r in enumerate(rows):
-            ids[i, :len(r)], att[i, :len(r)] = r, 1
-        for i, (a, b) in enumerate(spans):
-            keep[i, a:b] = True
-        with torch.no_grad(), self.autocast:  # logits of the target spans only, flattened in hint order
-            out = forward_layout(self.teacher, layout(ids, att, self.pad_id, self.shared_prefix), keep)
-        if self.teacher is not self.model:
-            _reshard(self.teacher)
-        return out
 
     @torch.no_grad()
     def _update_ema(self) -> None:
