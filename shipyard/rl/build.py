@@ -113,6 +113,9 @@ def _run_dir(config: RLConfig) -> RunDir:
 @contextmanager
 def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[str] | None = None) -> Iterator[RLLoop]:
     """Everything the configuration describes, built and wired (module docstring); closed on exit."""
+    if config.hints.enabled and config.trainer.distill.weight <= 0:
+        raise ConfigError("hints.enabled distils the hinted turns with weight trainer.distill.weight, which is 0: set "
+                          "trainer.distill.weight > 0 (default 1.0), or hints.enabled = false")
     # the teacher exists exactly when hints can arrive (an EMA teacher is a second copy of the model)
     config = replace(config, trainer=replace(config.trainer, distill=replace(config.trainer.distill,
                                                                              enabled=config.hints.enabled)))

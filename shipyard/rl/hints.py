@@ -41,9 +41,11 @@ Masked rollouts (no reward) get none: they are not trained on.
 
 from __future__ import annotations
 
+import builtins
 import itertools
 import json
 import keyword
+import posixpath
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -55,6 +57,8 @@ from shipyard.harness.tools import Tool, default_tools
 from shipyard.harness.trajectory import FORMAT_KINDS, CallRecord, Trajectory
 from shipyard.harness.validity import ValidityChecker
 from shipyard.harness.wire import ChatFormat
+from shipyard.models.errors import InfraError
+from shipyard.models.openai import RequestRejected
 from shipyard.rl.config import HINT_DETECTORS, check_detectors
 from shipyard.rollout.batches import RolloutBatch
 from shipyard.tasks.grade import read_gold
@@ -69,7 +73,10 @@ TEST_RUNNER = re.compile(r"\b(?:pytest|py\.test|unittest|nose2|tox|nox)\b|\b(?:g
 TEST_PATH = re.compile(r"(?:^|/)(?:tests?/|test_[^/]*\.py$|[^/]*_test\.(?:py|go)$|conftest\.py$)")
 SUITE_COMMAND = re.compile(r"[Rr]un the (?:test )?suite with `([^`\n]{1,200})`")
 DEFAULT_TEST_COMMAND = "the test suite"
-MIN_SECRET_INSIDE = 3  # a secret this long is also found inside a longer name (`_require` in `_require_ordered.py`)
+MIN_SECRET = 3  # shorter names (`i`, `s`, `lo`) are not secrets: as words they would block ordinary text
+MIN_SECRET_INSIDE = 5  # a secret this long is also found inside longer words and across separators
+# Not secrets: Python's keywords and builtins (`len`, `sorted`, `max`) say nothing about the deleted code.
+COMMON_NAMES = frozenset(w.casefold() for w in (*keyword.kwlist, *keyword.softkwlist, *dir(builtins)))
 
 HINTS = {
     "untagged": "Write every tool call inside <tool_call></tool_call> tags, for example "
@@ -113,9 +120,9 @@ class TaskFacts:
 
     @classmethod
     def of(cls, task: Task, gold: str) -> TaskFacts:
-        shown = {w.casefold() for w in IDENTIFIER.findall(task.statement)}
+        shown = {w.casefold() for w in IDENTIFIER.findall(task.statement)} | COMMON_NAMES
         added = "\n".join(line[1:] for line in gold.splitlines() if line.startswith("+") and not line.startswith("+++"))
-        secret = {w.casefold() for w in IDENTIFIER.findall(added) if not keyword.iskeyword(w)} - shown
+        secret = {w.casefold() for w in IDENTIFIER.findall(added) if len(w) >= MIN_SECRET} - shown
         suite = SUITE_COMMAND.search(task.statement)
         files = {*task.test_files, *(t.split("::")[0] for t in [*task.fail_to_pass, *task.pass_to_pass])}
         return cls(f"`{suite.group(1)}`" if suite else DEFAULT_TEST_COMMAND, frozenset(files), frozenset(secret),
@@ -127,10 +134,14 @@ class TaskFacts:
         return cls.of(task, read_gold(task_dir))
 
     def leaks(self, text: str) -> bool:
-        """Whether `text` names a secret identifier: as a word, or inside a longer name (3 letters or more)."""
+        """Whether `text` names a secret identifier: as a word (case-folded), or — for one of `MIN_SECRET_INSIDE`
+        characters or more — anywhere once case, `_` and separators are ignored (`from roman`, `fromRoman` and
+        `tests/from_roman_x.py` all name `from_roman`)."""
         folded = text.casefold()
-        return any(w in self.secret for w in IDENTIFIER.findall(folded)) or any(
-            len(s) >= MIN_SECRET_INSIDE and s in folded for s in self.secret)
+        if any(w in self.secret for w in IDENTIFIER.findall(folded)):
+            return True
+        squashed = re.sub(r"[^0-9a-z]", "", folded)
+        return any(len(s) >= MIN_SECRET_INSIDE and s.replace("_", "") in squashed for s in self.secret)
 
 
 def hint(kind: str, **slots: str) -> str:
@@ -171,14 +182,20 @@ Detector = Callable[[Context], list[Finding]]
 
 
 def _target(call: CallRecord) -> str:
-    args = call.arguments or {}
-    return str(args.get("path") or args.get("pattern") or "")
+    """The path (or pattern) a call names, normalised (`./a.py` is `a.py`); '' when it names none as a string."""
+    args = call.arguments if isinstance(call.arguments, dict) else {}
+    value = args.get("path") or args.get("pattern")
+    if not isinstance(value, str) or not value:
+        return ""
+    return posixpath.normpath(value) if "path" in args else value
 
 
 def _is_test_run(call: CallRecord, facts: TaskFacts) -> bool:
     if call.name != "run_terminal" or call.error is not None:
         return False
-    command = str((call.arguments or {}).get("command", ""))
+    command = call.arguments.get("command") if isinstance(call.arguments, dict) else None
+    if not isinstance(command, str):
+        return False
     return bool(TEST_RUNNER.search(command)) or any(f in command for f in facts.test_files)
 
 
@@ -218,13 +235,16 @@ def unread_edit(ctx: Context) -> list[Finding]:
     for turn in ctx.traj.turns:
         for call in turn.calls:
             path = _target(call)
-            if call.name == "search_replace" and call.error_kind not in FORMAT_KINDS and path and path not in read \
-                    and turn.index not in seen:
+            ran_as_written = call.error_kind not in (*FORMAT_KINDS, "bad_arguments")
+            if call.name == "search_replace" and ran_as_written and path and path not in read and \
+                    turn.index not in seen:
                 seen.add(turn.index)
                 out.append(Finding(turn.index, "unread_edit", hint("unread_edit", path=path),
                                    f"search_replace of {path} before any read_file of it", (path,)))
-        # what this turn read counts from the next turn on: calls of one turn run before the model sees their results
-        read |= {_target(c) for c in turn.calls if c.name in ("read_file", "search_replace") and c.error is None}
+        # what this turn read (or wrote whole) counts from the next turn on: calls of one turn run before the model
+        # sees their results
+        read |= {_target(c) for c in turn.calls if c.name in ("read_file", "search_replace", "write_file")
+                 and c.error is None}
     return out
 
 
@@ -279,7 +299,8 @@ def serial_calls(ctx: Context) -> list[Finding]:
         first, second = a.calls[0], b.calls[0]
         target = _target(second)
         # found by the first call: its path, or its file name (a listing shows names), is in the first's output
-        found = target and (target in first.output or PurePosixPath(target).name in first.output)
+        seen = first.output or ""
+        found = target and (target in seen or PurePosixPath(target).name in seen)
         if first.name in EXPLORE and second.name in EXPLORE and first.error is None and second.error is None \
                 and target and not found:
             out.append(Finding(a.index, "serial_calls", hint("serial_calls"),
@@ -292,7 +313,7 @@ def verbose_step(ctx: Context) -> list[Finding]:
     for turn in ctx.traj.turns:
         if not turn.calls or any(c.name not in EXPLORE for c in turn.calls):
             continue
-        prose = len(ctx.parser.parse(turn.text).content.split())
+        prose = len(ctx.parser.parse(turn.text or "").content.split())
         if prose > ctx.verbose_words:
             out.append(Finding(turn.index, "verbose_step", hint("verbose_step"),
                                f"{prose} words of prose before {len(turn.calls)} exploring call(s)"))
@@ -311,9 +332,11 @@ def finished(ctx: Context) -> list[Finding]:
         if _is_test_run(call, ctx.facts):
             last_test = (turn, call.index)
     command = ctx.facts.test_command
+    if last_edit is None and ctx.traj.patch:  # changed through the terminal: when is unknown, so any test run will do
+        last_edit = (-1, -1)
     if last_edit is None:
         return [Finding(turns[-1].index, "finished_unchanged", hint("finished_unchanged", command=command),
-                        "final answer without a successful edit")]
+                        "final answer without a successful edit or any change in the workspace")]
     if last_test is None or last_test < last_edit:
         return [Finding(turns[-1].index, "finished_untested", hint("finished_untested", command=command),
                         f"last edit in turn {last_edit[0]}, no test run after it")]
@@ -352,11 +375,14 @@ class HintReport:
     dropped_leak: int = 0
     dropped_turns: int = 0  # findings beyond `max_turns` hinted turns of a rollout
     dropped_critic: int = 0  # critic answers that failed its gate (shipyard.rl.critic)
+    critic_errors: int = 0  # reviews the critic's engine could not give (unreachable, rejected): no hints from it
+    critic_error: str = ""  # the last such error
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float | str]:
         return {"count": len(self.hints), "rollouts": len({h.sample for h in self.hints}),
                 "dropped_leak": self.dropped_leak, "dropped_turns": self.dropped_turns,
-                "dropped_critic": self.dropped_critic,
+                "dropped_critic": self.dropped_critic, "critic_errors": self.critic_errors,
+                **({"critic_error": self.critic_error} if self.critic_error else {}),
                 **{f"found_{k}": n for k, n in sorted(self.found.items())}}
 
 
@@ -393,9 +419,14 @@ class HintWriter:
             findings = detect(traj, facts, tools=self.tools, verbose_words=self.verbose_words,
                               detectors=self.detectors)
             if self.critic is not None:
-                reviewed, rejected = self.critic(traj, facts.statement, facts)
-                findings += reviewed
-                report.dropped_critic += rejected
+                try:
+                    reviewed, rejected = self.critic(traj, facts.statement, facts)
+                except (InfraError, RequestRejected) as e:  # the critic's server: its hints are extra, not the step
+                    report.critic_errors += 1
+                    report.critic_error = f"{type(e).__name__}: {e}"[:500]
+                else:
+                    findings += reviewed
+                    report.dropped_critic += rejected
             for f in sorted(findings, key=lambda f: f.turn):
                 report.found[f.kind] += 1
                 if any(facts.leaks(s) for s in f.slots):

@@ -214,7 +214,8 @@ class RLLoop:
         t0 = time.monotonic()
         batch = await self.scheduler.next_batch()
         waited = time.monotonic() - t0
-        report = self.hints(batch) if self.hints is not None else HintReport()
+        # the detectors are cheap, but a critic model is not: off the event loop, so the rollouts go on meanwhile
+        report = await asyncio.to_thread(self.hints, batch) if self.hints is not None else HintReport()
         hints = batch.hints = report.hints
         tensors = Batch.from_rollouts(batch, pad_id=self.trainer.pad_id, header_ids=self.trainer.header_ids)
         train = await asyncio.to_thread(self.ranks, Trainer.step, tensors)

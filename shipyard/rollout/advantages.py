@@ -183,14 +183,16 @@ class EffortCalibration:
     """Effort calibration (issue 16): little work for easy tasks, more allowed for hard ones, relative to the group.
 
     A rollout's effort is e = sampled tokens + `turn_tokens` · turns (a turn also costs a tool round trip and a longer
-    context). Within a group, with e_min and e_max over its rewarded rollouts, the length reward of Kimi k1.5 (arXiv
+    context). Within a group, with e_min and e_max over its *solved* rollouts, the length reward of Kimi k1.5 (arXiv
     2501.12599, §2.3.3) is λ = 0.5 − (e − e_min)/(e_max − e_min) ∈ [−0.5, 0.5], paid as
 
-        shaping = coef · s_tier · (λ if solved else min(0, λ))
+        shaping = coef · s_tier · λ   on solved rollouts, 0 on the others
 
-    so the shortest solution earns the most, a longer failure costs, and a short failure earns nothing for being
-    short. s_tier = `tier_scale`[tier − 1] (the last entry for higher tiers): hard tiers get a smaller cost, so they
-    may take longer. A group whose efforts are all equal gets 0."""
+    so among solutions the shortest earns the most. Failures get nothing either way: Kimi's min(0, λ) for them would
+    give a group of failures a gradient towards failing sooner (giving up after one turn would rank first), and the
+    scheduler's dynamic sampling would keep such groups for it. s_tier = `tier_scale`[tier − 1] (the last entry for
+    higher tiers): hard tiers get a smaller cost, so they may take longer. Fewer than two solutions, or solutions of
+    equal effort, get 0."""
 
     coef: float = 0.1
     turn_tokens: int = 256
@@ -210,17 +212,14 @@ class EffortCalibration:
         return sum(len(t.completion_ids) for t in turns) + self.turn_tokens * len(turns)
 
     def group(self, rollouts: Sequence[Rollout], tier: int) -> list[float]:
+        solved = [r.reward is not None and r.reward >= self.solved for r in rollouts]
         efforts = [self.effort(r) for r in rollouts]
-        scored = [e for e, r in zip(efforts, rollouts, strict=True) if r.reward is not None]
+        scored = [e for e, s in zip(efforts, solved, strict=True) if s]
         if len(scored) < 2 or max(scored) == min(scored):
             return [0.0] * len(rollouts)
         lo, hi = min(scored), max(scored)
         scale = self.coef * self.tier_scale[min(max(tier, 1), len(self.tier_scale)) - 1]
-        out = []
-        for e, r in zip(efforts, rollouts, strict=True):
-            lam = 0.5 - (e - lo) / (hi - lo)
-            out.append(0.0 if r.reward is None else scale * (lam if r.reward >= self.solved else min(0.0, lam)))
-        return out
+        return [scale * (0.5 - (e - lo) / (hi - lo)) if s else 0.0 for e, s in zip(efforts, solved, strict=True)]
 
 
 def shaped_rewards(rollouts: Sequence[Rollout], terms: Sequence[ShapingTerm],

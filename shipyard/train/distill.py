@@ -33,11 +33,20 @@ the sampler that drew y (the student may have moved since), and clipped at `toke
 where the teacher is sure and the student is not cannot dominate. The distillation loss is the mean over target
 tokens and joins the policy loss with weight λ: L = L^PG + λ L^distill.
 
-**Lift.** A hint is kept only when it argues against what the student did. Its lift is the mean, over the turn's
-sampled tokens y_1..y_n, of log p_s(y_i) − log p_t(y_i): how much less likely the hinted teacher finds the sampled
-turn than the student does. A hint with lift ≤ `min_lift` (default 0: the teacher would make the sampled behaviour
-*more* likely, or changes nothing) is dropped from the loss — its tokens stay in the denominator, so the other hints'
-weight does not grow — and counted; the trainer reports lift per hint kind (`hint_lift_<kind>`).
+**Lift.** A hint is kept only when it argues against what the student actually did. With y_i the turn's sampled
+tokens and p_s, p_t the distributions at position i, its lift is the mean over the turn of
+
+    ℓ_i = [log p_s(y_i) − log p_t(y_i)] − KL(p_s ‖ p_t)
+
+how much less likely the hinted teacher finds the student's actual choice than it finds a typical choice of the
+student. The log-ratio alone is no test: for tokens drawn from p_s its expectation *is* KL(p_s ‖ p_t) ≥ 0, so any
+hint that changes the teacher at all — relevant or not, or an EMA teacher that merely lags the policy — would pass on
+average. Centred by the KL, ℓ has expectation 0 for a hint unrelated to what was sampled, and is positive when the
+hint disfavours the very tokens the student chose (the detector hinted that turn because of them). A hint with lift
+≤ `min_lift` (default 0) is dropped from the loss — its tokens stay in the denominator, so the other hints' weight
+does not grow — and counted; the trainer reports the mean lift per hint kind (`hint_lift_<kind>`). With an `ema` or
+`frozen` teacher the lift also carries the teacher's distance from the policy; the `live` teacher measures the hint
+alone.
 
 Note on `torch.nn.functional.kl_div(input, target)`: it computes Σ target (log target − input), i.e.
 KL(target ‖ exp(input)) — the *second* argument is the first distribution of the KL. We write the sums out.
@@ -46,6 +55,7 @@ KL(target ‖ exp(input)) — the *second* argument is the first distribution of
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -54,12 +64,12 @@ import torch
 from torch import nn
 
 from shipyard.harness.trajectory import Trajectory
-from shipyard.train.losses import token_logprobs
 from shipyard.train.prefix import forward_layout, layout
 
 if TYPE_CHECKING:
     from shipyard.train.batch import Batch
 
+LIFT_CHUNK = 128  # positions per chunk of the lift's log-distributions
 Divergence = Literal["reverse_kl", "forward_kl", "jsd"]
 Support = Literal["full", "topk", "sampled"]
 TeacherKind = Literal["ema", "frozen", "live"]
@@ -93,6 +103,9 @@ class DistillConfig:
             raise ValueError(f"unknown teacher {self.teacher!r}: ema, frozen or live")
         if not 0 < self.jsd_alpha < 1:
             raise ValueError(f"jsd_alpha must be in (0, 1), got {self.jsd_alpha}")
+        if not (math.isfinite(self.weight) and self.weight >= 0 and math.isfinite(self.min_lift)):
+            raise ValueError(f"distill.weight must be finite and >= 0 and distill.min_lift finite, got "
+                             f"{self.weight} and {self.min_lift}")
         if self.top_k < 1 or self.is_clip < 1 or self.token_kl_clip <= 0 or not 0 <= self.ema_decay < 1:
             raise ValueError("top_k >= 1, is_clip >= 1, token_kl_clip > 0 and 0 <= ema_decay < 1 are required")
 
@@ -175,12 +188,16 @@ def topk_with_tail(log_p: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def lift(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Per-token log p_s(y) − log p_t(y) of the sampled tokens [N] (no gradient): > 0 where the hinted teacher finds
-    the student's choice less likely."""
+    """Per sampled token [N], no gradient: log p_s(y) − log p_t(y) − KL(p_s ‖ p_t) (the module docstring's ℓ), in
+    chunks of positions so that the float32 log-distributions of a long hinted turn never exist whole."""
+    out = []
     with torch.no_grad():
-        s = token_logprobs(student_logits.detach()[None], tokens[None])[0][0]
-        t = token_logprobs(teacher_logits.detach()[None], tokens[None])[0][0]
-    return s - t
+        for s in range(0, tokens.shape[0], LIFT_CHUNK):
+            log_s = student_logits[s:s + LIFT_CHUNK].detach().float().log_softmax(-1)
+            log_t = teacher_logits[s:s + LIFT_CHUNK].detach().float().log_softmax(-1)
+            ratio = (log_s - log_t).gather(-1, tokens[s:s + LIFT_CHUNK, None]).squeeze(-1)
+            out.append(ratio - kl(log_s, log_t))
+    return torch.cat(out) if out else tokens.new_zeros(0, dtype=torch.float32)
 
 
 def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tokens: torch.Tensor,

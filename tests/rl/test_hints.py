@@ -83,6 +83,14 @@ def test_an_edit_of_a_file_never_read_before_that_turn(workspace):
     _, after_read = episode(workspace, read, edit, "Done.", detectors=["unread_edit"])
     assert found(blind) == [(0, "unread_edit")] and found(same_turn) == [(0, "unread_edit")]
     assert after_read == [] and "pocketlib/stats.py" in blind[0].hint
+    _, dotted = episode(workspace, call("read_file", path="./pocketlib/stats.py"), edit, "Done.",
+                        detectors=["unread_edit"])
+    _, written = episode(workspace, call("write_file", path="new.py", content="x = 1\n"),
+                         call("search_replace", path="new.py", old_string="x = 1", new_string="x = 2"), "Done.",
+                         detectors=["unread_edit"])
+    _, malformed = episode(workspace, call("search_replace", path=["a.py"], old_string="a", new_string="b"), "Done.",
+                           detectors=["unread_edit"])
+    assert dotted == [] and written == [] and malformed == []  # the same file; written whole; no path to name
 
 
 def test_an_identical_failing_call_repeated(workspace):
@@ -128,6 +136,10 @@ def test_finishing_untested_unchanged_or_tested(workspace, repo):
     _, tested = episode(workspace, edit, test, "Done.", detectors=["finished"])
     assert found(unchanged) == [(1, "finished_unchanged")] and found(untested) == [(2, "finished_untested")]
     assert tested == [] and "`.venv/bin/python -m pytest`" in untested[0].hint
+    # changed through the terminal (the episode's patch is not empty), then tested: nothing to say
+    terminal, _ = episode(workspace, call("run_terminal", command="echo 'x = 1' > pocketlib/extra.py"), test, "Done.")
+    terminal.patch = "diff --git a/pocketlib/extra.py b/pocketlib/extra.py\n+x = 1\n"
+    assert detect(terminal, FACTS, detectors=["finished"]) == []
 
 
 def test_task_facts_keep_the_deleted_identifiers_the_statement_does_not_show():
@@ -140,10 +152,20 @@ def test_task_facts_keep_the_deleted_identifiers_the_statement_does_not_show():
             "-    raise NotImplementedError\n+    ordered = sorted(_require(values))\n"
             "+    return ordered[len(ordered) // 2]\n")
     facts = TaskFacts.of(task, gold)
-    assert facts.secret == {"ordered", "sorted", "_require", "len"}  # not `values`, `median` (shown) or `return`
+    assert facts.secret == {"ordered", "_require"}  # not values/median (shown), return/sorted/len (Python's own)
     assert facts.test_command == "`.venv/bin/python -m pytest`"
     assert facts.test_files == {"tests/test_stats.py", "tests/test_roman.py"}
     assert facts.leaks("tests/Ordered.py") and not facts.leaks("tests/test_stats.py")
+
+
+def test_the_leak_check_finds_names_in_any_spelling_but_not_inside_ordinary_words():
+    facts = TaskFacts(secret=frozenset({"from_roman", "out", "top", "end"}))
+    for text in ("Call from roman on it.", "Use fromRoman inside a try block.", "tests/FROM_ROMAN_x.py",
+                 "print out the value", "Stop at the end."):
+        assert facts.leaks(text), text
+    for text in ("Read the test output before you edit anything.", "Stop exploring and edit.",
+                 "tests/test_endpoints.py", "Read the test's assertion first."):
+        assert not facts.leaks(text), text
 
 
 def _batch(trajs, masked=()):
@@ -200,6 +222,29 @@ def test_every_hint_text_fills_and_stays_short():
         text = hint(kind, tools="read_file, list_dir", path="pocketlib/stats.py", command="`pytest`")
         assert len(text) < 300 and "{path}" not in text and "{command}" not in text, kind
     assert '{"name": "list_dir", "arguments": {"path": "."}}' in hint("untagged")
+
+
+def test_malformed_records_do_not_stop_the_detectors(workspace):
+    """Loaded JSON is not validated: odd arguments, outputs and texts must not raise inside a training step."""
+    traj, _ = episode(workspace, call("read_file", path="README.md"), call("list_dir"), call("list_dir"), "Done.")
+    traj.turns[0].calls[0].arguments = ["README.md"]
+    traj.turns[0].calls[0].output = None
+    traj.turns[1].text = None
+    traj.turns[2].calls[0].arguments = "list_dir ."
+    assert isinstance(detect(traj, FACTS), list)
+
+
+def test_a_critic_that_cannot_answer_costs_its_hints_not_the_step(workspace):
+    from shipyard.models.errors import ServerUnreachable
+
+    def unreachable(traj, statement, facts):
+        raise ServerUnreachable("http://127.0.0.1:9 refused the connection")
+
+    traj, _ = episode(workspace, call("list_dir"), "Done.")
+    chat = ChatFormat(ReplayEngine(["x"]).tokenizer, default_tools())
+    report = _Facts(workspace.root, chat, critic=unreachable)(_batch([traj]))
+    assert report.critic_errors == 1 and "refused" in report.metrics()["critic_error"]
+    assert [h.kinds for h in report.hints] == [("finished_unchanged",)]  # the detectors' hints still come
 
 
 def test_config_names_the_detectors():

@@ -201,18 +201,22 @@ def _effort_rollout(index, tokens, turns, reward):
 
 def test_effort_calibration_is_kimis_length_reward_relative_to_the_group_and_scaled_by_tier():
     term = EffortCalibration(coef=0.2, turn_tokens=10, tier_scale=(1.0, 0.5))
-    group = [_effort_rollout(0, 90, 1, 1.0),    # effort 100: the shortest, solved → +0.5
-             _effort_rollout(1, 280, 2, 1.0),   # effort 300: the middle, solved → 0
-             _effort_rollout(2, 470, 3, 0.0),   # effort 500: the longest, failed → −0.5
-             _effort_rollout(3, 190, 1, 0.0),   # effort 200: failed, short → min(0, 0.25) = 0
+    group = [_effort_rollout(0, 90, 1, 1.0),    # effort 100: the shortest solution → λ = +0.5
+             _effort_rollout(1, 180, 2, 1.0),   # effort 200: the middle → 0
+             _effort_rollout(2, 270, 3, 1.0),   # effort 300: the longest solution → −0.5
+             _effort_rollout(3, 10, 1, 0.0),    # a failure, however short or long, gets nothing
              _effort_rollout(4, 5, 1, None)]    # masked: sets no bound, gets nothing
     assert term.group(group, tier=1) == pytest.approx([0.1, 0.0, -0.1, 0.0, 0.0])
     assert term.group(group, tier=2) == pytest.approx([0.05, 0.0, -0.05, 0.0, 0.0])
     assert term.group(group, tier=7) == term.group(group, tier=2)  # the last scale holds for higher tiers
     same = [_effort_rollout(i, 100, 1, 1.0) for i in range(3)]
     assert term.group(same, tier=1) == [0.0, 0.0, 0.0]
+    # a group of failures is not taught to give up sooner: no signal from effort at all
+    failures = [_effort_rollout(i, 20 * (i + 1), i + 1, 0.0) for i in range(4)]
+    assert term.group(failures, tier=1) == [0.0] * 4
+    assert no_signal(shaped_rewards(failures, [], [term], tier=1))
     rewards = shaped_rewards(group, [], [term], tier=1)
-    assert rewards == pytest.approx([1.1, 1.0, -0.1, 0.0, None]) and group[0].shaping == {"effort_calibration": 0.1}
+    assert rewards == pytest.approx([1.1, 1.0, 0.9, 0.0, None]) and group[0].shaping == {"effort_calibration": 0.1}
     assert group[4].shaping == {}
     with pytest.raises(ValueError, match="tier_scale"):
         EffortCalibration(tier_scale=())

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shipyard.train.distill import DistillConfig, distill_loss, divergence, kl, topk_with_tail
+from shipyard.train.distill import DistillConfig, distill_loss, divergence, kl, lift, topk_with_tail
 
 
 def _dists(seed=0, n=4, v=9):
@@ -111,3 +111,22 @@ def test_bad_configs_are_refused():
     with pytest.raises(ValueError, match="same target positions"):
         distill_loss(torch.zeros(2, 3), torch.zeros(3, 3), torch.zeros(2, dtype=torch.long), torch.zeros(2),
                      DistillConfig())
+
+
+def test_lift_is_the_sampled_log_ratio_centred_by_the_kl():
+    """ℓ = log p_s(y) − log p_t(y) − KL(p_s ‖ p_t): zero for an identical teacher, zero on average over tokens drawn
+    from the student (the plain log-ratio averages to the KL, > 0 for any teacher that differs), positive where the
+    teacher disfavours the very token the student chose."""
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(3, 7, generator=g), torch.randn(3, 7, generator=g)
+    y = torch.tensor([1, 4, 6])
+    log_s, log_t = s.log_softmax(-1), t.log_softmax(-1)
+    expected = (log_s - log_t).gather(-1, y[:, None]).squeeze(-1) - (log_s.exp() * (log_s - log_t)).sum(-1)
+    assert torch.allclose(lift(s, t, y), expected, atol=1e-6)
+    assert torch.allclose(lift(s, s, y), torch.zeros(3), atol=1e-6)
+    drawn = torch.multinomial(log_s[0].exp(), 200_000, replacement=True, generator=g)
+    mean = lift(s[:1].expand(len(drawn), -1), t[:1].expand(len(drawn), -1), drawn).mean()
+    assert abs(float(mean)) < 0.02
+    disliked = t.clone()
+    disliked[0, 1] -= 5.0  # the teacher now strongly disfavours the student's first token
+    assert lift(s, disliked, y)[0] > lift(s, t, y)[0] + 1
