@@ -83,7 +83,7 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
     scored = [r for r in rollouts if r.reward is not None]
     turns = [t for r in rollouts if r.trajectory is not None for t in r.trajectory.turns]
     widths = [t.parallel_width for t in turns if t.parallel_width]
-    flags = Counter(f.get("monitor", "unknown") for r in rollouts for f in r.monitor_flags)
+    flags = Counter(f.get("kind", "unknown") for r in rollouts for f in r.monitor_flags)  # monitors.Flag.kind
     seconds = Counter()
     for r in rollouts:
         seconds.update(r.timings)

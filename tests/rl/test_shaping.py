@@ -3,6 +3,8 @@ batch and eval figures report grounded tool-call validity."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 
 from shipyard.harness.trajectory import CallRecord, Trajectory, Turn
@@ -19,6 +21,7 @@ from shipyard.rollout.advantages import (
 from shipyard.rollout.batches import RolloutBatch, RolloutGroup
 from shipyard.rollout.eval import results
 from shipyard.rollout.record import Rollout
+from shipyard.tasks.monitors import Flag
 
 GOOD = CallRecord(0, "run_terminal", {"command": "python -m pytest -q"}, "1 passed\n[exit code 0]", None, 0.1)
 COPIED = CallRecord(1, "run_terminal", {"command": "the bash command line to run"}, "not found", None, 0.1)
@@ -31,7 +34,7 @@ def rollout(reward, calls, *, flagged=False, index=0):
                            tools_seconds=0.0, policy_version=0))
     r = Rollout("t", "g", index, index, "graded", reward, trajectory=traj)
     if flagged:
-        r.monitor_flags = [{"monitor": "test_tamper", "kind": "test_tamper", "evidence": "edited tests/"}]
+        r.monitor_flags = [asdict(Flag("test_edit", 0, 0, "search_replace tests/test_x.py"))]  # as run_episode keeps it
     return r
 
 
@@ -89,3 +92,10 @@ def test_batch_and_eval_report_grounded_validity():
     overall = doc["overall"]
     assert overall["validity"]["grounded_fraction"] == pytest.approx(2 / 3)
     assert overall["reward_mean"] == pytest.approx(0.5)
+
+
+def test_batch_metrics_count_flags_by_their_kind():
+    """A flag as `run_episode` stores it (`monitors.Flag` as a dict) is counted under its kind (was `flag_unknown`)."""
+    batch = RolloutBatch([RolloutGroup("t", "g", [rollout(1.0, [], flagged=True), rollout(0.0, [], index=1)])])
+    metrics = batch_metrics(batch)["monitor"]
+    assert metrics == {"flagged": 1, "flag_test_edit": 1}
