@@ -10,6 +10,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from tiny_run import CONFIG
 
 from shipyard.sandbox.run import sandbox_problem
 
@@ -17,37 +18,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 learning = pytest.importorskip("learning")
 
-TINY = """
-[model]
-name = "random:tiny"
-
-[run]
-held_out_count = 1
-seed = 1
-eval_samples = 1
-
-[rollout]
-group_size = 2
-groups_per_step = 1
-max_staleness = 0
-max_in_flight = 1
-dynamic_sampling = false
-
-[episode]
-grade_timeout = 300.0
-
-[episode.loop]
-max_turns = 2
-max_new_tokens = 12
-seed = 0
-
-[trainer.optim]
-name = "adamw"
-lr = 1e-3
-
-[trainer.distill]
-min_lift = -1e9
-"""
+TINY = CONFIG + "\n[trainer.distill]\nmin_lift = -1e9  # every hint kept: the random model's lift has either sign\n"
 
 
 def test_steps_ratio_and_its_refusals():
@@ -75,7 +46,7 @@ def test_pass_change_bootstraps_over_tasks():
 @pytest.mark.skipif(sandbox_problem() is not None, reason="this host cannot start bubblewrap sandboxes")
 def test_the_bench_trains_both_arms_and_reports_them(taskset, tmp_path):
     config = tmp_path / "tiny.toml"
-    config.write_text(TINY)
+    config.write_text(TINY.format(tasks=taskset[0]))
     proc = subprocess.run([sys.executable, str(BENCH / "learning.py"), "--config", str(config), "--steps", "1",
                            "--eval-every", "1", "--minutes", "8", "--tasks", str(taskset[0]), "--out",
                            str(tmp_path / "out"), "--bootstrap", "50"], capture_output=True, text=True, timeout=1200)

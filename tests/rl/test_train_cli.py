@@ -14,43 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_run import CONFIG
 
 from shipyard.sandbox.run import sandbox_problem
 
 _problem = sandbox_problem()
 pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
 
-CONFIG = """
-[model]
-name = "random:tiny"
-
-[run]
-tasks = "{tasks}"
-held_out_count = 1
-steps = 3
-seed = 1
-eval_samples = 1
-checkpoint_every = 1
-
-[rollout]
-group_size = 2
-groups_per_step = 1
-max_staleness = 0
-max_in_flight = 1
-dynamic_sampling = false
-
-[episode]
-grade_timeout = 300.0
-
-[episode.loop]
-max_turns = 2
-max_new_tokens = 12
-seed = 0
-
-[trainer.optim]
-name = "adamw"
-lr = 1e-3
-"""
 
 
 def shipyard(*args: str, **kw) -> subprocess.Popen:
