@@ -51,6 +51,11 @@ class CallRecord:
     untagged: bool = False  # written outside <tool_call> tags and accepted (parser setting untagged="accept")
     error_kind: ErrorKind | None = None  # why it failed (see the module docstring); None when it ran without error
 
+    @property
+    def key(self) -> str:
+        """The call's identity, tool and arguments: equal for a call repeated as it was."""
+        return json.dumps([self.name, self.arguments], sort_keys=True, default=str)
+
 
 @dataclass
 class Turn:
@@ -83,6 +88,11 @@ class Trajectory:
     patch: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def sampled_tokens(self) -> int:
+        """Tokens the policy sampled over the episode (every turn's completion)."""
+        return sum(len(t.completion_ids) for t in self.turns)
+
     # Flattened views for training -------------------------------------------------------------------------
     def token_ids(self) -> list[int]:
         ids = list(self.prompt_ids)
@@ -114,7 +124,7 @@ class Trajectory:
             "untagged_calls": sum(c.untagged for c in calls),
             "format_errors": sum(c.error_kind in FORMAT_KINDS for c in calls),
             "mean_parallel_width": sum(widths) / len(widths) if widths else 0.0,
-            "sampled_tokens": sum(len(t.completion_ids) for t in self.turns),
+            "sampled_tokens": self.sampled_tokens,
             "total_tokens": len(self.token_ids()),
             "seconds": round(self.seconds, 2),
             "stop_reason": self.stop_reason,

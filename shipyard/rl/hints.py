@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import builtins
 import itertools
-import json
 import keyword
 import posixpath
 import re
@@ -259,10 +258,9 @@ def repeated_failure(ctx: Context) -> list[Finding]:
         for call in turn.calls:
             if call.name is None:
                 continue
-            key = json.dumps([call.name, call.arguments], sort_keys=True, default=str)
-            if found is None and key in failed:
+            if found is None and call.key in failed:
                 found = ("repeated_failure", call)
-            elif found is None and key in explored and call.error is None:
+            elif found is None and call.key in explored and call.error is None:
                 found = ("repeated_call", call)
         if found is not None:
             kind, call = found
@@ -270,11 +268,10 @@ def repeated_failure(ctx: Context) -> list[Finding]:
                                                              f"{'a failed' if kind == 'repeated_failure' else 'an'} "
                                                              "earlier call"))
         for call in turn.calls:  # what this turn did counts from the next turn on
-            key = json.dumps([call.name, call.arguments], sort_keys=True, default=str)
             if call.error is not None and call.name is not None:
-                failed.add(key)
+                failed.add(call.key)
             elif call.name in EXPLORE:
-                explored.add(key)
+                explored.add(call.key)
             if call.name not in EXPLORE and call.error is None:  # a change (or a command): earlier reads may be stale
                 explored.clear()
     return out
@@ -282,12 +279,14 @@ def repeated_failure(ctx: Context) -> list[Finding]:
 
 def edits_tests(ctx: Context) -> list[Finding]:
     def touches_tests(c: CallRecord) -> bool:
-        path = _target(c).removeprefix("./")
+        path = _target(c)
         return c.name in EDIT and c.error is None and (path in ctx.facts.test_files or bool(TEST_PATH.search(path)))
 
-    return [Finding(turn, "test_edit", hint("test_edit", path=_target(call)),
-                    f"{call.name} of {_target(call)}", (_target(call),))
-            for turn, call in _first_per_turn(ctx, touches_tests)]
+    out = []
+    for turn, call in _first_per_turn(ctx, touches_tests):
+        path = _target(call)
+        out.append(Finding(turn, "test_edit", hint("test_edit", path=path), f"{call.name} of {path}", (path,)))
+    return out
 
 
 def serial_calls(ctx: Context) -> list[Finding]:
@@ -356,14 +355,28 @@ DETECTORS: dict[str, Detector] = dict(zip(HINT_DETECTORS, (call_format, unground
                                                              finished), strict=True))
 
 
+class Detectors:
+    """The named detectors over one tool set (default `default_tools()`), built once: the validity checker and the
+    parser they share are not free to make, and a writer runs them on every rollout."""
+
+    def __init__(self, tools: Sequence[Tool] | None = None, verbose_words: int = 120,
+                 names: Sequence[str] = tuple(DETECTORS)):
+        check_detectors(names)
+        tools = list(default_tools() if tools is None else tools)
+        self.tools = {t.name: t for t in tools}
+        self.checker, self.parser = ValidityChecker(tools), ToolCallParser(tools, "accept")
+        self.verbose_words, self.names = verbose_words, tuple(names)
+
+    def __call__(self, traj: Trajectory, facts: TaskFacts) -> list[Finding]:
+        """Every finding on one trajectory, in turn order."""
+        ctx = Context(traj, facts, self.tools, self.checker, self.parser, self.verbose_words)
+        return sorted((f for name in self.names for f in DETECTORS[name](ctx)), key=lambda f: f.turn)
+
+
 def detect(traj: Trajectory, facts: TaskFacts, *, tools: Sequence[Tool] | None = None, verbose_words: int = 120,
            detectors: Sequence[str] = tuple(DETECTORS)) -> list[Finding]:
-    """Every finding of the named detectors on one trajectory, in turn order."""
-    tools = list(default_tools() if tools is None else tools)
-    ctx = Context(traj, facts, {t.name: t for t in tools}, ValidityChecker(tools), ToolCallParser(tools, "accept"),
-                  verbose_words)
-    findings = [f for name in detectors for f in DETECTORS[name](ctx)]
-    return sorted(findings, key=lambda f: f.turn)
+    """Every finding of the named detectors on one trajectory, in turn order (`Detectors`, once)."""
+    return Detectors(tools, verbose_words, detectors)(traj, facts)
 
 
 @dataclass
@@ -396,11 +409,9 @@ class HintWriter:
     def __init__(self, tasks_dir: Path, chat: ChatFormat, *, tools: Sequence[Tool] | None = None, max_turns: int = 2,
                  verbose_words: int = 120, detectors: Sequence[str] = tuple(DETECTORS),
                  critic: CriticReview | None = None):
-        check_detectors(detectors)
         self.tasks_dir, self.chat = Path(tasks_dir), chat
-        self.tools = list(default_tools() if tools is None else tools)
-        self.max_turns, self.verbose_words, self.detectors = max_turns, verbose_words, tuple(detectors)
-        self.critic = critic
+        self.detect = Detectors(tools, verbose_words, detectors)
+        self.max_turns, self.critic = max_turns, critic
         self._facts: dict[str, TaskFacts] = {}
 
     def facts(self, task_id: str) -> TaskFacts:
@@ -416,8 +427,7 @@ class HintWriter:
             facts = self.facts(rollout.task_id)
             traj = rollout.trajectory
             by_turn: dict[int, list[Finding]] = {}
-            findings = detect(traj, facts, tools=self.tools, verbose_words=self.verbose_words,
-                              detectors=self.detectors)
+            findings = self.detect(traj, facts)
             if self.critic is not None:
                 try:
                     reviewed, rejected = self.critic(traj, facts.statement, facts)

@@ -44,7 +44,6 @@ until a tag is sampled (0 of ~700 samples of the bundled 0.5B). No term is on un
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -98,7 +97,7 @@ class EffortPenalty:
 
     def __call__(self, rollout: Rollout) -> float:
         traj = rollout.trajectory
-        tokens = sum(len(t.completion_ids) for t in traj.turns) if traj else 0
+        tokens = traj.sampled_tokens if traj else 0
         return -self.coef * min(1.0, max(0.0, (tokens - self.free) / (self.limit - self.free)))
 
 
@@ -164,8 +163,7 @@ class GroundedCalls:
                 verdict = self.checker.call(record)
                 placeholder |= bool(verdict.placeholders)
                 earned = 1.0 if verdict.grounded else self.untagged_credit if verdict.problem == "untagged_ran" else 0
-                key = json.dumps([record.name, record.arguments], sort_keys=True, default=str)
-                credit[key] = max(credit.get(key, 0.0), earned)
+                credit[record.key] = max(credit.get(record.key, 0.0), earned)
         return self.coef * min(sum(credit.values()), self.target) / self.target - self.placeholder_coef * placeholder
 
 
@@ -208,8 +206,8 @@ class EffortCalibration:
             raise ValueError(f"EffortCalibration needs a non-empty tier_scale of numbers >= 0, got {self.tier_scale}")
 
     def effort(self, rollout: Rollout) -> int:
-        turns = rollout.trajectory.turns if rollout.trajectory else []
-        return sum(len(t.completion_ids) for t in turns) + self.turn_tokens * len(turns)
+        traj = rollout.trajectory
+        return traj.sampled_tokens + self.turn_tokens * len(traj.turns) if traj else 0
 
     def group(self, rollouts: Sequence[Rollout], tier: int) -> list[float]:
         solved = [r.reward is not None and r.reward >= self.solved for r in rollouts]

@@ -138,7 +138,7 @@ class StalenessGate:
             self.histogram[self.version - min(r.versions, default=started_at)] += 1
             if r.masked or r.trajectory is None:
                 continue
-            sampled = sum(len(t.completion_ids) for t in r.trajectory.turns)
+            sampled = r.trajectory.sampled_tokens
             stale = sum(stale_tokens(t, self.min_version) for t in r.trajectory.turns)
             self.sampled_tokens += sampled
             self.masked_tokens += stale
