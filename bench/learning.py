@@ -42,7 +42,8 @@ import time
 import tomllib
 from pathlib import Path
 
-from _common import finish, table
+from _common import console, finish, table
+from rich.progress import Progress, TimeElapsedColumn
 
 ROOT = Path(__file__).resolve().parent.parent
 ARMS = {"reward": [], "feedback": ["--hints.enabled", "true"], "effort": ["--shaping.effort", "{effort}"]}
@@ -58,27 +59,38 @@ def train_arm(name: str, config: Path, run_dir: Path, args: argparse.Namespace, 
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     log = run_dir.with_suffix(".log")
     start = time.monotonic()
-    with open(log, "w") as out:
+    deadline = start + args.minutes * 60
+    rc, cut = None, False
+    with open(log, "w") as out, Progress(*Progress.get_default_columns(), TimeElapsedColumn(),
+                                          console=console) as progress:
+        bar = progress.add_task(f"arm {name} (log: {log})", total=args.steps)
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = proc.wait(timeout=args.minutes * 60)
-            cut = False
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            rc, cut = None, True
+            while rc is None:
+                try:
+                    rc = proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() > deadline:
+                        cut = True
+                        break
+                progress.update(bar, completed=len(read_run(run_dir)[0]))
+        finally:
+            if proc.poll() is None:  # cut at the budget, or the benchmark itself interrupted: stop the whole run
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
     return {"command": " ".join(cmd), "returncode": rc, "cut_at_budget": cut, "seconds": time.monotonic() - start,
             "log": str(log)}
 
 
 def read_run(run_dir: Path) -> tuple[list[dict], dict[int, dict]]:
     """(metrics lines of the training steps, eval documents by step)."""
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()] \
-        if (run_dir / "metrics.jsonl").exists() else []
+    path = run_dir / "metrics.jsonl"
+    # lines end with a newline; what follows the last one is a line still being written (read while training)
+    lines = [json.loads(x) for x in path.read_text().split("\n")[:-1] if x.strip()] if path.exists() else []
     evals = {int(p.stem.split("-")[1]): json.loads(p.read_text())
              for p in sorted((run_dir / "eval").glob("step-*.json"))}
     return [m for m in lines if m["step"] > 0 and "tools/calls" in m], evals
