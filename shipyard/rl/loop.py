@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -51,6 +50,7 @@ from shipyard.rollout.scheduler import Scheduler
 from shipyard.train.batch import Batch
 from shipyard.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from shipyard.train.distill import Hint
+from shipyard.train.memory import PeakRSS, resident_mb
 from shipyard.train.trainer import Trainer
 
 SCHEDULER_STATE = "scheduler.json"
@@ -109,14 +109,14 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
     }
 
 
-def memory_metrics() -> dict[str, float]:
-    """This process's resident memory now and at its peak (MiB), and the accelerator's peak when there is one."""
+def memory_metrics(step_peak: float) -> dict[str, float]:
+    """This process's resident memory now, at the step's peak (`step_peak`, sampled over the step: rollouts, hints,
+    training, weight sync) and at its peak since it started (MiB); the accelerator's peak when there is one."""
     import resource
 
     import torch
 
-    pages = int(Path("/proc/self/statm").read_text().split()[1]) if Path("/proc/self/statm").exists() else 0
-    out = {"rss_mb": pages * os.sysconf("SC_PAGE_SIZE") / 2**20,
+    out = {"rss_mb": resident_mb(), "step_peak_rss_mb": step_peak,
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
     if torch.cuda.is_available():
         out["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
@@ -211,6 +211,14 @@ class RLLoop:
 
     # The loop ---------------------------------------------------------------------------------------------------
     async def train_step(self) -> dict[str, Any]:
+        with PeakRSS() as peak:
+            metrics, batch, hints = await self._train_step()
+        metrics["memory"] = memory_metrics(peak.peak)
+        self.run.log_rollouts(batch.metrics())
+        self.run.write_trajectories(self.step, trajectory_records(batch, hints))
+        return metrics
+
+    async def _train_step(self) -> tuple[dict[str, Any], RolloutBatch, list[Hint]]:
         t0 = time.monotonic()
         batch = await self.scheduler.next_batch()
         waited = time.monotonic() - t0
@@ -233,10 +241,8 @@ class RLLoop:
                    "infra": {"masked": stats["masked_infra"], "retries": stats["infra_retries"],
                              "requeued": stats["requeued"], **{f"cause_{k}": v for k, v in
                                                                 stats["infra_by_cause"].items()}},
-                   "hints": report.metrics(), "memory": memory_metrics()}
-        self.run.log_rollouts(batch.metrics())
-        self.run.write_trajectories(self.step, trajectory_records(batch, hints))
-        return metrics
+                   "hints": report.metrics()}
+        return metrics, batch, hints
 
     async def run_loop(self) -> list[dict[str, Any]]:
         """Resume if the run has a checkpoint, evaluate, train to `settings.steps`, evaluate; the logged lines."""

@@ -20,23 +20,25 @@ loop sets it when hints are on — and a batch with hints is refused otherwise. 
 fast choice on CPU; GPU configs choose Muon (`default_optimizer`). Samples whose reward is unknown are not computed.
 
 A step:
-1. micro-batches of at most `micro_batch` rows and, with `micro_batch_tokens` > 0, at most that many *unique* tokens
-   (`prefix.micro_batches`: rows sharing a prompt stay together and count it once; activation memory bounded by
-   tokens, whatever the trajectories' lengths). A micro-batch's shared prefixes are computed once, with their
-   gradient accumulated from every row (`prefix.forward_cascade`: the prefixes in one call, the rows' own tokens
-   in a second against the prefixes' keys and values; exact; a step's cost follows the unique tokens, reported as
-   `forward_tokens`). Every rank runs as many micro-batches as the busiest rank — the others add a two-token
-   micro-batch that counts for nothing — so the FSDP collectives stay in step. Per micro-batch: forward, per-token
-   log-probabilities and entropies, the policy loss (`losses.policy_loss`; one optimizer step per batch, so
-   π_old = π_θ and the importance weights carry the sampler/trainer mismatch), the k3 KL to the frozen initial
-   policy when `kl_coef > 0`;
+1. each row cut after its last trained token (`Batch.trimmed`: an episode's last observation is never trained on and can
+   run past the context budget, so a row is at most `max_tokens` of its episode); micro-batches of at most `micro_batch`
+   rows and, with `micro_batch_tokens` > 0, at most that many *unique* tokens (`prefix.micro_batches`: rows sharing a
+   prompt stay together and count it once; activation memory bounded by tokens). A micro-batch's shared prefixes are
+   computed once, with their gradient accumulated from every row (`prefix.forward_cascade`: the prefixes in one call,
+   the rows' own tokens in a second against the prefixes' keys and values; exact; a step's cost follows the unique
+   tokens, reported as `forward_tokens`). Every rank runs as many micro-batches as the busiest rank — the others add a
+   two-token micro-batch that counts for nothing — so the FSDP collectives stay in step. Per micro-batch: forward,
+   per-token log-probabilities and entropies, the policy loss (`losses.policy_loss`; one optimizer step per batch, so
+   π_old = π_θ and the importance weights carry the sampler/trainer mismatch), the k3 KL to the frozen initial policy
+   when `kl_coef > 0`;
 2. for rows with hints (`distill.enabled`): the teacher (EMA of the policy by default, frozen initial weights, or
    the live policy) runs without gradient on the hinted contexts (`distill.teacher_logits_at_hints`);
    `distill.distill_term` on the target turn's tokens, weight λ, hints without lift dropped. Every rank runs the
    teacher on every micro-batch (a two-token stand-in when it has no hint) so the FSDP collectives stay in step;
 3. gradient clipping, Muon (matrices; q/k/v per head, experts per expert) + AdamW (embeddings, head, norms,
-   biases) or AdamW alone, the LR schedule, the EMA teacher update, policy version + 1; on CPU, freed heap pages go
-   back to the OS (`malloc_trim`), so resident memory does not creep as batches of other shapes come and go.
+   biases) or AdamW alone, the LR schedule, the EMA teacher update, policy version + 1. On CPU the C heap is held to
+   glibc's initial mmap threshold during the step and trimmed after it (`memory.step_heap`), so resident memory follows
+   the live tensors, not the step's tokens.
 
 `train_step(trajectories, advantages, …)` is the Python API the rollout server calls.
 """
@@ -44,8 +46,6 @@ A step:
 from __future__ import annotations
 
 import copy
-import ctypes
-import sys
 import time
 import types
 from collections.abc import Sequence
@@ -63,6 +63,7 @@ from shipyard.harness.trajectory import Trajectory
 from shipyard.train.batch import Batch
 from shipyard.train.distill import DistillConfig, Hint, distill_term, teacher_logits_at_hints
 from shipyard.train.losses import PolicyLossConfig, policy_loss, token_logprobs
+from shipyard.train.memory import step_heap
 from shipyard.train.muon import Muon, muon_param_groups
 from shipyard.train.mx import convert_to_mxfp8
 from shipyard.train.packing import balance
@@ -124,22 +125,6 @@ class TrainConfig:
             raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
         if self.shared_prefix < 0:
             raise ValueError(f"shared_prefix must be >= 0 (0: no sharing), got {self.shared_prefix}")
-
-
-def _heap_trimmer():
-    """glibc keeps freed heap pages mapped, so a CPU process whose step allocates differently shaped activations each
-    time (every batch has other lengths) grows its resident memory step after step with no tensor alive;
-    `malloc_trim(0)` hands the free pages back. A no-op off glibc."""
-    if sys.platform != "linux":
-        return lambda: None
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except AttributeError:  # another C library (musl)
-        return lambda: None
-    return lambda: trim(0)
-
-
-_trim_heap = _heap_trimmer()
 
 
 def ensure_process_group() -> None:
@@ -303,6 +288,7 @@ class Trainer:
     def step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on `batch` (the same global batch on every rank); metrics for the whole batch."""
         start = time.perf_counter()
+        batch = batch.trimmed()
         # Failed samples count for nothing, so they are not computed at all (nor can they change how the others are
         # laid out); the rest is split over ranks by tokens — the same plan on every rank: no communication.
         live = [i for i, m in enumerate(batch.sample_mask.tolist()) if m > 0]
@@ -325,20 +311,19 @@ class Trainer:
             return {"skipped": 1.0, "tokens": 0.0, "version": float(self.version),
                     "seconds": time.perf_counter() - start}
         sums: dict[str, float] = {}
-        for rows in plans[self.rank]:
-            self._micro(local.rows(rows), den, dden, sums)
-        for _ in range(max(len(p) for p in plans) - len(plans[self.rank])):
-            self._micro(_idle_batch(self.pad_id, self.device), den, dden, sums)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.optim.grad_clip)
-        for opt in self.optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        for sched in self.schedulers:
-            sched.step()
-        self._update_ema()
-        if self.device.type == "cpu":
-            _trim_heap()
+        with step_heap(self.device.type == "cpu"):
+            for rows in plans[self.rank]:
+                self._micro(local.rows(rows), den, dden, sums)
+            for _ in range(max(len(p) for p in plans) - len(plans[self.rank])):
+                self._micro(_idle_batch(self.pad_id, self.device), den, dden, sums)
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.optim.grad_clip)
+            for opt in self.optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            for sched in self.schedulers:
+                sched.step()
+            self._update_ema()
         self.version += 1
         self.step_count += 1
         keys = sorted(sums)

@@ -70,6 +70,8 @@ def test_the_loop_trains_syncs_checkpoints_evaluates_and_exports(taskset, tmp_pa
         busy, wait = line["sandbox/busy_fraction"], line["sandbox/model_wait_fraction"]
         assert 0 < busy < 1 and 0 < wait < 1 and busy + wait <= 1  # tests and tools, the model: never both at once
         assert line["sandbox/grade_seconds"] > 0
+        # the step's own peak: at least what is resident after it, at most the process's peak so far
+        assert line["memory/rss_mb"] <= line["memory/step_peak_rss_mb"] <= line["memory/peak_rss_mb"] + 1
     assert engine.policy_version == 2  # the engines got every new policy
     assert run.status()["status"] == "finished"
     assert sorted(p.name for p in run.checkpoints_dir.iterdir()) == ["step-00000001", "step-00000002"]

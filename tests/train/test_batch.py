@@ -79,3 +79,20 @@ def test_rows_renumbers_hints():
     assert sub.size == 1 and sub.advantages[0, 0] == 2.0
     assert [h.sample for h in sub.hints] == [0]
     assert batch.rows([0]).hints == []
+
+
+def test_trimmed_cuts_each_row_after_its_last_trained_token():
+    trajs = [_trajectory(["a", "b"]), _trajectory(["c"])]
+    trajs[0].turns[-1].observation_ids = [7] * 50  # a final tool output: never trained on
+    batch = Batch.from_trajectories(trajs, [1.0, 2.0], pad_id=0, failed=[False, False])
+    batch.loss_mask[1] = 0  # nothing trained in row 1: left whole
+    cut = batch.trimmed()
+    end = turn_span(trajs[0], 1)[1]
+    assert cut.attention_mask.sum(-1).tolist() == [end, len(trajs[1].token_ids())]
+    assert cut.input_ids.shape[1] == end and torch.equal(cut.input_ids[0], batch.input_ids[0, :end])
+    assert cut.tokens == batch.tokens
+    # a hint's target keeps its span even where the loss mask was cut (stale tokens)
+    hinted = Batch.from_trajectories([trajs[0]], [1.0], pad_id=0, hints=[Hint(0, 1, (5, 6))],
+                                     header_ids=FMT.assistant_header_ids())
+    hinted.loss_mask[0, turn_span(trajs[0], 1)[0]:] = 0
+    assert hinted.trimmed().attention_mask.sum() == end

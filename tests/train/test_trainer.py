@@ -75,6 +75,21 @@ def test_activation_checkpointing_gives_the_same_step(episodes):
         Trainer(torch.nn.Linear(2, 2), TrainConfig(activation_checkpointing=True), pad_id=0)
 
 
+def test_an_episodes_last_observation_is_not_computed(episodes):
+    """A final tool output can run far past the episode's context budget (the budget is checked before a turn);
+    nothing trained attends to it, so the step is the same — bitwise — and computes none of it."""
+    long = copy.deepcopy(episodes)
+    for traj in long:
+        traj.turns[-1].observation_ids = traj.turns[-1].observation_ids + list(range(3, 203)) * 5
+    a, b = _trainer(), _trainer()
+    ma, mb = a.train_step(episodes, ADV), b.train_step(long, ADV)
+    assert ma["forward_tokens"] == mb["forward_tokens"]
+    for key in ("policy_loss", "grad_norm", "entropy", "tokens"):
+        assert ma[key] == mb[key], key
+    for (k, x), y in zip(a.full_state_dict().items(), b.full_state_dict().values(), strict=True):
+        assert torch.equal(x, y), k
+
+
 def test_idle_micro_batch_changes_nothing(episodes):
     trainer = _trainer()
     sums: dict[str, float] = {}

@@ -1,0 +1,116 @@
+"""`shipyard bench replay`: the trainer's memory and time on a run's recorded steps, without rollouts.
+
+A run directory keeps each step's rollouts (RUN/trajectories/step-N.jsonl: trajectories, advantages, masks, hints)
+and its resolved configuration (RUN/config.toml). This replays those batches in order through a `Trainer` built as
+`shipyard train` builds it (the run's model in float32, its trainer configuration; command-line overrides after the
+options, e.g. `--trainer.micro_batch_tokens 2048`, to see what a setting buys) and measures per step the process's
+peak resident memory (`PeakRSS`: sampled every 5 ms), resident memory after the step, forward tokens and seconds.
+
+What is not the run's: the weights move as the replayed steps train them (the recorded advantages were computed for
+the run's policy) and staleness masking is not replayed (every sampled token is trained) — neither changes a
+batch's shapes, which are what memory and time follow. The process holds the trainer alone: a run's own figures
+(`memory/peak_rss_mb`) also count its in-process inference engine and the evaluation.
+
+Target (issue 15): memory flat across steps — the peak of every step within 10% of step 2's (`peak_ratio` = the
+highest peak replayed after step 2 / step 2's; `met`). The first step is not the reference: the optimizer's state
+is made in it.
+
+    shipyard bench replay -- --run RUN [--steps 1-20] [--trainer.micro_batch_tokens 2048 …]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from _common import finish, table
+
+from shipyard.harness.tools import default_tools
+from shipyard.harness.wire import ChatFormat
+from shipyard.models.resolve import load_hf
+from shipyard.rl.config import load_config
+from shipyard.rollout.record import Rollout
+from shipyard.train.batch import Batch
+from shipyard.train.distill import Hint
+from shipyard.train.memory import PeakRSS, resident_mb
+from shipyard.train.trainer import Trainer
+
+TARGET = 1.10
+
+
+def step_numbers(run: Path, spec: str | None) -> list[int]:
+    recorded = sorted(int(p.stem.split("-")[1]) for p in (run / "trajectories").glob("step-*.jsonl"))
+    if not recorded:
+        raise SystemExit(f"{run}/trajectories holds no step-*.jsonl: give a run directory of `shipyard train`")
+    if spec is None:
+        return recorded
+    want = []
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        want += range(int(first), int(last or first) + 1)
+    missing = sorted({s for s in want if s not in recorded})
+    if missing:
+        raise SystemExit(f"steps {missing} are not recorded in {run}/trajectories (recorded: {recorded[0]}-"
+                         f"{recorded[-1]})")
+    return want
+
+
+def recorded_batch(path: Path, pad_id: int, header: tuple[int, ...]) -> Batch:
+    """A step's rollouts as the trainer's batch: masked rollouts count for nothing, hints as they were given."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rollouts = [Rollout.from_json({k: v for k, v in row.items() if k != "hints"}) for row in rows]
+    hints = [Hint(i, h["turn"], tuple(h["hint_ids"]), tuple(h["kinds"]), h["text"], tuple(h["evidence"]))
+             for i, row in enumerate(rows) for h in row.get("hints", [])]
+    trajectories = [r.trajectory for r in rollouts]
+    if any(t is None for t in trajectories):
+        raise SystemExit(f"{path}: a rollout without a trajectory; not a step's record")
+    return Batch.from_trajectories(trajectories, [r.advantage or 0.0 for r in rollouts], pad_id=pad_id,
+                                   failed=[r.masked for r in rollouts], hints=hints, header_ids=header)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run", type=Path, required=True, help="a `shipyard train` / `shipyard demo` run directory")
+    ap.add_argument("--steps", help="recorded steps to replay in this order, e.g. 1-20,2 (a step again at the end: "
+                                    "does its peak depend on the steps before it?); default: all")
+    args, overrides = ap.parse_known_args()
+    config = load_config(args.run / "config.toml", overrides)
+    # as `shipyard train` builds it: the teacher exists exactly when hints are on
+    trainer_config = replace(config.trainer, distill=replace(config.trainer.distill, enabled=config.hints.enabled))
+    steps = step_numbers(args.run, args.steps)
+    model, tokenizer = load_hf(config.model.name, dtype=torch.float32)
+    header = tuple(ChatFormat(tokenizer, default_tools()).assistant_header_ids())
+    trainer = Trainer(model, trainer_config, pad_id=tokenizer.pad_token_id, header_ids=header)
+    del model
+    gc.collect()
+    rows = []
+    for step in steps:
+        batch = recorded_batch(args.run / "trajectories" / f"step-{step:06d}.jsonl", tokenizer.pad_token_id, header)
+        start = time.perf_counter()
+        with PeakRSS() as peak:
+            metrics = trainer.step(batch)
+        seconds = time.perf_counter() - start
+        rows.append([step, int(metrics.get("forward_tokens", 0)), int(metrics.get("tokens", 0)), round(seconds, 1),
+                     round(peak.peak), round(resident_mb())])
+        print(f"step {step}: peak {peak.peak:.0f} MiB, {seconds:.1f} s", flush=True)
+    table(f"replay of {args.run}", ["step", "forward tokens", "trained tokens", "seconds", "peak RSS MiB",
+                                    "RSS after MiB"], rows)
+    peaks = [r[4] for r in rows]
+    reference = peaks[steps.index(2)] if 2 in steps else None
+    later = peaks[steps.index(2) + 1:] if 2 in steps else []
+    ratio = round(max(later) / reference, 3) if reference and later else None
+    finish("replay", {"run": str(args.run), "overrides": overrides, "steps": steps,
+                      "peak_mb": peaks, "rss_after_mb": [r[5] for r in rows],
+                      "forward_tokens": [r[1] for r in rows], "seconds": [r[3] for r in rows],
+                      "peak_step2_mb": None if reference is None else round(reference),
+                      "peak_max_mb": max(peaks), "peak_ratio": ratio, "target_ratio": TARGET,
+                      "met": None if ratio is None else ratio <= TARGET})
+
+
+if __name__ == "__main__":
+    main()
