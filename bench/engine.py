@@ -40,6 +40,7 @@ from _common import finish, table
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.local import LocalEngine
 from shipyard.models.resolve import load_hf
+from shipyard.train.memory import PeakRSS
 
 SOURCE = Path(__file__).resolve().parent.parent / "shipyard"  # text to tokenize: the package's own source
 
@@ -71,28 +72,6 @@ def workload(corpus: list[int], args: argparse.Namespace) -> list[Plan]:
             observations.append(corpus[at: at + heavy_tailed(rng, args.observation_median, 0.8, 16, 600)])
         plans.append(Plan(system + task, outputs, observations))
     return plans
-
-
-class PeakRSS:
-    """The process's peak resident set while the with-block runs (sampled from /proc every 20 ms)."""
-
-    def __enter__(self) -> PeakRSS:
-        self.peak, self._stop = 0.0, threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while True:
-            for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    self.peak = max(self.peak, int(line.split()[1]) / 1024)
-            if self._stop.wait(0.02):
-                return
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def run_static(model, pad_id: int, plans: list[Plan]) -> tuple[float, int]:
@@ -177,11 +156,11 @@ def main() -> None:
     engine.generate([GenerationRequest(corpus[:16], SamplingParams(max_tokens=2, temperature=0.0))])  # warm-up
     with torch.inference_mode():
         model.generate(input_ids=torch.tensor([corpus[:16]]), max_new_tokens=2, do_sample=False, pad_token_id=pad)
-    with PeakRSS() as static_rss:
+    with PeakRSS(period=0.02) as static_rss:
         static_s, static_tokens = run_static(model, pad, plans)
     engine.stats.update(dict.fromkeys(engine.stats, 0))
     engine.clear_cache()  # the warm-up's cache must not help the measured run
-    with PeakRSS() as cont_rss:
+    with PeakRSS(period=0.02) as cont_rss:
         cont_s, cont_tokens = run_continuous(engine, plans)
     stats = dict(engine.stats)
     engine.close()

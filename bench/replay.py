@@ -12,8 +12,9 @@ batch's shapes, which are what memory and time follow. The process holds the tra
 (`memory/peak_rss_mb`) also count its in-process inference engine and the evaluation.
 
 Target (issue 15): memory flat across steps — the peak of every step within 10% of step 2's (`peak_ratio` = the
-highest peak replayed after step 2 / step 2's; `met`). The first step is not the reference: the optimizer's state
-is made in it.
+highest peak after the second replayed step / the second's; `met`). The first step is not the reference: the
+optimizer's state is made in it. A step replayed again at the end (`--steps 1-20,2`) shows whether a step's peak
+depends on the steps before it.
 
     shipyard bench replay -- --run RUN [--steps 1-20] [--trainer.micro_batch_tokens 2048 …]
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,9 +33,10 @@ import torch
 from _common import finish, table
 
 from shipyard.harness.tools import default_tools
+from shipyard.harness.trajectory import Trajectory
 from shipyard.harness.wire import ChatFormat
 from shipyard.models.resolve import load_hf
-from shipyard.rl.config import load_config
+from shipyard.rl.config import ConfigError, load_config
 from shipyard.rollout.record import Rollout
 from shipyard.train.batch import Batch
 from shipyard.train.distill import Hint
@@ -49,9 +52,13 @@ def step_numbers(run: Path, spec: str | None) -> list[int]:
         raise SystemExit(f"{run}/trajectories holds no step-*.jsonl: give a run directory of `shipyard train`")
     if spec is None:
         return recorded
+    if not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", spec):
+        raise SystemExit(f"--steps {spec!r}: give steps and ranges, e.g. 1-20 or 1-20,2")
     want = []
     for part in spec.split(","):
         first, _, last = part.partition("-")
+        if int(last or first) < int(first):
+            raise SystemExit(f"--steps {spec!r}: the range {part} runs backwards")
         want += range(int(first), int(last or first) + 1)
     missing = sorted({s for s in want if s not in recorded})
     if missing:
@@ -60,17 +67,16 @@ def step_numbers(run: Path, spec: str | None) -> list[int]:
     return want
 
 
-def recorded_batch(path: Path, pad_id: int, header: tuple[int, ...]) -> Batch:
-    """A step's rollouts as the trainer's batch: masked rollouts count for nothing, hints as they were given."""
+def recorded_batch(path: Path, pad_id: int, header: tuple[int, ...], hints: bool) -> Batch:
+    """A step's rollouts as the trainer's batch: masked rollouts count for nothing (one lost with its worker has no
+    trajectory: an empty one stands in, as in `Batch.from_rollouts`), hints as they were given (`hints`)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rollouts = [Rollout.from_json({k: v for k, v in row.items() if k != "hints"}) for row in rows]
-    hints = [Hint(i, h["turn"], tuple(h["hint_ids"]), tuple(h["kinds"]), h["text"], tuple(h["evidence"]))
-             for i, row in enumerate(rows) for h in row.get("hints", [])]
-    trajectories = [r.trajectory for r in rollouts]
-    if any(t is None for t in trajectories):
-        raise SystemExit(f"{path}: a rollout without a trajectory; not a step's record")
+    given = [Hint(i, h["turn"], tuple(h["hint_ids"]), tuple(h["kinds"]), h["text"], tuple(h["evidence"]))
+             for i, row in enumerate(rows) for h in row.get("hints", [])] if hints else []
+    trajectories = [r.trajectory or Trajectory(task=r.task_id, model="", prompt_ids=[]) for r in rollouts]
     return Batch.from_trajectories(trajectories, [r.advantage or 0.0 for r in rollouts], pad_id=pad_id,
-                                   failed=[r.masked for r in rollouts], hints=hints, header_ids=header)
+                                   failed=[r.masked for r in rollouts], hints=given, header_ids=header)
 
 
 def main() -> None:
@@ -79,7 +85,12 @@ def main() -> None:
     ap.add_argument("--steps", help="recorded steps to replay in this order, e.g. 1-20,2 (a step again at the end: "
                                     "does its peak depend on the steps before it?); default: all")
     args, overrides = ap.parse_known_args()
-    config = load_config(args.run / "config.toml", overrides)
+    if not (args.run / "config.toml").is_file():
+        raise SystemExit(f"{args.run}/config.toml is missing: give a run directory of `shipyard train`")
+    try:
+        config = load_config(args.run / "config.toml", overrides)
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
     # as `shipyard train` builds it: the teacher exists exactly when hints are on
     trainer_config = replace(config.trainer, distill=replace(config.trainer.distill, enabled=config.hints.enabled))
     steps = step_numbers(args.run, args.steps)
@@ -90,7 +101,8 @@ def main() -> None:
     gc.collect()
     rows = []
     for step in steps:
-        batch = recorded_batch(args.run / "trajectories" / f"step-{step:06d}.jsonl", tokenizer.pad_token_id, header)
+        batch = recorded_batch(args.run / "trajectories" / f"step-{step:06d}.jsonl", tokenizer.pad_token_id, header,
+                               config.hints.enabled)
         start = time.perf_counter()
         with PeakRSS() as peak:
             metrics = trainer.step(batch)
@@ -101,13 +113,13 @@ def main() -> None:
     table(f"replay of {args.run}", ["step", "forward tokens", "trained tokens", "seconds", "peak RSS MiB",
                                     "RSS after MiB"], rows)
     peaks = [r[4] for r in rows]
-    reference = peaks[steps.index(2)] if 2 in steps else None
-    later = peaks[steps.index(2) + 1:] if 2 in steps else []
+    reference = peaks[1] if len(peaks) > 1 else None  # the second replayed step: the optimizer state exists
+    later = peaks[2:]
     ratio = round(max(later) / reference, 3) if reference and later else None
     finish("replay", {"run": str(args.run), "overrides": overrides, "steps": steps,
                       "peak_mb": peaks, "rss_after_mb": [r[5] for r in rows],
                       "forward_tokens": [r[1] for r in rows], "seconds": [r[3] for r in rows],
-                      "peak_step2_mb": None if reference is None else round(reference),
+                      "peak_second_mb": reference,
                       "peak_max_mb": max(peaks), "peak_ratio": ratio, "target_ratio": TARGET,
                       "met": None if ratio is None else ratio <= TARGET})
 

@@ -116,7 +116,8 @@ def memory_metrics(step_peak: float) -> dict[str, float]:
 
     import torch
 
-    out = {"rss_mb": resident_mb(), "step_peak_rss_mb": step_peak,
+    rss = resident_mb()
+    out = {"rss_mb": rss, "step_peak_rss_mb": max(step_peak, rss),
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
     if torch.cuda.is_available():
         out["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20

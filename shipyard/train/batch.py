@@ -67,21 +67,29 @@ class Batch:
         hints = [replace(h, sample=where[h.sample]) for h in self.hints if h.sample in where]
         return Batch(**tensors, hints=hints, pad_id=self.pad_id)
 
-    def trimmed(self) -> Batch:
-        """Each row cut after its last trained token (loss mask, or a hint's target), the batch narrowed to the
-        longest row. Nothing trained attends to a later position, so this is exact — and it is what bounds a step by
-        configuration: an episode's context is checked against its budget (`max_tokens`) before each turn, so the
-        last observation (a tool output of up to `max_output_bytes` per call, after the final completion) can run
-        far past it; every trained token lies within it. A row with nothing trained is left whole."""
+    def trained(self) -> torch.Tensor:
+        """[B, T] bool: the positions trained on — a sampled token the model predicts (loss mask, from position 1) or
+        a hint's target."""
         trained = self.loss_mask > 0
+        trained[:, 0] = False  # the first token is never predicted
         for h in self.hints:
             trained[h.sample, h.start:h.end] = True
+        return trained
+
+    def trimmed(self) -> Batch:
+        """Each row cut after its last trained token (`trained`), the batch narrowed to the longest row. Nothing
+        trained attends to a later position, so the step's loss and gradients are the same up to float summation
+        order (the rows may be grouped and packed otherwise) — and it is what bounds a step by configuration: an
+        episode's context is checked against its budget (`max_tokens`) before each turn, so the last observation (a
+        tool output of up to `max_output_bytes` per call, after the final completion) can run far past it; every
+        trained token lies within it. A row with nothing trained keeps its first two tokens at most."""
+        trained = self.trained()
         last = torch.where(trained, torch.arange(trained.shape[1], device=trained.device), -1).amax(-1)
         lengths = self.attention_mask.sum(-1)
-        ends = torch.where(last >= 0, last + 1, lengths).minimum(lengths)
+        ends = torch.where(last >= 0, last + 1, lengths.clamp(max=2)).minimum(lengths)
         width = max(int(ends.max()), 1)
         keep = torch.arange(width, device=ends.device) < ends[:, None]
-        tensors = {k: v[:, :width] * keep.to(v.dtype) for k, v in vars(self).items()
+        tensors = {k: torch.where(keep, v[:, :width], 0) for k, v in vars(self).items()
                    if isinstance(v, torch.Tensor) and v.dim() == 2}
         tensors["input_ids"] = torch.where(keep, tensors["input_ids"], self.pad_id)
         return Batch(**tensors, sample_mask=self.sample_mask, hints=self.hints, pad_id=self.pad_id)

@@ -44,20 +44,20 @@ def resident_mb() -> float:
 
 class PeakRSS:
     """The peak resident set (MiB) over a `with` block, sampled every `period` seconds in a thread (and at both ends):
-    a peak shorter than the period can be missed — at 5 ms, not one of a training step's."""
+    a peak shorter than the period can be missed — at 5 ms, not one of a training step's. Reusable."""
 
     def __init__(self, period: float = 0.005):
         self.period = period
         self.peak = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, name="peak-rss", daemon=True)
 
-    def _sample(self) -> None:
-        while not self._stop.wait(self.period):
+    def _sample(self, stop: threading.Event) -> None:
+        while not stop.wait(self.period):
             self.peak = max(self.peak, resident_mb())
 
     def __enter__(self) -> PeakRSS:
         self.peak = resident_mb()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(self._stop,), name="peak-rss", daemon=True)
         self._thread.start()
         return self
 
@@ -72,25 +72,33 @@ def _glibc() -> ctypes.CDLL | None:
         return None
     libc = ctypes.CDLL(None)
     try:
-        libc.mallopt, libc.malloc_trim  # noqa: B018 - glibc's; absent from other C libraries (musl)
-    except AttributeError:
+        libc.mallopt.argtypes, libc.malloc_trim.argtypes = [ctypes.c_int, ctypes.c_int], [ctypes.c_size_t]
+    except AttributeError:  # not glibc (musl has neither)
         return None
     return libc
 
 
 _LIBC = _glibc()
+_lock = threading.Lock()
+_inside = 0  # steps under way in this process (two trainers, or a step inside another)
 
 
 @contextlib.contextmanager
 def step_heap(enabled: bool = True) -> Iterator[None]:
     """The C heap's rule for a CPU training step (module docstring): mmap threshold 128 KiB inside, 32 MiB after,
-    free heap pages handed back on the way out."""
+    free heap pages handed back on the way out — by the last of overlapping steps."""
+    global _inside
     if _LIBC is None or not enabled:
         yield
         return
-    _LIBC.mallopt(_M_MMAP_THRESHOLD, STEP_THRESHOLD)
+    with _lock:
+        _inside += 1
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, STEP_THRESHOLD)
     try:
         yield
     finally:
-        _LIBC.mallopt(_M_MMAP_THRESHOLD, BETWEEN_STEPS_THRESHOLD)
-        _LIBC.malloc_trim(0)
+        with _lock:
+            _inside -= 1
+            if _inside == 0:
+                _LIBC.mallopt(_M_MMAP_THRESHOLD, BETWEEN_STEPS_THRESHOLD)
+                _LIBC.malloc_trim(0)

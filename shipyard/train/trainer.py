@@ -49,7 +49,7 @@ import copy
 import time
 import types
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -288,13 +288,16 @@ class Trainer:
     def step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on `batch` (the same global batch on every rank); metrics for the whole batch."""
         start = time.perf_counter()
+        policy = self.config.policy
+        if policy.norm_length is None:  # Dr. GRPO's L, unset: the batch's padded length as given, not as trimmed
+            policy = replace(policy, norm_length=batch.input_ids.shape[1] - 1)
         batch = batch.trimmed()
-        # Failed samples count for nothing, so they are not computed at all (nor can they change how the others are
-        # laid out); the rest is split over ranks by tokens — the same plan on every rank: no communication.
-        live = [i for i, m in enumerate(batch.sample_mask.tolist()) if m > 0]
+        # Failed samples, and rows with nothing trained (e.g. every token stale), count for nothing, so they are not
+        # computed at all (nor can they change how the others are laid out); the rest is split over ranks by tokens —
+        # the same plan on every rank: no communication.
+        useful = batch.trained().any(-1).tolist()
+        live = [i for i, m in enumerate(batch.sample_mask.tolist()) if m > 0 and useful[i]]
         lengths = batch.attention_mask[live].sum(-1).tolist()
-        if any(n < 2 for n in lengths):  # checked on every rank alike, before any collective
-            raise ValueError("a sample of fewer than 2 tokens has nothing to train on: drop it or mark it failed")
         shares = [[live[i] for i in share] for share in balance(lengths, self.world)]
         full = batch.attention_mask.sum(-1).tolist()
         plans = [micro_batches(batch.input_ids[share], [full[i] for i in share], self.config.micro_batch,
@@ -313,9 +316,9 @@ class Trainer:
         sums: dict[str, float] = {}
         with step_heap(self.device.type == "cpu"):
             for rows in plans[self.rank]:
-                self._micro(local.rows(rows), den, dden, sums)
+                self._micro(local.rows(rows), den, dden, sums, policy)
             for _ in range(max(len(p) for p in plans) - len(plans[self.rank])):
-                self._micro(_idle_batch(self.pad_id, self.device), den, dden, sums)
+                self._micro(_idle_batch(self.pad_id, self.device), den, dden, sums, policy)
             params = [p for p in self.model.parameters() if p.grad is not None]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.optim.grad_clip)
             for opt in self.optimizers:
@@ -347,8 +350,10 @@ class Trainer:
                     "lr": self.schedulers[0].get_last_lr()[0]}
         return metrics
 
-    def _micro(self, mb: Batch, den: float, dden: float, sums: dict[str, float]) -> None:
+    def _micro(self, mb: Batch, den: float, dden: float, sums: dict[str, float],
+               policy: PolicyLossConfig | None = None) -> None:
         cfg = self.config
+        policy = policy or cfg.policy
         distilling = self.distilling and dden > 0
         teacher_logits = None
         if distilling:
@@ -374,7 +379,7 @@ class Trainer:
         flat_lp, flat_entropy = token_logprobs(logits[None], targets[None])
         lp = _dense(flat_lp[0], keep[:, :-1])
         loss, metrics = policy_loss(lp, lp.detach(), mb.sampler_logprobs[:, 1:], mb.advantages[:, 1:], mask,
-                                    cfg.policy, ref_lp, denominator=den)
+                                    policy, ref_lp, denominator=den)
         n = float(mask.sum())
         add = _adder(sums)
         for k, v in metrics.items():

@@ -85,12 +85,13 @@ def test_trimmed_cuts_each_row_after_its_last_trained_token():
     trajs = [_trajectory(["a", "b"]), _trajectory(["c"])]
     trajs[0].turns[-1].observation_ids = [7] * 50  # a final tool output: never trained on
     batch = Batch.from_trajectories(trajs, [1.0, 2.0], pad_id=0, failed=[False, False])
-    batch.loss_mask[1] = 0  # nothing trained in row 1: left whole
+    batch.loss_mask[1] = 0  # nothing trained in row 1: two tokens left
     cut = batch.trimmed()
     end = turn_span(trajs[0], 1)[1]
-    assert cut.attention_mask.sum(-1).tolist() == [end, len(trajs[1].token_ids())]
+    assert cut.attention_mask.sum(-1).tolist() == [end, 2] and cut.trained().any(-1).tolist() == [True, False]
     assert cut.input_ids.shape[1] == end and torch.equal(cut.input_ids[0], batch.input_ids[0, :end])
     assert cut.tokens == batch.tokens
+    assert cut.sampler_logprobs[0, end:].eq(0).all() and cut.input_ids[1, 2:].eq(0).all()
     # a hint's target keeps its span even where the loss mask was cut (stale tokens)
     hinted = Batch.from_trajectories([trajs[0]], [1.0], pad_id=0, hints=[Hint(0, 1, (5, 6))],
                                      header_ids=FMT.assistant_header_ids())

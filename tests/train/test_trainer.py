@@ -75,19 +75,48 @@ def test_activation_checkpointing_gives_the_same_step(episodes):
         Trainer(torch.nn.Linear(2, 2), TrainConfig(activation_checkpointing=True), pad_id=0)
 
 
-def test_an_episodes_last_observation_is_not_computed(episodes):
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_an_episodes_last_observation_is_not_computed(episodes, aggregation):
     """A final tool output can run far past the episode's context budget (the budget is checked before a turn);
-    nothing trained attends to it, so the step is the same — bitwise — and computes none of it."""
+    nothing trained attends to it, so it is cut: the step is the loss of the whole rows (Dr. GRPO's L still the
+    batch's padded length as given), none of it computed — and exactly the step of the rows without it."""
     long = copy.deepcopy(episodes)
     for traj in long:
         traj.turns[-1].observation_ids = traj.turns[-1].observation_ids + list(range(3, 203)) * 5
+    policy = PolicyLossConfig(aggregation=aggregation)
+    batch = Batch.from_trajectories(long, ADV, pad_id=0)
+    model = copy.deepcopy(tiny_model(seed=1)[0].float())
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    lp, _ = token_logprobs(logits[:, :-1], batch.input_ids[:, 1:])
+    want, _ = policy_loss(lp, lp.detach(), batch.sampler_logprobs[:, 1:], batch.advantages[:, 1:],
+                          batch.loss_mask[:, 1:], policy)
+    a, b = _trainer(policy=policy), _trainer(policy=policy)
+    got = b.train_step(long, ADV)
+    assert got["policy_loss"] == pytest.approx(float(want.detach()), rel=1e-4, abs=1e-6)
+    assert got["forward_tokens"] < batch.attention_mask.sum() - 900 * len(long)
+    if aggregation != "seq_mean_token_sum_norm":  # whose L is the padded length: longer here
+        same = a.train_step(episodes, ADV)
+        for key in ("policy_loss", "grad_norm", "entropy", "tokens", "forward_tokens"):
+            assert same[key] == got[key], key
+        for (k, x), y in zip(a.full_state_dict().items(), b.full_state_dict().values(), strict=True):
+            assert torch.equal(x, y), k
+
+
+def test_rows_with_nothing_trained_are_not_computed(episodes):
+    """A rollout whose every token is stale (or that sampled nothing) has a reward but nothing to train: like a
+    failed sample it is not computed, whatever its length."""
     a, b = _trainer(), _trainer()
-    ma, mb = a.train_step(episodes, ADV), b.train_step(long, ADV)
-    assert ma["forward_tokens"] == mb["forward_tokens"]
-    for key in ("policy_loss", "grad_norm", "entropy", "tokens"):
-        assert ma[key] == mb[key], key
-    for (k, x), y in zip(a.full_state_dict().items(), b.full_state_dict().values(), strict=True):
-        assert torch.equal(x, y), k
+    batch = Batch.from_trajectories(episodes[:3], ADV[:3], pad_id=a.pad_id)
+    stale = copy.deepcopy(batch)
+    stale.loss_mask[2] = 0
+    failed = copy.deepcopy(batch)
+    failed.sample_mask[2] = 0
+    ms, mf = a.step(stale), b.step(failed)
+    assert ms["forward_tokens"] == mf["forward_tokens"] and ms["policy_loss"] == mf["policy_loss"]
+    first_only = copy.deepcopy(batch)
+    first_only.loss_mask[:] = 0
+    first_only.loss_mask[:, 0] = 1  # the first token is never predicted: nothing to train anywhere
+    assert a.step(first_only)["skipped"] == 1.0
 
 
 def test_idle_micro_batch_changes_nothing(episodes):
