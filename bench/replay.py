@@ -26,17 +26,17 @@ import gc
 import json
 import re
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 from _common import finish, table
 
 from shipyard.harness.tools import default_tools
-from shipyard.harness.trajectory import Trajectory
 from shipyard.harness.wire import ChatFormat
 from shipyard.models.resolve import load_hf
+from shipyard.rl.build import trainer_config
 from shipyard.rl.config import ConfigError, load_config
+from shipyard.rollout.batches import RolloutBatch, RolloutGroup
 from shipyard.rollout.record import Rollout
 from shipyard.train.batch import Batch
 from shipyard.train.distill import Hint
@@ -68,15 +68,15 @@ def step_numbers(run: Path, spec: str | None) -> list[int]:
 
 
 def recorded_batch(path: Path, pad_id: int, header: tuple[int, ...], hints: bool) -> Batch:
-    """A step's rollouts as the trainer's batch: masked rollouts count for nothing (one lost with its worker has no
-    trajectory: an empty one stands in, as in `Batch.from_rollouts`), hints as they were given (`hints`)."""
+    """A step's rollouts as the loop hands them to the trainer (`Batch.from_rollouts`: masked rollouts count for
+    nothing), hints as they were given (`hints`)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rollouts = [Rollout.from_json({k: v for k, v in row.items() if k != "hints"}) for row in rows]
     given = [Hint(i, h["turn"], tuple(h["hint_ids"]), tuple(h["kinds"]), h["text"], tuple(h["evidence"]))
              for i, row in enumerate(rows) for h in row.get("hints", [])] if hints else []
-    trajectories = [r.trajectory or Trajectory(task=r.task_id, model="", prompt_ids=[]) for r in rollouts]
-    return Batch.from_trajectories(trajectories, [r.advantage or 0.0 for r in rollouts], pad_id=pad_id,
-                                   failed=[r.masked for r in rollouts], hints=given, header_ids=header)
+    # the step's groups as one: from_rollouts reads only the rollouts, their masks and advantages, and the hints
+    batch = RolloutBatch([RolloutGroup(path.stem, path.stem, rollouts)], hints=given)
+    return Batch.from_rollouts(batch, pad_id=pad_id, header_ids=header)
 
 
 def main() -> None:
@@ -89,14 +89,13 @@ def main() -> None:
         raise SystemExit(f"{args.run}/config.toml is missing: give a run directory of `shipyard train`")
     try:
         config = load_config(args.run / "config.toml", overrides)
+        train_config = trainer_config(config)  # as `shipyard train` builds it
     except ConfigError as e:
         raise SystemExit(str(e)) from None
-    # as `shipyard train` builds it: the teacher exists exactly when hints are on
-    trainer_config = replace(config.trainer, distill=replace(config.trainer.distill, enabled=config.hints.enabled))
     steps = step_numbers(args.run, args.steps)
     model, tokenizer = load_hf(config.model.name, dtype=torch.float32)
     header = tuple(ChatFormat(tokenizer, default_tools()).assistant_header_ids())
-    trainer = Trainer(model, trainer_config, pad_id=tokenizer.pad_token_id, header_ids=header)
+    trainer = Trainer(model, train_config, pad_id=tokenizer.pad_token_id, header_ids=header)
     del model
     gc.collect()
     rows = []

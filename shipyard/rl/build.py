@@ -40,7 +40,7 @@ from shipyard.rollout.transport import InProcessTransport
 from shipyard.tasks.curriculum import Curriculum
 from shipyard.tasks.taskset import list_tasks
 from shipyard.train.checkpoint import latest_checkpoint
-from shipyard.train.trainer import Trainer
+from shipyard.train.trainer import TrainConfig, Trainer
 
 Status = Callable[[str], None]
 
@@ -110,15 +110,19 @@ def _run_dir(config: RLConfig) -> RunDir:
     return RunDir.resume(config.run.dir, step)
 
 
-@contextmanager
-def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[str] | None = None) -> Iterator[RLLoop]:
-    """Everything the configuration describes, built and wired (module docstring); closed on exit."""
+def trainer_config(config: RLConfig) -> TrainConfig:
+    """The trainer's configuration as a run builds it: distillation (and so the teacher, for an EMA teacher a second
+    copy of the model) exactly when hints can arrive."""
     if config.hints.enabled and config.trainer.distill.weight <= 0:
         raise ConfigError("hints.enabled distils the hinted turns with weight trainer.distill.weight, which is 0: set "
                           "trainer.distill.weight > 0 (default 1.0), or hints.enabled = false")
-    # the teacher exists exactly when hints can arrive (an EMA teacher is a second copy of the model)
-    config = replace(config, trainer=replace(config.trainer, distill=replace(config.trainer.distill,
-                                                                             enabled=config.hints.enabled)))
+    return replace(config.trainer, distill=replace(config.trainer.distill, enabled=config.hints.enabled))
+
+
+@contextmanager
+def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[str] | None = None) -> Iterator[RLLoop]:
+    """Everything the configuration describes, built and wired (module docstring); closed on exit."""
+    config = replace(config, trainer=trainer_config(config))
     with ExitStack() as stack:
         tasks_dir = task_set(config, status)
         task_ids = list_tasks(tasks_dir)
