@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 import torch
-from _common import finish, table
+from _common import console, finish, table
+from rich.progress import Progress, TimeElapsedColumn
 
 from shipyard.harness.tools import default_tools
 from shipyard.harness.wire import ChatFormat
@@ -99,16 +100,19 @@ def main() -> None:
     del model
     gc.collect()
     rows = []
-    for step in steps:
-        batch = recorded_batch(args.run / "trajectories" / f"step-{step:06d}.jsonl", tokenizer.pad_token_id, header,
-                               config.hints.enabled)
-        start = time.perf_counter()
-        with PeakRSS() as peak:
-            metrics = trainer.step(batch)
-        seconds = time.perf_counter() - start
-        rows.append([step, int(metrics.get("forward_tokens", 0)), int(metrics.get("tokens", 0)), round(seconds, 1),
-                     round(peak.peak), round(resident_mb())])
-        print(f"step {step}: peak {peak.peak:.0f} MiB, {seconds:.1f} s", flush=True)
+    with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console) as progress:
+        bar = progress.add_task("replaying recorded steps", total=len(steps))
+        for step in steps:
+            batch = recorded_batch(args.run / "trajectories" / f"step-{step:06d}.jsonl", tokenizer.pad_token_id,
+                                   header, config.hints.enabled)
+            start = time.perf_counter()
+            with PeakRSS() as peak:
+                metrics = trainer.step(batch)
+            seconds = time.perf_counter() - start
+            rows.append([step, int(metrics.get("forward_tokens", 0)), int(metrics.get("tokens", 0)),
+                         round(seconds, 1), round(peak.peak), round(resident_mb())])
+            progress.console.print(f"step {step}: peak {peak.peak:.0f} MiB, {seconds:.1f} s")
+            progress.advance(bar)
     table(f"replay of {args.run}", ["step", "forward tokens", "trained tokens", "seconds", "peak RSS MiB",
                                     "RSS after MiB"], rows)
     peaks = [r[4] for r in rows]
