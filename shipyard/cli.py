@@ -12,6 +12,7 @@ import sys
 import time
 from contextlib import closing, contextmanager
 from pathlib import Path
+from typing import Literal
 
 import typer
 from rich.console import Console
@@ -35,89 +36,33 @@ class UserError(Exception):
 def user_errors():
     from shipyard.httpguard import TokenError
     from shipyard.models.errors import ModelNotFound, ReplayExhausted, ServerUnreachable
+    from shipyard.rl.rundir import RunDirError
     from shipyard.rollout.setup import SandboxesUnavailable
 
     try:
         yield
     except (UserError, ModelNotFound, ServerUnreachable, ReplayExhausted, TokenError, FileNotFoundError,
-            ValueError, SandboxesUnavailable) as e:
+            ValueError, SandboxesUnavailable, RunDirError) as e:
         console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
         raise typer.Exit(2) from None
+
+
+def progress_bar(title: str, fields: str):
+    """A long job's progress bar on stderr: title, bar, done/total, `fields`, elapsed time (rich column formats)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn(title), BarColumn(), MofNCompleteColumn(), TextColumn(fields), TimeElapsedColumn(),
+                    console=console)
 
 
 def _status(message: str) -> None:
     console.print(f"[dim]· {message}[/]")
 
 
+Untagged = Literal["reject", "accept"]
 UNTAGGED_HELP = ("Tool calls written without <tool_call> tags (bare or fenced JSON): 'reject' reports them as format "
                  "errors, 'accept' runs them (flagged in the trajectory). Default: the bundled model's recorded "
                  "setting ('accept' for all of them), else 'reject'. See docs/harness.md.")
-
-
-def untagged_setting(model: str, given: str | None) -> str:
-    """The untagged-call setting of an episode of `model`: `given`, else the library's default for the model
-    (`shipyard.rollout.episode.default_untagged`, the one configuration path)."""
-    from shipyard.rollout.episode import default_untagged
-
-    if given is None:
-        return default_untagged(model)
-    if given not in ("reject", "accept"):
-        raise UserError(f"--untagged must be 'reject' or 'accept', not {given!r}")
-    return given
-
-
-def run_agent(task: str, repo: Path, model: str, max_turns: int, out_path: Path | None, temperature: float,
-              seed: int | None, max_new_tokens: int, device: str, tokenizer: str | None, untagged: str | None,
-              sandbox_dir: Path | None = None):
-    """Run one episode (`shipyard.rollout.episode.run_on_repo`) and show it. With `sandbox_dir`, the agent works in a
-    sandbox over a snapshot of `repo` (which is never modified) and the patch, trajectory and a summary are written
-    to `sandbox_dir`."""
-    from shipyard.harness.display import render_end, render_turn
-    from shipyard.models.resolve import make_engine
-    from shipyard.rollout.episode import episode_config, run_on_repo, save_artifacts
-
-    if not repo.is_dir():
-        raise UserError(f"--repo {repo} is not a directory")
-    config = episode_config(model, max_turns=max_turns, temperature=temperature, seed=seed,
-                            max_new_tokens=max_new_tokens, untagged_calls=untagged_setting(model, untagged))
-    with console.status(f"loading model {model}"):
-        engine = make_engine(model, device=device, tokenizer=tokenizer, status=_status)
-    if sandbox_dir is not None:
-        from shipyard.sandbox.host import host
-
-        for note in host().notes:
-            console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
-        sandbox_dir.mkdir(parents=True, exist_ok=True)
-        out_path = out_path or sandbox_dir / "trajectory.json"
-    console.print(f"[dim]· tool calls without <tool_call> tags: {config.loop.untagged_calls}[/]")
-    status = console.status("generating")
-
-    def on_workspace(workspace) -> None:
-        if sandbox_dir is not None:
-            console.print(f"[dim]· sandbox {workspace.id} over a snapshot of {repo}; {repo} will not be modified[/]")
-
-    def on_turn(turn, parsed):
-        status.stop()
-        console.print(render_turn(turn, parsed))
-        status.start()
-
-    try:
-        with status:
-            traj = run_on_repo(task, repo, engine, config, sandbox=sandbox_dir is not None, out=out_path,
-                               on_turn=on_turn, on_workspace=on_workspace)
-    finally:
-        engine.close()
-    render_end(console, traj)
-    if sandbox_dir is not None:
-        save_artifacts(traj, sandbox_dir)
-        console.print(f"[dim]patch, trajectory and summary written to {sandbox_dir}; apply the patch with "
-                      f"`git apply {sandbox_dir / 'patch.diff'}` in {repo}[/]", soft_wrap=True)
-    elif out_path:
-        console.print(f"[dim]trajectory saved to {out_path}[/]")
-    if traj.stop_reason == "infra_error":
-        raise UserError(f"the episode stopped on an infrastructure failure, not the model's doing: "
-                        f"{traj.meta.get('infra_error')}")
-    return traj
 
 
 @app.command()
@@ -136,16 +81,30 @@ def agent(
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", min=1, help="Token budget of one turn."),
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, …"),
     tokenizer: str | None = typer.Option(None, help="Tokenizer for openai:/replay: models (default: inferred)."),
-    untagged: str | None = typer.Option(None, help=UNTAGGED_HELP),
+    untagged: Untagged | None = typer.Option(None, help=UNTAGGED_HELP),
 ) -> None:
     """Run the coding agent on a repository and print each turn, the diff and a summary."""
+    from shipyard.models.resolve import make_engine
+    from shipyard.rollout.episode import episode_config
+    from shipyard.rollout.interactive import run_shown
+
     with user_errors():
         if artifacts is not None and not sandbox:
             raise UserError("--artifacts only applies with --sandbox")
         if sandbox and artifacts is None:
             artifacts = Path("shipyard-runs") / time.strftime("%Y%m%d-%H%M%S")
-        run_agent(task, repo, model, max_turns, out_path, temperature, seed, max_new_tokens, device, tokenizer,
-                  untagged, artifacts if sandbox else None)
+        if not repo.is_dir():
+            raise UserError(f"--repo {repo} is not a directory")
+        config = episode_config(model, max_turns=max_turns, temperature=temperature, seed=seed,
+                                max_new_tokens=max_new_tokens, untagged_calls=untagged)
+        with console.status(f"loading model {model}"):
+            engine = make_engine(model, device=device, tokenizer=tokenizer, status=_status)
+        with closing(engine):
+            traj = run_shown(task, repo, engine, config, console, sandbox_dir=artifacts if sandbox else None,
+                             out=out_path)
+        if traj.stop_reason == "infra_error":
+            raise UserError(f"the episode stopped on an infrastructure failure, not the model's doing: "
+                            f"{traj.meta.get('infra_error')}")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -153,8 +112,6 @@ def demo(ctx: typer.Context) -> None:
     """The whole RL loop on this machine: tasks synthesized from the example library, the bundled model evaluated,
     trained for a few steps and evaluated again; a before/after table. configs/demo.toml; any key may follow as
     --SECTION.KEY VALUE (`shipyard demo --run.steps 2`). Exits non-zero if the loop failed."""
-    from rich.table import Table
-
     from shipyard.models.errors import InfraError
     from shipyard.rl.demo import demo_config, report
 
@@ -167,15 +124,7 @@ def demo(ctx: typer.Context) -> None:
         except InfraError as e:  # the run gave up: its run.json, eval/ and rollouts.jsonl hold what happened
             console.print(f"[bold red]the loop failed:[/] {e} (run directory {cfg.run.dir})", soft_wrap=True)
             raise typer.Exit(1) from None
-    table = Table(title="held-out tasks, before and after training")
-    for column in ("", "before", "after"):
-        table.add_column(column, justify="left" if not column else "right")
-    for row in result.rows():
-        table.add_row(*row)
-    training = Table(title="training", show_header=False)
-    for row in result.training_rows():
-        training.add_row(*row)
-    console.print(table, training)
+    console.print(*result.tables())
     sys.stdout.write(json.dumps({"run": str(cfg.run.dir), **result.to_json()}, default=str) + "\n")  # one line, last
     sys.stdout.flush()
     if not result.ok:
@@ -209,17 +158,16 @@ def serve(
     $SHIPYARD_SERVE_TOKEN_FILE) if set, else a fresh one written to $SHIPYARD_HOME/serve/PORT.token (mode 0600),
     where `shipyard.train.sync.push_http` finds it."""
     from shipyard.harness.chat_api import add_chat_completions
-    from shipyard.httpguard import new_token, store_token, token_from_env
+    from shipyard.httpguard import server_token, store_token
     from shipyard.models.resolve import make_engine
     from shipyard.models.server import TOKEN_ENV, ServeConfig, create_app, run, token_path
+    from shipyard.rollout.episode import default_untagged
 
     with user_errors():
         if model.startswith("openai:"):
             raise UserError("serve needs a local model, not openai:")
-        given = token_from_env(TOKEN_ENV)
-        token, where = given or (new_token(), None)
-        if where is None:
-            where = store_token(token_path(port), token, TOKEN_ENV)
+        token, where = server_token(TOKEN_ENV)
+        where = where or store_token(token_path(port), token, TOKEN_ENV)
         engine = make_engine(model, device=device, status=_status)
     config = ServeConfig(token=token, api_key=api_key or None, max_tokens=max_tokens_limit, max_model_len=max_model_len,
                          max_batch=max_batch, max_body=max_body_mb << 20, max_weights_body=max_weights_mb << 20)
@@ -227,7 +175,7 @@ def serve(
                   + (" (API key required)" if config.api_key else ""), soft_wrap=True)
     console.print(f"weights token for POST /v1/weights: {where}", soft_wrap=True)
     served = create_app(engine, model, config)
-    add_chat_completions(served, engine, model, untagged_setting(model, None))
+    add_chat_completions(served, engine, model, default_untagged(model))
     run(served, host, port, max_connections=max_connections)
 
 
@@ -302,7 +250,7 @@ def env_server(
     if set, else a fresh one written to --token-file, where `EnvClient` on this host finds it."""
     import uvicorn
 
-    from shipyard.httpguard import new_token, store_token, token_from_env
+    from shipyard.httpguard import server_token, store_token
     from shipyard.rollout.setup import check_sandboxes
     from shipyard.sandbox.client import TOKEN_ENV
     from shipyard.sandbox.client import token_file as default_token_file
@@ -314,9 +262,8 @@ def env_server(
         check_sandboxes()  # SandboxesUnavailable: one line, exit 2
         for note in host().notes:
             console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
-        given = token_from_env(TOKEN_ENV)
-        token, where = given or (new_token(), None)
-        token_file = None if given else token_file or default_token_file(port)
+        token, where = server_token(TOKEN_ENV)
+        token_file = None if where else token_file or default_token_file(port)
         config = ServerConfig(token=token, allowed_roots=tuple(allow_root or [Path.cwd()]), token_file=token_file,
                               max_live=max_live, max_starting=max_starting, max_queue=max_queue,
                               idle_timeout=idle_timeout, warm_pool=warm_pool, max_body=max_body_mb << 20,
@@ -348,9 +295,6 @@ def synth(
                                            "declare, as `pip install` takes it (repeatable): --with hypothesis"),
 ) -> None:
     """Feature-deletion tasks from REPO, each validated in sandboxes and graded by its tests."""
-    from packaging.requirements import InvalidRequirement, Requirement
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from shipyard.tasks.environment import EnvSetupError
     from shipyard.tasks.synth import SynthConfig, Synthesizer
 
@@ -359,16 +303,9 @@ def synth(
             raise UserError(f"--repo {repo} is not a directory")
         if out.exists() and any(out.iterdir()) and not (out / "tasks.jsonl").exists():
             raise UserError(f"--out {out} exists and is not a task set; choose an empty or new directory")
-        for req in with_ or ():
-            try:
-                Requirement(req)
-            except InvalidRequirement as e:
-                raise UserError(f"--with {req!r} is not a requirement ({e}); write it as pip does: 'hypothesis>=6'") \
-                    from None
         config = SynthConfig(max_tasks=max_tasks, tiers=tuple(sorted(set(tier or (1, 2, 3)))), timeout=timeout,
                              requirements=tuple(with_ or ()))
-        with Progress(TextColumn("[bold]validated tasks"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("{task.fields[tried]} tried"), TimeElapsedColumn(), console=console) as bar:
+        with progress_bar("[bold]validated tasks", "{task.fields[tried]} tried") as bar:
             job = bar.add_task("synth", total=max_tasks, tried=0)
             try:
                 report = Synthesizer(repo, out, config, log=lambda m: bar.console.print(f"[dim]· {m}[/]"),
@@ -435,7 +372,7 @@ def eval_(
                                           "Default: bubblewrap sandboxes in this process."),
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, …"),
     tokenizer: str | None = typer.Option(None, help="Tokenizer for openai:/replay: models (default: inferred)."),
-    untagged: str | None = typer.Option(None, help=UNTAGGED_HELP),
+    untagged: Untagged | None = typer.Option(None, help=UNTAGGED_HELP),
 ) -> None:
     """Evaluate a model on held-out tasks without training: pass@1, unbiased pass@k, effort, infra failures and
     monitor flags per task and overall (a markdown table on stdout; JSON with --out). Exit 0 when the eval ran
@@ -454,13 +391,11 @@ def eval_(
                 raise UserError("eval needs --tasks DIR and --model M (or --compare A.json B.json)")
             config = evaluation.EvalConfig(samples=samples, ks=k or None, seed=seed, concurrency=concurrency,
                                            max_infra_retries=retries, rollout_time_budget=rollout_timeout)
-            if not tasks.is_dir():
-                raise UserError(f"--tasks {tasks} is not a directory")
             task_ids = select_tasks(tasks, task)
             from shipyard.rollout.episode import episode_config  # imports torch: after the checks above
 
             episode = episode_config(model, max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature,
-                                     grade_timeout=grade_timeout, untagged_calls=untagged_setting(model, untagged))
+                                     grade_timeout=grade_timeout, untagged_calls=untagged)
             doc = _run_eval(tasks, task_ids, model, config, episode, env_server, device, tokenizer, rollouts_path)
             table = evaluation.markdown(doc)
         if out_path is not None:
@@ -483,24 +418,19 @@ def eval_(
 def _run_eval(tasks: Path, task_ids: list[str], model: str, config, episode, env_server: str | None, device: str,
               tokenizer: str | None, rollouts_path: Path | None) -> dict:
     """Open the engine and the environment, run the eval with a progress bar, close both (`shipyard.rollout.setup`)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from shipyard.rollout.eval import passed, run_eval
-    from shipyard.rollout.setup import SandboxesUnavailable, fit_turn_budget, open_engine, open_environment
+    from shipyard.rollout.setup import SandboxesUnavailable, open_engine, open_environment
 
     with console.status(f"loading model {model}"):
         engine = open_engine(model, tasks_dir=tasks, task_ids=task_ids, device=device, tokenizer=tokenizer,
-                             status=_status)
+                             status=_status, loop=episode.loop)
     with closing(engine):
-        if fit_turn_budget(engine, episode.loop) is not None:
-            _status(f"a turn's token budget is raised to {episode.loop.max_new_tokens}, the longest recorded message")
         try:
             env = open_environment(env_server)
         except SandboxesUnavailable as e:
             raise UserError(f"{e}; use --env-server URL") from None
-        with closing(env), Progress(TextColumn("[bold]eval[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                                    TextColumn("{task.fields[passed]} passed · {task.fields[infra]} masked"),
-                                    TimeElapsedColumn(), console=console) as bar:
+        with closing(env), progress_bar("[bold]eval[/] {task.description}",
+                                        "{task.fields[passed]} passed · {task.fields[infra]} masked") as bar:
             counts = {"passed": 0, "infra": 0}
             job = bar.add_task(model, total=len(task_ids) * config.samples, **counts)
 
@@ -516,24 +446,17 @@ def _run_eval(tasks: Path, task_ids: list[str], model: str, config, episode, env
 
 def _train_with_progress(cfg, argv: list[str]) -> list[dict]:
     """Run a configured training (`shipyard.rl.build.train`) under a progress bar; its metrics lines."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from shipyard.rl.build import train as run_training
-    from shipyard.rl.rundir import RunDirError
 
-    try:
-        with Progress(TextColumn("[bold]trainer steps"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("{task.fields[last]}"), TimeElapsedColumn(), console=console) as bar:
-            job = bar.add_task("train", total=cfg.run.steps, last="")
+    with progress_bar("[bold]trainer steps", "{task.fields[last]}") as bar:
+        job = bar.add_task("train", total=cfg.run.steps, last="")
 
-            def on_step(step: int, line: dict) -> None:
-                shown = {k: line.get(k) for k in ("reward/mean", "tools/grounded_fraction", "train/loss")}
-                bar.update(job, completed=step, last=" ".join(f"{k}={v:.3g}" for k, v in shown.items()
-                                                             if isinstance(v, int | float)))
+        def on_step(step: int, line: dict) -> None:
+            shown = {k: line.get(k) for k in ("reward/mean", "tools/grounded_fraction", "train/loss")}
+            bar.update(job, completed=step, last=" ".join(f"{k}={v:.3g}" for k, v in shown.items()
+                                                         if isinstance(v, int | float)))
 
-            return run_training(cfg, argv=argv, status=bar.console.print, on_step=on_step)
-    except RunDirError as e:
-        raise UserError(str(e)) from None
+        return run_training(cfg, argv=argv, status=bar.console.print, on_step=on_step)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -118,6 +118,12 @@ def token_from_env(env_var: str) -> tuple[str, str] | None:
     return token, f"${env_var}" if os.environ.get(env_var) else f"${env_var}_FILE"
 
 
+def server_token(env_var: str) -> tuple[str, str | None]:
+    """The token a server requires: the operator's (`token_from_env`) with where it came from, else a fresh one and
+    None — the server then stores it (`store_token`) once its configuration is known to be good."""
+    return token_from_env(env_var) or (new_token(), None)
+
+
 def store_token(path: Path, token: str, env_var: str) -> str:
     """`write_token`, with a failure as a `TokenError` saying what to do; where the token is, for the operator."""
     try:

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich.table import Table
+
 from shipyard.models.bundled import shipyard_home
 from shipyard.rl.config import RLConfig, load_config
 
@@ -102,6 +104,17 @@ class DemoReport:
                 ("reward-hacking flags", str(self.hack_flags)),
                 ("grounded validity, first → last batch", f"{_fmt(first, '{:.3f}')} → {_fmt(last, '{:.3f}')}"),
                 ("peak resident memory (MiB)", _fmt(self.peak_rss_mb, "{:.0f}"))]
+
+    def tables(self) -> tuple[Table, Table]:
+        """The held-out figures before/after and the training figures, as the demo prints them."""
+        held_out = Table(title="held-out tasks, before and after training")
+        for column in ("", "before", "after"):
+            held_out.add_column(column, justify="left" if not column else "right")
+        training = Table(title="training", show_header=False)
+        for table, rows in ((held_out, self.rows()), (training, self.training_rows())):
+            for row in rows:
+                table.add_row(*row)
+        return held_out, training
 
     def to_json(self) -> dict[str, Any]:
         return {"before": self.before, "after": self.after, "steps": self.steps, "trained_steps": self.trained_steps,

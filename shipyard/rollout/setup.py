@@ -56,20 +56,26 @@ def select_tasks(tasks_dir: Path, only: Iterable[str] | None = None) -> list[str
 
 
 def open_engine(model: str, *, tasks_dir: Path | None = None, task_ids: list[str] | None = None, device: str = "cpu",
-                tokenizer: str | None = None, status: Callable[[str], None] = lambda _: None) -> Engine:
+                tokenizer: str | None = None, status: Callable[[str], None] = lambda _: None,
+                loop: LoopConfig | None = None) -> Engine:
     """The engine `model` denotes (`make_engine`'s names, and `replay:gold`: the gold trajectories of `task_ids` in
     `tasks_dir`, all of the task set's when None). `tokenizer` names the tokenizer of id-only engines (openai:,
-    replay:); `status` hears what loading is doing (downloads, conversions). The caller closes the engine."""
+    replay:); `status` hears what loading is doing (downloads, conversions). With `loop`, the episodes' turn budget is
+    fitted to a replay engine (`fit_turn_budget`). The caller closes the engine."""
     if model == GOLD:
         from shipyard.models.resolve import load_tokenizer
         from shipyard.rollout.gold import gold_engine
 
         if tasks_dir is None:
             raise ValueError(f"{GOLD} replays the gold patches of a task set: give the tasks directory")
-        return gold_engine(tasks_dir, task_ids, load_tokenizer(tokenizer) if tokenizer else None)
-    from shipyard.models.resolve import make_engine
+        engine = gold_engine(tasks_dir, task_ids, load_tokenizer(tokenizer) if tokenizer else None)
+    else:
+        from shipyard.models.resolve import make_engine
 
-    return make_engine(model, device=device, tokenizer=tokenizer, status=status)
+        engine = make_engine(model, device=device, tokenizer=tokenizer, status=status)
+    if loop is not None and fit_turn_budget(engine, loop) is not None:
+        status(f"a turn's token budget is raised to {loop.max_new_tokens}, the longest recorded message")
+    return engine
 
 
 def fit_turn_budget(engine: Engine, loop: LoopConfig) -> int | None:

@@ -66,6 +66,15 @@ class SynthConfig:
     wheel_cache: Path | None = None  # where downloaded wheels are kept (default ~/.cache/shipyard/wheels)
     index_url: str | None = None  # the package index for downloads (default: pip's configured one, else PyPI)
 
+    def __post_init__(self) -> None:
+        from packaging.requirements import InvalidRequirement, Requirement
+
+        for req in self.requirements:
+            try:
+                Requirement(req)
+            except InvalidRequirement as e:
+                raise ValueError(f"{req!r} is not a requirement ({e}); write it as pip does: 'hypothesis>=6'") from None
+
 
 @dataclass
 class SynthReport:

@@ -40,6 +40,8 @@ def test_report_reads_before_after_and_training_figures():
     assert rows["grounded tool-call validity"] == ("0.000", "0.250")
     assert rows["pass rate (pass@1)"] == ("0.000", "0.500")
     assert rows["rollouts scored / flagged"] == ("4 / 0", "4 / 0")
+    held_out, training = r.tables()
+    assert (held_out.row_count, training.row_count) == (len(r.rows()), len(r.training_rows()))
     assert json.loads(json.dumps(r.to_json()))["ok"] is True
 
 

@@ -20,7 +20,7 @@ from shipyard.models.bundled import BUNDLED
 from shipyard.models.errors import InfraError, ServerUnreachable
 from shipyard.models.replay import ReplayEngine
 from shipyard.rollout.environment import LocalEnvironment
-from shipyard.rollout.episode import episode_config, run_episode, run_on_repo
+from shipyard.rollout.episode import default_untagged, episode_config, run_episode, run_on_repo
 from shipyard.rollout.record import EpisodeSpec, rollout_seed
 from shipyard.sandbox.host import host
 from shipyard.sandbox.run import sandbox_problem
@@ -99,11 +99,10 @@ def tasks(taskset):
 
 # Configuration: one path for the library and the CLI --------------------------------------------------------------
 
-def test_untagged_default_is_the_bundled_models_and_the_clis():
-    from shipyard.cli import untagged_setting
-
+def test_untagged_default_is_the_bundled_models():
     for model in [*BUNDLED, "random:tiny", "replay:x.jsonl", "openai:http://h/v1"]:
-        assert episode_config(model).loop.untagged_calls == untagged_setting(model, None)
+        assert episode_config(model).loop.untagged_calls == default_untagged(model)
+        assert episode_config(model, untagged_calls=None).loop.untagged_calls == default_untagged(model)
     assert {episode_config(m).loop.untagged_calls for m in BUNDLED} == {"accept"}  # was "reject" in a bare LoopConfig
     assert episode_config("random:tiny").loop.untagged_calls == "reject"
     assert episode_config("qwen2.5-coder-0.5b", untagged_calls="reject").loop.untagged_calls == "reject"

@@ -441,7 +441,7 @@ def result_doc(groups=None, model="m"):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--tasks", "{tmp}/missing", "--model", "replay:gold"], "--tasks {tmp}/missing is not a directory"),
+    (["--tasks", "{tmp}/missing", "--model", "replay:gold"], "{tmp}/missing is not a task set"),
     (["--tasks", "{tmp}", "--model", "replay:gold"], "is not a task set (no tasks.jsonl)"),
     (["--tasks", "{tmp}", "--model", "replay:gold", "--task", "nope"], "no task 'nope' in"),
     (["--tasks", "{tmp}", "--model", "replay:gold", "--task", "../etc"], "task id '../etc' is invalid"),
