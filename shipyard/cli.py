@@ -60,6 +60,7 @@ def _status(message: str) -> None:
 
 
 Untagged = Literal["reject", "accept"]
+SearchMode = Literal["hybrid", "semantic", "bm25"]
 UNTAGGED_HELP = ("Tool calls written without <tool_call> tags (bare or fenced JSON): 'reject' reports them as format "
                  "errors, 'accept' runs them (flagged in the trajectory). Default: the bundled model's recorded "
                  "setting ('accept' for all of them), else 'reject'. See docs/harness.md.")
@@ -105,6 +106,52 @@ def agent(
         if traj.stop_reason == "infra_error":
             raise UserError(f"the episode stopped on an infrastructure failure, not the model's doing: "
                             f"{traj.meta.get('infra_error')}")
+
+
+@app.command()
+def search(
+    query: str = typer.Argument(..., help="What the code does, in plain language (or names and keywords)."),
+    repo: Path = typer.Option(Path("."), "--repo", help="The repository to search (indexed on first use, then "
+                              "refreshed with what changed)."),
+    k: int = typer.Option(10, "-k", min=1, max=200, help="Results to show."),
+    mode: SearchMode = typer.Option("hybrid", help="hybrid (meaning and words), semantic or bm25."),
+    directory: list[str] | None = typer.Option(None, "--dir", help="Only under this directory (repeatable)."),
+    index: Path | None = typer.Option(None, "--index", help="Index directory. Default: $SHIPYARD_HOME/search/…"),
+    embedder: str = typer.Option("minilm", help="Embedding model: minilm (bundled), a model directory or a hub id."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as one JSON object."),
+) -> None:
+    """Search a repository's code by meaning: syntax-aware chunks, embeddings and BM25 (docs/search.md)."""
+    from shipyard.search.embed import SentenceEmbedder
+    from shipyard.search.index import IndexError_
+    from shipyard.search.service import open_repo_index
+
+    with user_errors():
+        if not repo.is_dir():
+            raise UserError(f"--repo {repo} is not a directory")
+        with console.status(f"loading embedder {embedder}"):
+            model = SentenceEmbedder(embedder)
+        with progress_bar("[bold]embedding[/]", "") as bar:
+            job = bar.add_task("index", total=None)
+            try:
+                idx, report = open_repo_index(repo, model, index, progress=lambda d, t: bar.update(job, completed=d,
+                                                                                                    total=t))
+            except IndexError_ as e:
+                raise UserError(f"{e} (or give another --index)") from None
+        hits = idx.search(query, k, mode=mode, dirs=directory)
+    _status(f"index {idx.directory}: {idx.live_chunks()} chunks; {len(report.files_changed)} files (re)indexed, "
+            f"{report.chunks_embedded} chunks embedded in {report.seconds:.1f} s")
+    if as_json:
+        out.print_json(json.dumps({"query": query, "results": [
+            {"location": h.chunk.location, "symbol": h.chunk.symbol, "score": h.score, "semantic_rank": h.semantic_rank,
+             "bm25_rank": h.bm25_rank} for h in hits]}))
+        return
+    for h in hits:
+        out.print(f"[bold]{h.chunk.location}[/]" + (f"  [cyan]{h.chunk.symbol}[/]" if h.chunk.symbol else ""),
+                  soft_wrap=True)
+        for n, line in enumerate(h.chunk.text.split("\n")[:4], h.chunk.start):
+            out.print(f"{n:>6}  {line[:160]}", markup=False, highlight=False)
+    if not hits:
+        console.print("no results")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

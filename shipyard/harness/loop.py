@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shipyard.harness.parse import ParsedTurn, ToolCall, ToolCallParser
-from shipyard.harness.tools import Tool, ToolContext, ToolError, default_tools, truncate_middle
+from shipyard.harness.tools import Searcher, Tool, ToolContext, ToolError, tools_for, truncate_middle
 from shipyard.harness.tools.base import display_path
 from shipyard.harness.trajectory import CallRecord, Trajectory, Turn
 from shipyard.harness.wire import SYSTEM_PROMPT, ChatFormat
@@ -135,6 +135,9 @@ class ToolExecutor:
 
     def _run_one(self, call: ToolCall) -> CallRecord:
         start = time.perf_counter()
+        if self.tools[call.name].mutates:
+            written = self._access(call)[1]
+            self.ctx.wrote(None if ANYWHERE in written else written)
         try:
             output, error, kind = self.tools[call.name].run(self.ctx, **call.arguments), None, None
         except InfraError:  # not the model's doing (many are OSErrors): the episode ends, see Agent.run
@@ -173,16 +176,17 @@ def workspace_overview(workspace: Workspace, max_entries: int) -> str:
 class Agent:
     """Runs episodes of one engine in one workspace. `on_turn` is called after each turn (for display); `session` is
     sent with every request (the rollout id); `cancelled`, polled between turns and between decode steps, stops the
-    episode with stop reason `cancelled`."""
+    episode with stop reason `cancelled`. With a `searcher`, the episode offers `codebase_search`."""
 
     def __init__(self, engine: Engine, workspace: Workspace, config: LoopConfig | None = None,
                  tools: list[Tool] | None = None, system_prompt: str = SYSTEM_PROMPT,
                  on_turn: TurnCallback | None = None, *, session: str | None = None,
-                 cancelled: Callable[[], bool] | None = None):
+                 cancelled: Callable[[], bool] | None = None, searcher: Searcher | None = None):
         self.engine = engine
         self.workspace = workspace
         self.config = config or LoopConfig()
-        self.tools = tools if tools is not None else default_tools()
+        self.searcher = searcher
+        self.tools = tools if tools is not None else tools_for(searcher)
         self.format = ChatFormat(engine.tokenizer, self.tools, system_prompt)
         self.parser = ToolCallParser(self.tools, self.config.untagged_calls)
         self.on_turn = on_turn
@@ -194,7 +198,7 @@ class Agent:
         start = time.monotonic()
         traj = Trajectory(task=task, model=self.engine.name, prompt_ids=[],
                           meta={"tools": [t.name for t in self.tools], "config": vars(cfg).copy()})
-        ctx = ToolContext(self.workspace, max_output_bytes=cfg.max_output_bytes)
+        ctx = ToolContext(self.workspace, max_output_bytes=cfg.max_output_bytes, searcher=self.searcher)
         executor = ToolExecutor(self.tools, ctx, cfg.max_parallel)
         try:
             try:

@@ -30,12 +30,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from shipyard.harness.loop import Agent, LoopConfig, TurnCallback
+from shipyard.harness.tools import Searcher
 from shipyard.harness.trajectory import Trajectory
 from shipyard.harness.workspace import LocalWorkspace, Workspace
 from shipyard.models.bundled import BUNDLED
@@ -60,6 +62,8 @@ class EpisodeConfig:
     loop: LoopConfig = field(default_factory=LoopConfig)  # its seed is replaced per rollout by the spec's
     grade_timeout: float = 900.0  # seconds the task's test suite may take when grading
     monitors: bool = True  # run the trajectory monitors on every rollout
+    search: bool = False  # offer codebase_search (shipyard.search): the task's prebuilt index, refreshed with edits
+    embedder: str = "minilm"  # codebase_search's embedding model (shipyard.search.embed)
 
 
 def default_untagged(model: str) -> str:
@@ -104,8 +108,10 @@ def run_episode(spec: EpisodeSpec, engine: Engine, env: Environment, config: Epi
             loop = replace(config.loop, seed=spec.seed)
             if spec.wall_time is not None:
                 loop.wall_time = min(loop.wall_time, spec.wall_time)
-            agent = Agent(engine, workspace, loop, session=spec.rollout_id, cancelled=cancelled)
-            traj = agent.run(task.statement)
+            with searcher_for(config, task_dir) as searcher:
+                agent = Agent(engine, workspace, loop, session=spec.rollout_id, cancelled=cancelled,
+                              searcher=searcher)
+                traj = agent.run(task.statement)
             agent_seconds = time.monotonic() - agent_start
     except InfraError as e:
         if traj is None:  # no sandbox: the agent never ran
@@ -124,6 +130,22 @@ def run_episode(spec: EpisodeSpec, engine: Engine, env: Environment, config: Epi
             rollout.monitor_flags = [asdict(f) for f in monitor(traj, deleted_source(task_dir))]
     timings["total"] = time.monotonic() - start
     return rollout
+
+
+@contextmanager
+def searcher_for(config: EpisodeConfig, task_dir: Path | None = None) -> Iterator[Searcher | None]:
+    """`codebase_search`'s backend for one episode when `config.search`: over the task's index, built at synthesis
+    (`shipyard.search.service.TASK_INDEX`), or built from the workspace on the first query; None otherwise."""
+    if not config.search:
+        yield None
+        return
+    from shipyard.search.service import IndexSearcher, shared_embedder, task_index
+
+    searcher = IndexSearcher(shared_embedder(config.embedder), task_index(task_dir) if task_dir else None)
+    try:
+        yield searcher
+    finally:
+        searcher.close()
 
 
 def _conclude(rollout: Rollout, traj: Trajectory, spec: EpisodeSpec, env: Environment, config: EpisodeConfig,
@@ -169,13 +191,16 @@ def run_on_repo(task: str, repo: Path, engine: Engine, config: EpisodeConfig, *,
         try:
             if on_workspace is not None:
                 on_workspace(workspace)
-            return Agent(engine, workspace, config.loop, on_turn=on_turn, session=session).run(task, out=agent_out)
+            with searcher_for(config) as searcher:
+                return Agent(engine, workspace, config.loop, on_turn=on_turn, session=session,
+                             searcher=searcher).run(task, out=agent_out)
         finally:
             workspace.close()
-    with snapshot_of(repo, host()) as snapshot, Sandbox(snapshot) as workspace:
+    with snapshot_of(repo, host()) as snapshot, Sandbox(snapshot) as workspace, searcher_for(config) as searcher:
         if on_workspace is not None:
             on_workspace(workspace)
-        return Agent(engine, workspace, config.loop, on_turn=on_turn, session=session).run(task, out=agent_out)
+        return Agent(engine, workspace, config.loop, on_turn=on_turn, session=session,
+                     searcher=searcher).run(task, out=agent_out)
 
 
 def save_artifacts(traj: Trajectory, directory: Path) -> None:

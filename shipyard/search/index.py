@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -318,7 +319,8 @@ class CodeIndex:
         return sum(c is None for c in self.chunks) / self.rows if self.rows else 0.0
 
     def compact(self) -> None:
-        """Drop the dead rows (vectors, chunks) and renumber; BM25 is rebuilt with the new row numbers."""
+        """Drop the dead rows (vectors, chunks) and renumber; BM25 is rebuilt from scratch with the new row numbers,
+        so nothing of a removed file is left in any of the index's files."""
         live = [row for row, chunk in enumerate(self.chunks) if chunk is not None]
         renumber = {old: new for new, old in enumerate(live)}
         self.vectors = np.ascontiguousarray(self.vectors[live])
@@ -326,7 +328,9 @@ class CodeIndex:
         self.rows = len(live)
         for entry in self.files.values():
             entry["rows"] = [renumber[r] for r in entry["rows"]]
-        self._bm25_replace([], list(enumerate(self.chunks)), everything=True)
+        self._writer = self._bm25 = None  # the writer's lock goes with it
+        shutil.rmtree(self.directory / "bm25", ignore_errors=True)  # no deleted document survives in a segment
+        self._bm25_replace([], list(enumerate(self.chunks)))
         self._ann = None
 
     # ---- search ------------------------------------------------------------------------------------------------

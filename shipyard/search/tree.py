@@ -2,7 +2,8 @@
 a cheap change stamp and read one (`FileSource`: a sandbox's workspace, a task snapshot).
 
 Which files: those ripgrep would search (`rg --files`: .gitignore and .ignore files obeyed, with or without a .git
-directory; hidden files and directories left out; symbolic links not followed), each at most `max_bytes` and not
+directory; hidden files and directories left out; symbolic links not followed), without the directories the
+workspace's tools ignore (.venv, node_modules, caches), each at most `max_bytes` and not
 binary (a NUL byte in its first 8 KiB, as git decides). A repository an index is built from may be hostile (tasks are
 synthesized from arbitrary repositories): a path is only ever opened below the root, without following links.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from shipyard.harness.confined import IGNORED_DIRS
 from shipyard.harness.tools.base import installed_binary
 
 MAX_FILE_BYTES = 1 << 20
@@ -49,7 +51,8 @@ class LocalTree:
         self.max_bytes = max_bytes
 
     def files(self) -> dict[str, Stamp]:
-        proc = subprocess.run([installed_binary("rg"), "--files", "--no-require-git", "--no-config", "--null"],
+        skip = [arg for name in sorted(IGNORED_DIRS) for arg in ("--glob", f"!{name}")]  # as the workspace's tools
+        proc = subprocess.run([installed_binary("rg"), "--files", "--no-require-git", "--no-config", "--null", *skip],
                               cwd=self.root, capture_output=True, timeout=300)
         if proc.returncode not in (0, 1):  # 1: no files
             raise OSError(f"listing {self.root} failed: {proc.stderr.decode(errors='replace')[-500:]}")

@@ -65,6 +65,8 @@ class SynthConfig:
     requirements: tuple[str, ...] = ()  # more packages the tests need (`--with`), beyond what the repo declares
     wheel_cache: Path | None = None  # where downloaded wheels are kept (default ~/.cache/shipyard/wheels)
     index_url: str | None = None  # the package index for downloads (default: pip's configured one, else PyPI)
+    search_index: bool = True  # give each task its codebase_search index (shipyard.search.service.index_tasks)
+    embedder: str = "minilm"  # the index's embedding model
 
     def __post_init__(self) -> None:
         from packaging.requirements import InvalidRequirement, Requirement
@@ -267,6 +269,12 @@ class Synthesizer:
             self.log(f"  accepted {task.id} ({len(task.fail_to_pass)} FAIL_TO_PASS)")
             self.progress(len(self.report.accepted), self.report.tried)
         (self.out / "tasks.jsonl").write_text("".join(json.dumps(i) + "\n" for i in index))
+        if self.config.search_index and self.report.accepted:
+            from shipyard.search.service import index_tasks, shared_embedder
+
+            self.log("building the tasks' codebase_search indexes")
+            index_tasks(self.base, [self.out / t for t in self.report.accepted], shared_embedder(self.config.embedder),
+                        self.work, self.log)
         shutil.rmtree(self.work, ignore_errors=True)
         self.report.seconds = round(time.monotonic() - start, 1)
         cpu1, unmeasured1 = _cpu()

@@ -91,7 +91,7 @@ def test_every_failure_is_not_grounded_with_its_kind():
     copied = CallRecord(0, "read_file", {"path": "File path relative to the workspace root."}, "x", None, 0.0,
                         untagged=True)
     assert CHECK.call(copied).problem == "placeholder"  # the format is checked last: a worse problem names it
-    other_tools = CallRecord(0, "codebase_search", {"query": "roman"}, "…", None, 0.0)
+    other_tools = CallRecord(0, "web_search", {"query": "roman"}, "…", None, 0.0)
     assert CHECK.call(other_tools).problem == "unknown_tool"
     assert {"placeholder", "trivial", "no_target", "unclassified"} <= set(NOT_GROUNDED)
 

@@ -1,0 +1,191 @@
+"""The code-search index where it is used: over an agent's workspace (`IndexSearcher`, the `codebase_search`
+tool's backend) and over a repository on this machine (`repo_index`, for `shipyard search` and the CLI agent).
+
+**In an episode** the index must follow the agent's own edits without ever embedding the whole repository again. A
+task's index is built once, at synthesis, outside its snapshot; an episode opens a private copy of it (hard links:
+the index's files are only ever replaced, never written in place, so a copy costs no bytes and two episodes of one
+task cannot disturb each other or the original) and, before each query, refreshes the files written since the last
+one. The tool layer knows them exactly when they came from the editing tools (`ToolContext.changed`); after a
+terminal command, which may have written anything, they come from the workspace's diff against its baseline, plus
+every file refreshed before (one reverted since must go back to its original chunks). Either way only those files
+are read, hashed and — if their bytes changed — re-chunked and re-embedded. A workspace without a prebuilt index
+gets one built from its files on the first query (once per episode).
+
+**On this machine** an index per repository lives in `$SHIPYARD_HOME/search/` (mode 0700: it holds the code's
+text), refreshed incrementally on every use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from shipyard.harness.confined import PathError
+from shipyard.harness.tools.search import SearchResult
+from shipyard.harness.workspace import Workspace
+from shipyard.models.errors import InfraError
+from shipyard.search.embed import BUNDLED_EMBEDDER, Embedder, SentenceEmbedder
+from shipyard.search.index import CodeIndex, IndexConfig, UpdateReport
+from shipyard.search.tree import MAX_FILE_BYTES, LocalTree, Stamp, is_binary
+
+MAX_WORKSPACE_FILES = 200_000
+TASK_INDEX = "search-index"  # a task's index, beside its snapshot (never inside it: the agent must not see it)
+_DIFF_PATH = re.compile(r"^diff --git a/(.+) b/\1$", re.MULTILINE)
+_embedders: dict[tuple[str, str], Embedder] = {}
+_embedders_lock = threading.Lock()
+
+
+def shared_embedder(name: str = BUNDLED_EMBEDDER, device: str = "cpu") -> Embedder:
+    """One embedder per (model, device) in this process, shared by every episode's searcher."""
+    with _embedders_lock:
+        if (name, device) not in _embedders:
+            _embedders[(name, device)] = SentenceEmbedder(name, device=device)
+        return _embedders[(name, device)]
+
+
+def diff_paths(patch: str) -> set[str]:
+    """The files a `git diff` patch (a workspace's `diff()`) changes. Names git had to quote (unusual bytes) are left
+    out: such a file is not refreshed, which leaves its old chunks in the index but never reads outside the tree."""
+    return set(_DIFF_PATH.findall(patch))
+
+
+class WorkspaceFiles:
+    """A workspace as a `FileSource` (stamps unknown: every listed file is read once, for a first build)."""
+
+    def __init__(self, workspace: Workspace):
+        self.workspace = workspace
+
+    def files(self) -> dict[str, Stamp]:
+        return {path: Stamp(-1, -1) for path in self.workspace.files(MAX_WORKSPACE_FILES)}
+
+    def read(self, path: str) -> bytes | None:
+        try:
+            data = self.workspace.read_bytes(path)
+        except InfraError:
+            raise
+        except (OSError, ValueError):  # gone, not a regular file, too large (PathError is an OSError or ValueError)
+            return None
+        return None if len(data) > MAX_FILE_BYTES or is_binary(data) else data
+
+
+def copy_index(base: Path, dest: Path) -> None:
+    """A private copy of the index in `base`: hard links for its files (replaced, never rewritten, by their writers),
+    copies where a link cannot be made; Tantivy's lock files are left for the copy to make its own."""
+    for src in base.rglob("*"):
+        rel = src.relative_to(base)
+        target = dest / rel
+        if src.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        if src.name.startswith((".tantivy-", ".saving")):
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, target)
+        except OSError:
+            shutil.copy2(src, target)
+
+
+class IndexSearcher:
+    """`codebase_search`'s backend for one episode (see the module docstring). Thread-safe; `close()` removes the
+    private copy."""
+
+    def __init__(self, embedder: Embedder, base: Path | None = None, config: IndexConfig | None = None):
+        self.embedder = embedder
+        self.base = base
+        self.config = config
+        self.index: CodeIndex | None = None
+        self.scratch: Path | None = None
+        self.refreshed: set[str] = set()  # every file refreshed so far (a revert must be seen too)
+        self.lock = threading.Lock()
+
+    def search(self, workspace: Workspace, query: str, directories: list[str] | None, k: int,
+               changed: set[str] | None = None) -> list[SearchResult]:
+        try:
+            return self._search(workspace, query, directories, k, changed)
+        except (InfraError, PathError):
+            raise
+        except Exception as e:  # the index or the embedder failed: not the model's doing
+            raise InfraError(f"code search failed: {type(e).__name__}: {e}") from e
+
+    def _search(self, workspace: Workspace, query: str, directories: list[str] | None, k: int,
+                changed: set[str] | None) -> list[SearchResult]:
+        with self.lock:
+            if self.index is None:
+                self.scratch = Path(tempfile.mkdtemp(prefix="shipyard-search-"))
+                if self.base is not None:
+                    copy_index(self.base, self.scratch / "index")
+                self.index = CodeIndex.open(self.scratch / "index", self.embedder, self.config)
+                if self.base is None:
+                    self.index.update(WorkspaceFiles(workspace))
+            paths = diff_paths(workspace.diff()) | self.refreshed if changed is None else changed
+            if paths:
+                self.index.update(WorkspaceFiles(workspace), paths=sorted(paths))
+                self.refreshed |= paths
+            hits = self.index.search(query, k, dirs=directories)
+        return [SearchResult(h.chunk.path, h.chunk.start, h.chunk.end, h.chunk.symbol, h.chunk.text) for h in hits]
+
+    def close(self) -> None:
+        with self.lock:
+            if self.index is not None:
+                self.index.close()
+                self.index = None
+            if self.scratch is not None:
+                shutil.rmtree(self.scratch, ignore_errors=True)
+                self.scratch = None
+
+
+def task_index(task_dir: Path) -> Path | None:
+    """The index synthesis built for a task, or None (an older task set: the episode builds one on first use)."""
+    path = Path(task_dir) / TASK_INDEX
+    return path if (path / "index.json").is_file() else None
+
+
+def repo_index_dir(repo: Path) -> Path:
+    """Where this user's index of `repo` lives: `$SHIPYARD_HOME/search/<name>-<hash of its real path>`."""
+    from shipyard.models.bundled import shipyard_home
+
+    real = Path(repo).resolve()
+    home = shipyard_home() / "search"
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(home, 0o700)
+    return home / f"{real.name}-{hashlib.sha256(str(real).encode()).hexdigest()[:16]}"
+
+
+def open_repo_index(repo: Path, embedder: Embedder, index_dir: Path | None = None,
+                    progress: Callable[[int, int], None] | None = None) -> tuple[CodeIndex, UpdateReport]:
+    """This user's index of `repo` (`repo_index_dir`, or `index_dir`), brought up to date and saved; what changed."""
+    index = CodeIndex.open(index_dir or repo_index_dir(repo), embedder)
+    report = index.update(LocalTree(repo), progress=progress)
+    index.save()
+    return index, report
+
+
+def index_tasks(base: Path, task_dirs: list[Path], embedder: Embedder, work: Path,
+                log: Callable[[str], None] = lambda _: None) -> None:
+    """Give each task its index (`TASK_INDEX`, beside its snapshot): the repository `base` is embedded once, then each
+    task's copy refreshes the files its deletion changed and is compacted — nothing of the deleted code (text,
+    vector or BM25 term) is left in a task's index."""
+    base_index = CodeIndex.open(work / "search-base", embedder)
+    report = base_index.update(LocalTree(base))
+    base_index.save()
+    base_index.close()
+    log(f"search index of the repository: {base_index.live_chunks()} chunks ({report.seconds:.1f} s)")
+    for task_dir in task_dirs:
+        staging = task_dir / f".{TASK_INDEX}"
+        shutil.rmtree(staging, ignore_errors=True)
+        copy_index(work / "search-base", staging)
+        index = CodeIndex.open(staging, embedder)
+        report = index.update(LocalTree(task_dir / "snapshot"))
+        index.compact()
+        index.save()
+        index.close()
+        shutil.rmtree(task_dir / TASK_INDEX, ignore_errors=True)
+        staging.rename(task_dir / TASK_INDEX)
+        log(f"  search index of {task_dir.name}: {len(report.files_changed)} files re-embedded")
