@@ -10,62 +10,30 @@ import json
 import runpy
 import sys
 import time
-from contextlib import closing, contextmanager
+from contextlib import closing
 from pathlib import Path
-from typing import Literal
 
 import typer
-from rich.console import Console
 
-from shipyard.models.bundled import BUNDLED, DEFAULT_MODEL
+from shipyard.console import (
+    MODEL_HELP,
+    SEARCH_HELP,
+    UNTAGGED_HELP,
+    SearchMode,
+    Untagged,
+    UserError,
+    console,
+    out,
+    progress_bar,
+    run_eval_shown,
+    status_line,
+    train_shown,
+    user_errors,
+)
+from shipyard.models.bundled import DEFAULT_MODEL
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train fast coding agents with RL in the harness they ship in.")
-console = Console(stderr=True)
-out = Console()
-
-MODEL_HELP = (f"Model: a bundled name ({', '.join(BUNDLED)}), a local directory, a .gguf file, a hub id, "
-              "random:tiny, replay:FILE.jsonl or openai:BASE_URL.")
-
-
-class UserError(Exception):
-    """An error whose message tells the user what to do; printed without a traceback."""
-
-
-@contextmanager
-def user_errors():
-    from shipyard.httpguard import TokenError
-    from shipyard.models.errors import ModelNotFound, ReplayExhausted, ServerUnreachable
-    from shipyard.rl.rundir import RunDirError
-    from shipyard.rollout.setup import SandboxesUnavailable
-
-    try:
-        yield
-    except (UserError, ModelNotFound, ServerUnreachable, ReplayExhausted, TokenError, FileNotFoundError,
-            ValueError, SandboxesUnavailable, RunDirError) as e:
-        console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
-        raise typer.Exit(2) from None
-
-
-def progress_bar(title: str, fields: str):
-    """A long job's progress bar on stderr: title, bar, done/total, `fields`, elapsed time (rich column formats)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(TextColumn(title), BarColumn(), MofNCompleteColumn(), TextColumn(fields), TimeElapsedColumn(),
-                    console=console)
-
-
-def _status(message: str) -> None:
-    console.print(f"[dim]· {message}[/]")
-
-
-Untagged = Literal["reject", "accept"]
-SearchMode = Literal["hybrid", "semantic", "bm25"]
-UNTAGGED_HELP = ("Tool calls written without <tool_call> tags (bare or fenced JSON): 'reject' reports them as format "
-                 "errors, 'accept' runs them (flagged in the trajectory). Default: the bundled model's recorded "
-                 "setting ('accept' for all of them), else 'reject'. See docs/harness.md.")
-
-
 @app.command()
 def agent(
     task: str = typer.Argument(..., help="What the agent should do, in plain language."),
@@ -83,6 +51,7 @@ def agent(
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, …"),
     tokenizer: str | None = typer.Option(None, help="Tokenizer for openai:/replay: models (default: inferred)."),
     untagged: Untagged | None = typer.Option(None, help=UNTAGGED_HELP),
+    search: bool = typer.Option(False, "--search", help=SEARCH_HELP),
 ) -> None:
     """Run the coding agent on a repository and print each turn, the diff and a summary."""
     from shipyard.models.resolve import make_engine
@@ -97,9 +66,9 @@ def agent(
         if not repo.is_dir():
             raise UserError(f"--repo {repo} is not a directory")
         config = episode_config(model, max_turns=max_turns, temperature=temperature, seed=seed,
-                                max_new_tokens=max_new_tokens, untagged_calls=untagged)
+                                max_new_tokens=max_new_tokens, untagged_calls=untagged, search=search)
         with console.status(f"loading model {model}"):
-            engine = make_engine(model, device=device, tokenizer=tokenizer, status=_status)
+            engine = make_engine(model, device=device, tokenizer=tokenizer, status=status_line)
         with closing(engine):
             traj = run_shown(task, repo, engine, config, console, sandbox_dir=artifacts if sandbox else None,
                              out=out_path)
@@ -138,7 +107,7 @@ def search(
             except IndexError_ as e:
                 raise UserError(f"{e} (or give another --index)") from None
         hits = idx.search(query, k, mode=mode, dirs=directory)
-    _status(f"index {idx.directory}: {idx.live_chunks()} chunks; {len(report.files_changed)} files (re)indexed, "
+    status_line(f"index {idx.directory}: {idx.live_chunks()} chunks; {len(report.files_changed)} files (re)indexed, "
             f"{report.chunks_embedded} chunks embedded in {report.seconds:.1f} s")
     if as_json:
         out.print_json(json.dumps({"query": query, "results": [
@@ -167,7 +136,7 @@ def demo(ctx: typer.Context) -> None:
         console.print(f"[bold]demo[/]: {cfg.run.steps} RL steps of {cfg.model.name} on tasks synthesized from "
                       f"{cfg.run.synth_from}; run directory {cfg.run.dir}")
         try:
-            result = report(_train_with_progress(cfg, ["demo", *ctx.args]), cfg.run.steps)
+            result = report(train_shown(cfg, ["demo", *ctx.args]), cfg.run.steps)
         except InfraError as e:  # the run gave up: its run.json, eval/ and rollouts.jsonl hold what happened
             console.print(f"[bold red]the loop failed:[/] {e} (run directory {cfg.run.dir})", soft_wrap=True)
             raise typer.Exit(1) from None
@@ -215,7 +184,7 @@ def serve(
             raise UserError("serve needs a local model, not openai:")
         token, where = server_token(TOKEN_ENV)
         where = where or store_token(token_path(port), token, TOKEN_ENV)
-        engine = make_engine(model, device=device, status=_status)
+        engine = make_engine(model, device=device, status=status_line)
     config = ServeConfig(token=token, api_key=api_key or None, max_tokens=max_tokens_limit, max_model_len=max_model_len,
                          max_batch=max_batch, max_body=max_body_mb << 20, max_weights_body=max_weights_mb << 20)
     console.print(f"serving [bold]{model}[/] on http://{host}:{port}/v1"
@@ -420,6 +389,7 @@ def eval_(
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, …"),
     tokenizer: str | None = typer.Option(None, help="Tokenizer for openai:/replay: models (default: inferred)."),
     untagged: Untagged | None = typer.Option(None, help=UNTAGGED_HELP),
+    search: bool = typer.Option(False, "--search", help=SEARCH_HELP),
 ) -> None:
     """Evaluate a model on held-out tasks without training: pass@1, unbiased pass@k, effort, infra failures and
     monitor flags per task and overall (a markdown table on stdout; JSON with --out). Exit 0 when the eval ran
@@ -442,8 +412,8 @@ def eval_(
             from shipyard.rollout.episode import episode_config  # imports torch: after the checks above
 
             episode = episode_config(model, max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature,
-                                     grade_timeout=grade_timeout, untagged_calls=untagged)
-            doc = _run_eval(tasks, task_ids, model, config, episode, env_server, device, tokenizer, rollouts_path)
+                                     grade_timeout=grade_timeout, untagged_calls=untagged, search=search)
+            doc = run_eval_shown(tasks, task_ids, model, config, episode, env_server, device, tokenizer, rollouts_path)
             table = evaluation.markdown(doc)
         if out_path is not None:
             evaluation.save_results(doc, out_path)
@@ -462,50 +432,6 @@ def eval_(
             raise typer.Exit(1) from None
 
 
-def _run_eval(tasks: Path, task_ids: list[str], model: str, config, episode, env_server: str | None, device: str,
-              tokenizer: str | None, rollouts_path: Path | None) -> dict:
-    """Open the engine and the environment, run the eval with a progress bar, close both (`shipyard.rollout.setup`)."""
-    from shipyard.rollout.eval import passed, run_eval
-    from shipyard.rollout.setup import SandboxesUnavailable, open_engine, open_environment
-
-    with console.status(f"loading model {model}"):
-        engine = open_engine(model, tasks_dir=tasks, task_ids=task_ids, device=device, tokenizer=tokenizer,
-                             status=_status, loop=episode.loop)
-    with closing(engine):
-        try:
-            env = open_environment(env_server)
-        except SandboxesUnavailable as e:
-            raise UserError(f"{e}; use --env-server URL") from None
-        with closing(env), progress_bar("[bold]eval[/] {task.description}",
-                                        "{task.fields[passed]} passed · {task.fields[infra]} masked") as bar:
-            counts = {"passed": 0, "infra": 0}
-            job = bar.add_task(model, total=len(task_ids) * config.samples, **counts)
-
-            def progress(rollout) -> None:
-                counts["passed"] += passed(rollout)
-                counts["infra"] += rollout.masked
-                bar.update(job, advance=1, **counts)
-
-            return run_eval(engine, env, tasks, task_ids, episode, config, progress=progress,
-                            rollouts_path=rollouts_path, describe={"model": model, "tasks_dir": str(tasks.resolve()),
-                                                                   "engine": engine.name, "environment": env.name})
-
-
-def _train_with_progress(cfg, argv: list[str]) -> list[dict]:
-    """Run a configured training (`shipyard.rl.build.train`) under a progress bar; its metrics lines."""
-    from shipyard.rl.build import train as run_training
-
-    with progress_bar("[bold]trainer steps", "{task.fields[last]}") as bar:
-        job = bar.add_task("train", total=cfg.run.steps, last="")
-
-        def on_step(step: int, line: dict) -> None:
-            shown = {k: line.get(k) for k in ("reward/mean", "tools/grounded_fraction", "train/loss")}
-            bar.update(job, completed=step, last=" ".join(f"{k}={v:.3g}" for k, v in shown.items()
-                                                         if isinstance(v, int | float)))
-
-        return run_training(cfg, argv=argv, status=bar.console.print, on_step=on_step)
-
-
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def train(ctx: typer.Context,
           config: Path = typer.Argument(..., help="The run's TOML (configs/cpu.toml). Any field may follow as "
@@ -515,7 +441,7 @@ def train(ctx: typer.Context,
 
     with user_errors():
         cfg = load_config(config, ctx.args)
-        lines = _train_with_progress(cfg, [str(config), *ctx.args])
+        lines = train_shown(cfg, [str(config), *ctx.args])
     evals = [line for line in lines if any(k.startswith("eval/") for k in line)]
     out.print_json(json.dumps({"run": str(cfg.run.dir), "steps": cfg.run.steps, "last": lines[-1] if lines else None,
                                "evals": evals}))

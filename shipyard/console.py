@@ -1,0 +1,107 @@
+"""What the commands of the `shipyard` command line share: one-line errors for what a user can fix, status lines,
+progress bars, the help texts of options several commands take, and the two long jobs shown with progress (an eval,
+a training run). Only `shipyard/cli.py` imports this; the library never prints.
+"""
+
+from __future__ import annotations
+
+from contextlib import closing, contextmanager
+from pathlib import Path
+from typing import Literal
+
+import typer
+from rich.console import Console
+
+from shipyard.models.bundled import BUNDLED
+
+console = Console(stderr=True)
+out = Console()
+
+MODEL_HELP = (f"Model: a bundled name ({', '.join(BUNDLED)}), a local directory, a .gguf file, a hub id, "
+              "random:tiny, replay:FILE.jsonl or openai:BASE_URL.")
+
+
+class UserError(Exception):
+    """An error whose message tells the user what to do; printed without a traceback."""
+
+
+@contextmanager
+def user_errors():
+    from shipyard.httpguard import TokenError
+    from shipyard.models.errors import ModelNotFound, ReplayExhausted, ServerUnreachable
+    from shipyard.rl.rundir import RunDirError
+    from shipyard.rollout.setup import SandboxesUnavailable
+
+    try:
+        yield
+    except (UserError, ModelNotFound, ServerUnreachable, ReplayExhausted, TokenError, FileNotFoundError,
+            ValueError, SandboxesUnavailable, RunDirError) as e:
+        console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
+def progress_bar(title: str, fields: str):
+    """A long job's progress bar on stderr: title, bar, done/total, `fields`, elapsed time (rich column formats)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn(title), BarColumn(), MofNCompleteColumn(), TextColumn(fields), TimeElapsedColumn(),
+                    console=console)
+
+
+def status_line(message: str) -> None:
+    console.print(f"[dim]· {message}[/]")
+
+
+Untagged = Literal["reject", "accept"]
+SearchMode = Literal["hybrid", "semantic", "bm25"]
+SEARCH_HELP = ("Offer the codebase_search tool (semantic code search; the bundled MiniLM embeds the code on first use, "
+               "or a task's index from synthesis).")
+UNTAGGED_HELP = ("Tool calls written without <tool_call> tags (bare or fenced JSON): 'reject' reports them as format "
+                 "errors, 'accept' runs them (flagged in the trajectory). Default: the bundled model's recorded "
+                 "setting ('accept' for all of them), else 'reject'. See docs/harness.md.")
+
+
+def run_eval_shown(tasks: Path, task_ids: list[str], model: str, config, episode, env_server: str | None, device: str,
+              tokenizer: str | None, rollouts_path: Path | None) -> dict:
+    """Open the engine and the environment, run the eval with a progress bar, close both (`shipyard.rollout.setup`)."""
+    from shipyard.rollout.eval import passed, run_eval
+    from shipyard.rollout.setup import SandboxesUnavailable, open_engine, open_environment
+
+    with console.status(f"loading model {model}"):
+        engine = open_engine(model, tasks_dir=tasks, task_ids=task_ids, device=device, tokenizer=tokenizer,
+                             status=status_line, loop=episode.loop)
+    with closing(engine):
+        try:
+            env = open_environment(env_server)
+        except SandboxesUnavailable as e:
+            raise UserError(f"{e}; use --env-server URL") from None
+        with closing(env), progress_bar("[bold]eval[/] {task.description}",
+                                        "{task.fields[passed]} passed · {task.fields[infra]} masked") as bar:
+            counts = {"passed": 0, "infra": 0}
+            job = bar.add_task(model, total=len(task_ids) * config.samples, **counts)
+
+            def progress(rollout) -> None:
+                counts["passed"] += passed(rollout)
+                counts["infra"] += rollout.masked
+                bar.update(job, advance=1, **counts)
+
+            return run_eval(engine, env, tasks, task_ids, episode, config, progress=progress,
+                            rollouts_path=rollouts_path, describe={"model": model, "tasks_dir": str(tasks.resolve()),
+                                                                   "engine": engine.name, "environment": env.name})
+
+
+def train_shown(cfg, argv: list[str]) -> list[dict]:
+    """Run a configured training (`shipyard.rl.build.train`) under a progress bar; its metrics lines."""
+    from shipyard.rl.build import train as run_training
+
+    with progress_bar("[bold]trainer steps", "{task.fields[last]}") as bar:
+        job = bar.add_task("train", total=cfg.run.steps, last="")
+
+        def on_step(step: int, line: dict) -> None:
+            shown = {k: line.get(k) for k in ("reward/mean", "tools/grounded_fraction", "train/loss")}
+            bar.update(job, completed=step, last=" ".join(f"{k}={v:.3g}" for k, v in shown.items()
+                                                         if isinstance(v, int | float)))
+
+        return run_training(cfg, argv=argv, status=bar.console.print, on_step=on_step)
+
+
