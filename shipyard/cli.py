@@ -123,6 +123,33 @@ def search(
         console.print("no results")
 
 
+@app.command("train-embedder")
+def train_embedder(
+    rollouts: list[Path] = typer.Argument(..., help="Saved rollouts: a run's trajectories/step-*.jsonl, or "
+                                          "`shipyard eval --rollouts` files."),
+    tasks: Path = typer.Option(..., "--tasks", help="The task set the rollouts ran on (its snapshots: the chunks)."),
+    out_dir: Path = typer.Option(..., "--out", help="Where the tuned embedder is saved (use it as --embedder OUT)."),
+    base: str = typer.Option("minilm", "--embedder", help="The embedder to start from."),
+    epochs: int = typer.Option(2, min=1),
+    lr: float = typer.Option(2e-5, min=0.0),
+    held_out: float = typer.Option(0.25, "--held-out", min=0.0, max=0.9, help="Share of tasks held out."),
+    seed: int = typer.Option(0),
+) -> None:
+    """Fine-tune the search embedder on what rewarded agent sessions used after each query; report held-out
+    recall@10 before and after (docs/search.md)."""
+    from shipyard.search.finetune import train_embedder as run
+
+    with user_errors():
+        for path in rollouts:
+            if not path.is_file():
+                raise UserError(f"{path} is not a file of saved rollouts")
+        with console.status("pairs, base recall, training, tuned recall"):
+            report = run(rollouts, tasks, out_dir, base=base, epochs=epochs, lr=lr, held_out=held_out, seed=seed)
+    out.print_json(json.dumps(report))
+    if report["recall@10_tuned"] < report["recall@10_base"]:
+        console.print("[yellow]the tuned embedder is worse on the held-out tasks than the base one[/]")
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def demo(ctx: typer.Context) -> None:
     """The whole RL loop on this machine: tasks synthesized from the example library, the bundled model evaluated,
