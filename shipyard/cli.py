@@ -90,6 +90,8 @@ def search(
     as_json: bool = typer.Option(False, "--json", help="Print the results as one JSON object."),
 ) -> None:
     """Search a repository's code by meaning: syntax-aware chunks, embeddings and BM25 (docs/search.md)."""
+    from rich.text import Text
+
     from shipyard.search.embed import SentenceEmbedder
     from shipyard.search.index import IndexError_
     from shipyard.search.service import open_repo_index
@@ -114,9 +116,9 @@ def search(
             {"location": h.chunk.location, "symbol": h.chunk.symbol, "score": h.score, "semantic_rank": h.semantic_rank,
              "bm25_rank": h.bm25_rank} for h in hits]}))
         return
-    for h in hits:
-        out.print(f"[bold]{h.chunk.location}[/]" + (f"  [cyan]{h.chunk.symbol}[/]" if h.chunk.symbol else ""),
-                  soft_wrap=True)
+    for h in hits:  # names come from the repository: printed as text, never as markup
+        out.print(Text(h.chunk.location, style="bold") + Text(f"  {h.chunk.symbol}" if h.chunk.symbol else "",
+                                                              style="cyan"), soft_wrap=True)
         for n, line in enumerate(h.chunk.text.split("\n")[:4], h.chunk.start):
             out.print(f"{n:>6}  {line[:160]}", markup=False, highlight=False)
     if not hits:

@@ -31,6 +31,7 @@ from pathlib import PurePosixPath
 
 MAX_WINDOW_LINES = 60  # a window of short lines still ends here: a result the agent can read at a glance
 MAX_CHUNK_CHARS = 8_000  # a minified line is indexed by its start; the chunk still names all its lines
+MAX_DEPTH = 40  # definitions nested deeper are cut into line windows (a generated file must not exhaust the stack)
 
 LineCounter = Callable[[Sequence[str]], list[int]]
 
@@ -162,8 +163,10 @@ def estimate_tokens(lines: Sequence[str]) -> list[int]:
     return [len(re.findall(r"\w+|[^\w\s]", line)) for line in lines]
 
 
-def chunk_file(path: str, text: str, max_tokens: int, count: LineCounter = estimate_tokens) -> list[Chunk]:
-    """The chunks of one file's `text`, in line order; every non-blank line is in exactly one chunk."""
+def chunk_file(path: str, text: str, max_tokens: int, count: LineCounter = estimate_tokens, *,
+               syntax: bool = True) -> list[Chunk]:
+    """The chunks of one file's `text`, in line order; every non-blank line is in exactly one chunk. Without
+    `syntax`, line windows only (the fallback for a file its grammar cannot take)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
     lines = text.split("\n")  # as tree-sitter counts rows (str.splitlines also splits at \f, \x1c, …)
@@ -193,9 +196,9 @@ def chunk_file(path: str, text: str, max_tokens: int, count: LineCounter = estim
         body = "\n".join(lines[first:last + 1])[:MAX_CHUNK_CHARS]
         out.append(Chunk(path, first + 1, last + 1, symbol, body, language))
 
-    def emit(node, first: int, last: int, symbol: str | None) -> None:
+    def emit(node, first: int, last: int, symbol: str | None, depth: int = 0) -> None:
         row = first
-        for definition in _definitions(node, DEFINITIONS[language]):
+        for definition in _definitions(node, DEFINITIONS[language]) if depth < MAX_DEPTH else ():
             start, end = definition.start_point[0], definition.end_point[0]
             if start < row:  # two definitions on one line: the first one's chunk holds both
                 continue
@@ -205,11 +208,11 @@ def chunk_file(path: str, text: str, max_tokens: int, count: LineCounter = estim
             if sum(tokens[start:end + 1]) <= max_tokens:
                 add(start, end, qualified)
             else:
-                emit(_unwrap(definition), start, end, qualified)
+                emit(_unwrap(definition), start, end, qualified, depth + 1)
             row = end + 1
         windows(row, last, symbol)
 
-    if language is None:
+    if language is None or not syntax:
         windows(0, len(lines) - 1, None)
     else:
         tree = parser(language).parse(text.encode("utf-8", "surrogatepass"))

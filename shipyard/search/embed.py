@@ -12,6 +12,7 @@ directory gets mean pooling. Torch is imported when an embedder is made, not bef
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -75,18 +76,24 @@ class SentenceEmbedder:
         self.dim = int(self.model.get_embedding_dimension())
         self.max_tokens = int(self.model.max_seq_length) - 2  # [CLS] and [SEP]
         self.batch_size = batch_size
+        # Episodes share one embedder across threads; the fast tokenizer keeps its truncation setting in shared state
+        # (count() turns it off, encode() on), so concurrent calls would corrupt each other's inputs.
+        self.lock = threading.Lock()
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         import numpy as np
 
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        vectors = self.model.encode(list(texts), batch_size=self.batch_size, normalize_embeddings=True,
-                                    convert_to_numpy=True, show_progress_bar=False)
+        with self.lock:
+            vectors = self.model.encode(list(texts), batch_size=self.batch_size, normalize_embeddings=True,
+                                        convert_to_numpy=True, show_progress_bar=False)
         return np.ascontiguousarray(vectors, dtype=np.float32)
 
     def count(self, lines: Sequence[str]) -> list[int]:
         if not lines:
             return []
-        ids = self.model.tokenizer(list(lines), add_special_tokens=False, truncation=False, verbose=False)["input_ids"]
+        with self.lock:
+            ids = self.model.tokenizer(list(lines), add_special_tokens=False, truncation=False,
+                                       verbose=False)["input_ids"]
         return [len(x) for x in ids]

@@ -1,6 +1,6 @@
 """A persisted, incrementally refreshed code-search index: embeddings for meaning, BM25 for words, fused by rank.
 
-    files (FileSource) ──stamp/hash changed?──> chunk (tree-sitter) ──> embed (Embedder) ──> vectors.npy + chunks.jsonl
+    files (FileSource) ──stamp/hash changed?──> chunk (tree-sitter) ──> embed (Embedder) ──> vectors-N.npy, chunks-N.jsonl
                                                                     └──> BM25 documents (Tantivy segments, bm25/)
 
 **Search.** A query is embedded and scored against every live chunk vector by dot product (exact; the vectors are
@@ -17,6 +17,11 @@ dead (their vector rows stay until a compaction, skipped by every search) and th
 file's documents by term and adds the new ones as a new Tantivy segment — Tantivy, like Lucene, keeps corpus
 statistics across segments and merges them in the background, so no step rebuilds the whole corpus. A compaction
 (rewrite the vectors without the dead rows) runs when a quarter of the rows are dead: amortised, constant per change.
+Above `ann_threshold`, the HNSW graph grows by the new rows and masks the dead ones rather than being rebuilt.
+
+**Crash safety.** A save writes its data files under new names (`chunks-N.jsonl`, `vectors-N.npy`) and then replaces
+`index.json`, which names them, atomically: a crash anywhere leaves the previous save whole. BM25 commits carry a
+generation number that the save records; an index opened with BM25 ahead of its saved chunks rebuilds BM25.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import numpy as np
 
 from shipyard.search.chunks import Chunk, chunk_file
 from shipyard.search.embed import Embedder
-from shipyard.search.tree import FileSource, Stamp
+from shipyard.search.tree import FileSource, Stamp, indexable_name
 
 SCHEMA = "shipyard.search/1"
 MARKER = "\0generation"  # BM25's document holding its commit generation (no real path has a NUL byte)
@@ -106,6 +111,7 @@ class CodeIndex:
         self.rows = 0  # rows of `vectors` in use (the array grows by doubling)
         self.files: dict[str, dict[str, Any]] = {}  # path → {"size", "mtime_ns", "sha256", "rows"}
         self.generation = 0  # BM25 commits so far
+        self.saves = 0  # saves so far: names the data files
         self._bm25 = None
         self._writer = None
         self._ann = None
@@ -127,42 +133,56 @@ class CodeIndex:
         if (meta["embedder"], meta["dim"], meta["max_tokens"]) != (embedder.name, embedder.dim, index.max_tokens):
             raise IndexError_(f"{directory} was built with embedder {meta['embedder']!r} (dim {meta['dim']}, "
                               f"{meta['max_tokens']} tokens per chunk), not {embedder.name!r}: rebuild it")
-        with open(index.directory / "chunks.jsonl") as f:
+        data = meta.get("data", {})
+        names = (data.get("chunks", ""), data.get("vectors", ""))
+        if not (re.fullmatch(r"chunks-\d+\.jsonl", names[0]) and re.fullmatch(r"vectors-\d+\.npy", names[1])):
+            raise IndexError_(f"{directory}/index.json does not name its data files: rebuild it")
+        chunks_file, vectors_file = (index.directory / name for name in names)
+        if not (chunks_file.is_file() and vectors_file.is_file()):
+            raise IndexError_(f"{directory} is incomplete (its data files are missing): rebuild it")
+        with open(chunks_file) as f:
             index.chunks = [Chunk(**json.loads(line)) if line.strip() != "null" else None for line in f]
-        index.vectors = np.load(index.directory / "vectors.npy")
+        index.vectors = np.load(vectors_file)
         index.rows = len(index.chunks)
         if index.vectors.shape != (index.rows, embedder.dim):
             raise IndexError_(f"{directory} is inconsistent (vectors {index.vectors.shape}, {index.rows} chunks): "
                               "rebuild it")
+        index.saves = meta["saves"]
         index.files = meta["files"]
         index.generation = meta["generation"]
         if index._bm25_generation() != index.generation:  # BM25 committed after the last save (a crash): redo it
             index._bm25_replace([], [(r, c) for r, c in enumerate(index.chunks) if c is not None], everything=True)
-            index._save_meta(index.directory)
+            index._save_meta()
         return index
 
     def save(self) -> None:
-        """Compact if a quarter of the rows are dead, then write the chunks, vectors and file bookkeeping (BM25 is
-        committed as it changes; the saved generation says which commit belongs with these chunks)."""
+        """Compact if a quarter of the rows are dead, then write the chunks, vectors and file bookkeeping. The data
+        files are named for this save and `index.json`, replaced last and atomically, names them: a crash at any point
+        leaves the previous save whole (BM25, committed as it changes, carries the generation that belongs with it)."""
         if self.dead_fraction() > self.config.compact_fraction:
             self.compact()
         self.directory.mkdir(parents=True, exist_ok=True)
-        tmp = self.directory / ".saving"
-        tmp.mkdir(exist_ok=True)
-        with open(tmp / "chunks.jsonl", "w") as f:
+        self.saves += 1
+        chunks, vectors = f"chunks-{self.saves}.jsonl", f"vectors-{self.saves}.npy"
+        with open(self.directory / chunks, "w") as f:
             for chunk in self.chunks:
                 f.write(("null" if chunk is None else json.dumps(asdict(chunk))) + "\n")
-        np.save(tmp / "vectors.npy", self.vectors[:self.rows])
-        for name in ("chunks.jsonl", "vectors.npy"):
-            os.replace(tmp / name, self.directory / name)
-        self._save_meta(tmp)
-        tmp.rmdir()
+        with open(self.directory / vectors, "wb") as f:
+            np.save(f, self.vectors[:self.rows])
+        self._save_meta({"chunks": chunks, "vectors": vectors})
+        for old in [*self.directory.glob("chunks-*.jsonl"), *self.directory.glob("vectors-*.npy")]:
+            if old.name not in (chunks, vectors):
+                old.unlink(missing_ok=True)
 
-    def _save_meta(self, tmp: Path) -> None:
+    def _save_meta(self, data: dict[str, str] | None = None) -> None:
+        path = self.directory / "index.json"
+        if data is None:  # keep naming the saved data files
+            data = json.loads(path.read_text())["data"]
         meta = {"schema": SCHEMA, "embedder": self.embedder.name, "dim": self.embedder.dim,
-                "max_tokens": self.max_tokens, "generation": self.generation, "files": self.files}
-        (tmp / "index.json.new").write_text(json.dumps(meta))
-        os.replace(tmp / "index.json.new", self.directory / "index.json")  # last: it says the rest is whole
+                "max_tokens": self.max_tokens, "generation": self.generation, "saves": self.saves, "data": data,
+                "files": self.files}
+        (self.directory / "index.json.new").write_text(json.dumps(meta))
+        os.replace(self.directory / "index.json.new", path)  # last: it says the rest is whole
 
     def close(self) -> None:
         """Let go of BM25's writer (and its lock on the directory); searching still works."""
@@ -245,7 +265,7 @@ class CodeIndex:
             report.files_removed = sorted(set(self.files) - set(listed))
         else:
             listed = {}
-            candidates = {p: None for p in paths}
+            candidates = {p: None for p in paths if indexable_name(p)}
         report.files_checked = len(listed) or len(candidates)
         changed: dict[str, tuple[Stamp | None, bytes | None]] = {}
         for path, stamp in candidates.items():
@@ -265,7 +285,10 @@ class CodeIndex:
         owners: list[str] = []
         for path, (_, data) in changed.items():
             text = data.decode("utf-8", "replace")
-            file_chunks = chunk_file(path, text, self.max_tokens, self.embedder.count)
+            try:
+                file_chunks = chunk_file(path, text, self.max_tokens, self.embedder.count)
+            except (RecursionError, ValueError, UnicodeError):  # what a file's content can cause: windows instead
+                file_chunks = chunk_file(path, text, self.max_tokens, self.embedder.count, syntax=False)
             new_chunks += file_chunks
             owners += [path] * len(file_chunks)
         vectors = self._embed(new_chunks, progress)
@@ -281,7 +304,8 @@ class CodeIndex:
             self.files[path]["rows"].append(row)
         if gone or added:
             self._bm25_replace(gone, added)
-        self._ann = None if gone or added else self._ann
+        if self._ann is not None and added:  # the graph grows by the new rows; dead ones are masked at search
+            self._ann.add_with_ids(vectors, np.array([row for row, _ in added], dtype=np.int64))
         report.chunks_embedded = len(new_chunks)
         report.seconds = time.monotonic() - start
         return report

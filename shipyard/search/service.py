@@ -18,9 +18,11 @@ text), refreshed incrementally on every use.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 from collections.abc import Callable
@@ -31,12 +33,11 @@ from shipyard.harness.tools.search import SearchResult
 from shipyard.harness.workspace import Workspace
 from shipyard.models.errors import InfraError
 from shipyard.search.embed import BUNDLED_EMBEDDER, Embedder, SentenceEmbedder
-from shipyard.search.index import CodeIndex, IndexConfig, UpdateReport
+from shipyard.search.index import CodeIndex, Hit, IndexConfig, IndexError_, UpdateReport
 from shipyard.search.tree import MAX_FILE_BYTES, LocalTree, Stamp, is_binary
 
-MAX_WORKSPACE_FILES = 200_000
+MAX_WORKSPACE_FILES = 50_000
 TASK_INDEX = "search-index"  # a task's index, beside its snapshot (never inside it: the agent must not see it)
-_DIFF_PATH = re.compile(r"^diff --git a/(.+) b/\1$", re.MULTILINE)
 _embedders: dict[tuple[str, str], Embedder] = {}
 _embedders_lock = threading.Lock()
 
@@ -49,10 +50,34 @@ def shared_embedder(name: str = BUNDLED_EMBEDDER, device: str = "cpu") -> Embedd
         return _embedders[(name, device)]
 
 
+def _unquote(name: str) -> str:
+    """A path as git prints it: as is, or C-quoted ("a/we\\"ird.py", octal escapes for bytes)."""
+    if not (len(name) >= 2 and name[0] == name[-1] == '"'):
+        return name
+    raw = name[1:-1].encode("latin-1", "backslashreplace").decode("unicode_escape")
+    return raw.encode("latin-1", "replace").decode("utf-8", "surrogateescape")
+
+
+_HEADER = re.compile(r'^diff --git (?:a/(.+) b/\1|("a/(?:[^"\\]|\\.)*") ("b/(?:[^"\\]|\\.)*"))$', re.MULTILINE)
+_RENAME = re.compile(r"^(?:rename|copy) (from|to) (.+)$", re.MULTILINE)  # tree_diff's: "from a/x", "to b/y"
+_NOTE = re.compile(r'^#   ("(?:[^"\\]|\\.)*"):', re.MULTILINE)
+
+
 def diff_paths(patch: str) -> set[str]:
-    """The files a `git diff` patch (a workspace's `diff()`) changes. Names git had to quote (unusual bytes) are left
-    out: such a file is not refreshed, which leaves its old chunks in the index but never reads outside the tree."""
-    return set(_DIFF_PATH.findall(patch))
+    """The files a workspace's `diff()` names: changed, added and removed (`diff --git` headers, quoted or not), both
+    names of a rename or copy, and the files the patch's leading note left out (over the size limit, cut)."""
+    out = set()
+    for plain, quoted_a, quoted_b in _HEADER.findall(patch):
+        out |= {plain} if plain else {_unquote(quoted_a)[2:], _unquote(quoted_b)[2:]}
+    for side, name in _RENAME.findall(patch):
+        name = _unquote(name)
+        out.add(name.removeprefix("a/" if side == "from" else "b/"))
+    for name in _NOTE.findall(patch):
+        try:
+            out.add(json.loads(name))
+        except json.JSONDecodeError:
+            continue
+    return {p for p in out if p}
 
 
 class WorkspaceFiles:
@@ -76,15 +101,17 @@ class WorkspaceFiles:
 
 def copy_index(base: Path, dest: Path) -> None:
     """A private copy of the index in `base`: hard links for its files (replaced, never rewritten, by their writers),
-    copies where a link cannot be made; Tantivy's lock files are left for the copy to make its own."""
+    copies where a link cannot be made; Tantivy's lock files are left for the copy to make its own, and anything but a
+    directory or a regular file (a link planted in a tampered index) is not copied."""
     for src in base.rglob("*"):
         rel = src.relative_to(base)
         target = dest / rel
-        if src.is_dir():
+        mode = src.lstat().st_mode
+        if stat.S_ISDIR(mode):
             target.mkdir(parents=True, exist_ok=True)
             continue
-        if src.name.startswith((".tantivy-", ".saving")):
-            continue
+        if not stat.S_ISREG(mode) or src.name.startswith((".tantivy-", ".saving")):
+            continue  # a link (a tampered index) or a lock: not copied
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.link(src, target)
@@ -102,34 +129,52 @@ class IndexSearcher:
         self.config = config
         self.index: CodeIndex | None = None
         self.scratch: Path | None = None
+        self.pending: set[str] = set()  # files written since the last refresh
+        self.any_file = False  # a terminal command ran: from now on the workspace's diff says what changed
         self.refreshed: set[str] = set()  # every file refreshed so far (a revert must be seen too)
         self.lock = threading.Lock()
 
-    def search(self, workspace: Workspace, query: str, directories: list[str] | None, k: int,
-               changed: set[str] | None = None) -> list[SearchResult]:
+    def wrote(self, paths: set[str] | None) -> None:
+        with self.lock:
+            if paths is None:
+                self.any_file = True  # sticky: a command may leave a process behind that writes later
+            else:
+                self.pending |= paths
+
+    def search(self, workspace: Workspace, query: str, directories: list[str] | None, k: int) -> list[SearchResult]:
         try:
-            return self._search(workspace, query, directories, k, changed)
+            with self.lock:
+                hits = self._search(workspace, query, directories, k)
         except (InfraError, PathError):
             raise
         except Exception as e:  # the index or the embedder failed: not the model's doing
             raise InfraError(f"code search failed: {type(e).__name__}: {e}") from e
-
-    def _search(self, workspace: Workspace, query: str, directories: list[str] | None, k: int,
-                changed: set[str] | None) -> list[SearchResult]:
-        with self.lock:
-            if self.index is None:
-                self.scratch = Path(tempfile.mkdtemp(prefix="shipyard-search-"))
-                if self.base is not None:
-                    copy_index(self.base, self.scratch / "index")
-                self.index = CodeIndex.open(self.scratch / "index", self.embedder, self.config)
-                if self.base is None:
-                    self.index.update(WorkspaceFiles(workspace))
-            paths = diff_paths(workspace.diff()) | self.refreshed if changed is None else changed
-            if paths:
-                self.index.update(WorkspaceFiles(workspace), paths=sorted(paths))
-                self.refreshed |= paths
-            hits = self.index.search(query, k, dirs=directories)
         return [SearchResult(h.chunk.path, h.chunk.start, h.chunk.end, h.chunk.symbol, h.chunk.text) for h in hits]
+
+    def _search(self, workspace: Workspace, query: str, directories: list[str] | None, k: int) -> list[Hit]:
+        if self.index is None:
+            self.index = self._open(workspace)
+        paths = self.pending | (diff_paths(workspace.diff()) | self.refreshed if self.any_file else set())
+        if paths:
+            self.index.update(WorkspaceFiles(workspace), paths=sorted(paths))
+            self.refreshed |= paths
+        self.pending = set()
+        return self.index.search(query, k, dirs=directories)
+
+    def _open(self, workspace: Workspace) -> CodeIndex:
+        """A private copy of the task's index; or, without one (or one made with another embedder), an index of the
+        workspace's files built now."""
+        self.scratch = Path(tempfile.mkdtemp(prefix="shipyard-search-"))
+        if self.base is not None:
+            copy_index(self.base, self.scratch / "index")
+            try:
+                return CodeIndex.open(self.scratch / "index", self.embedder, self.config)
+            except IndexError_:
+                shutil.rmtree(self.scratch / "index")
+        index = CodeIndex.open(self.scratch / "index", self.embedder, self.config)
+        index.update(WorkspaceFiles(workspace))
+        self.pending = set()  # the build read the workspace as it is now
+        return index
 
     def close(self) -> None:
         with self.lock:

@@ -3,9 +3,10 @@ a cheap change stamp and read one (`FileSource`: a sandbox's workspace, a task s
 
 Which files: those ripgrep would search (`rg --files`: .gitignore and .ignore files obeyed, with or without a .git
 directory; hidden files and directories left out; symbolic links not followed), without the directories the
-workspace's tools ignore (.venv, node_modules, caches), each at most `max_bytes` and not
-binary (a NUL byte in its first 8 KiB, as git decides). A repository an index is built from may be hostile (tasks are
-synthesized from arbitrary repositories): a path is only ever opened below the root, without following links.
+workspace's tools ignore (.venv, node_modules, caches), each at most `max_bytes`, not binary (a NUL byte in its first
+8 KiB, as git decides) and named in UTF-8 without control characters. A repository an index is built from may be
+hostile (tasks are synthesized from arbitrary repositories): a path is only ever opened below the root, without
+following links.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class LocalTree:
             if not raw:
                 continue
             path = raw.decode("utf-8", "surrogateescape").removeprefix("./")
+            if not indexable_name(path):
+                continue
             try:
                 st = os.lstat(self.root / path)
             except OSError:
@@ -90,6 +93,16 @@ class LocalTree:
                 return None
             data = f.read(self.max_bytes + 1)
         return None if len(data) > self.max_bytes or is_binary(data) else data
+
+
+def indexable_name(path: str) -> bool:
+    """A name the index can hold and show: valid UTF-8 (no lone surrogate from undecodable bytes) and no control
+    character (a newline in a name would let it forge lines of the tool's output)."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return not any(ord(ch) < 32 or ord(ch) == 127 for ch in path)
 
 
 def is_binary(data: bytes) -> bool:

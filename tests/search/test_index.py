@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -137,3 +138,43 @@ def test_compaction_and_the_ann_graph_keep_the_results(repo, tmp_path, tiny_embe
     assert np.allclose(np.linalg.norm(ann.vectors[:ann.rows], axis=1), 1, atol=1e-5)
     again = CodeIndex.open(tmp_path / "ann", tiny_embedder, IndexConfig(ann_threshold=10))
     assert locations(again.search("roman numeral", 5)) == expected
+
+
+def test_a_crash_inside_save_leaves_the_previous_save_whole(repo, tmp_path, tiny_embedder):
+    index = build(repo, tmp_path / "ix", tiny_embedder)
+    index.save()
+    expected = locations(index.search("roman numeral", 10))
+    shutil.rmtree(repo / "tests")
+    index.update(LocalTree(repo))
+    index.compact()  # rows renumbered: the old file→rows map would now point at other chunks
+    index.saves += 1  # what save() writes before it replaces index.json: then the process dies
+    with open(tmp_path / "ix" / f"chunks-{index.saves}.jsonl", "w") as f:
+        f.write("null\n" * index.rows)
+    np.save(tmp_path / "ix" / f"vectors-{index.saves}.npy", np.zeros((index.rows, index.embedder.dim), np.float32))
+    index.close()
+    again = CodeIndex.open(tmp_path / "ix", tiny_embedder)
+    assert locations(again.search("roman numeral", 10)) == expected  # the previous save, whole
+    assert again.update(LocalTree(repo)).files_removed  # and it still knows what changed since
+
+
+def test_a_tampered_index_is_refused_not_followed(repo, tmp_path, tiny_embedder):
+    index = build(repo, tmp_path / "ix", tiny_embedder)
+    index.save()
+    meta = json.loads((tmp_path / "ix" / "index.json").read_text())
+    for data in ({"chunks": "../../etc/passwd", "vectors": meta["data"]["vectors"]}, {}):
+        (tmp_path / "ix" / "index.json").write_text(json.dumps({**meta, "data": data}))
+        with pytest.raises(IndexError_, match="does not name its data files"):
+            CodeIndex.open(tmp_path / "ix", tiny_embedder)
+
+
+def test_the_ann_graph_grows_with_edits_instead_of_being_rebuilt(repo, tmp_path, tiny_embedder):
+    index = build(repo, tmp_path / "ix", tiny_embedder, ann_threshold=10)
+    index.search("roman numeral", 5, mode="semantic")
+    graph = index._ann
+    (repo / "pocketlib" / "extra.py").write_text("def brand_new_function(x):\n    return x * 3\n")
+    (repo / "pocketlib" / "roman.py").unlink()
+    index.update(LocalTree(repo))
+    hits = index.search("def brand_new_function(x): return x * 3", 50, mode="semantic")
+    assert index._ann is graph  # added to, not rebuilt
+    assert "pocketlib/extra.py" in {h.chunk.path for h in hits}
+    assert "pocketlib/roman.py" not in {h.chunk.path for h in hits}  # dead rows masked

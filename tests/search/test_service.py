@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 from shipyard.harness.loop import Agent, LoopConfig
@@ -20,15 +22,17 @@ from shipyard.search.tree import LocalTree
 
 
 class Recording(IndexSearcher):
-    """An `IndexSearcher` that keeps what each search was told had changed."""
+    """An `IndexSearcher` that keeps the files each refresh read."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.told = []
+        self.refreshes = []
 
-    def search(self, workspace, query, directories, k, changed=None):
-        self.told.append(None if changed is None else set(changed))
-        return super().search(workspace, query, directories, k, changed)
+    def _search(self, workspace, query, directories, k):
+        before = set(self.refreshed)
+        hits = super()._search(workspace, query, directories, k)
+        self.refreshes.append(self.refreshed - before)
+        return hits
 
 
 @pytest.fixture
@@ -76,20 +80,58 @@ def test_bad_queries_and_directories_are_the_models_errors(searching, query, dir
 def test_the_searcher_follows_the_agents_edits(searching, repo):
     ctx, searcher = searching
     codebase_search(ctx, "mean")  # builds the index from the workspace
+    ctx.wrote({"pocketlib/stats.py"})  # what the executor says before each editing call runs
     search_replace(ctx, "pocketlib/stats.py", "def mean(", "def arithmetic_average_of(")
-    write_file(ctx, "pocketlib/geometry.py", "def hypotenuse_length(a, b):\n    return (a * a + b * b) ** 0.5\n")
-    ctx.wrote({"pocketlib/stats.py"})  # what the executor notes before the calls run
     ctx.wrote({"pocketlib/geometry.py"})
+    write_file(ctx, "pocketlib/geometry.py", "def hypotenuse_length(a, b):\n    return (a * a + b * b) ** 0.5\n")
     out = codebase_search(ctx, "hypotenuse_length arithmetic_average_of")
-    assert searcher.told[-1] == {"pocketlib/stats.py", "pocketlib/geometry.py"}
+    assert searcher.refreshes[-1] == {"pocketlib/stats.py", "pocketlib/geometry.py"}  # those two files only
     assert "pocketlib/geometry.py" in out and "arithmetic_average_of" in out
+    ctx.wrote(None)  # a terminal command may write anything, now or later (a process it leaves behind)
     run_terminal(ctx, "printf 'def zebra_stripes():\\n    return 7\\n' > pocketlib/zoo.py")
-    ctx.wrote(None)  # a terminal command may have written anything
     out = codebase_search(ctx, "zebra_stripes")
-    assert searcher.told[-1] is None and "pocketlib/zoo.py" in out
-    (repo / "pocketlib" / "geometry.py").unlink()  # gone: found through the diff and the files refreshed before
+    assert "pocketlib/zoo.py" in out
+    (repo / "pocketlib" / "geometry.py").unlink()  # no tool said so: the diff and the files refreshed before do
+    (repo / "pocketlib" / "roman.py").rename(repo / "pocketlib" / "numerals.py")
+    out = codebase_search(ctx, "hypotenuse_length to_roman")
+    assert "geometry.py" not in out and "pocketlib/roman.py" not in out and "pocketlib/numerals.py" in out
+
+
+def test_two_searches_in_one_turn_both_see_the_edit(searching):
+    ctx, _ = searching
+    codebase_search(ctx, "mean")
+    ctx.wrote({"pocketlib/stats.py"})
+    search_replace(ctx, "pocketlib/stats.py", "def mean(", "def arithmetic_average_of(")
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda q: codebase_search(ctx, q), ["arithmetic_average_of", "arithmetic_average_of"]))
+    assert all("arithmetic_average_of" in out for out in outs)
+
+
+def test_what_a_model_can_write_never_fails_the_search(searching, repo):
+    ctx, _ = searching
+    codebase_search(ctx, "mean")
+    deep = "".join(f"function f{i}() {{\n" for i in range(1500)) + "}\n" * 1500
+    ctx.wrote({"deep.js"})
+    write_file(ctx, "deep.js", deep)
     ctx.wrote(None)
-    assert "geometry.py" not in codebase_search(ctx, "hypotenuse_length")
+    run_terminal(ctx, "printf 'def odd_name_function():\\n    return 1\\n' > $'caf\\xe9.py' && "
+                      "printf 'def newline_name():\\n    return 1\\n' > $'a\\nb.py'")
+    out = codebase_search(ctx, "odd_name_function newline_name f1499")
+    assert "deep.js" in out  # cut into windows past the depth limit
+    assert "odd_name_function" not in out and "newline_name" not in out  # names the index cannot show: skipped
+
+
+def test_concurrent_episodes_share_one_embedder_safely(tiny_embedder):
+    lines = ["word " * n for n in (206, 26, 175, 52)]
+    expected = tiny_embedder.count(lines)
+    vector = tiny_embedder.embed([lines[0]])
+
+    def work(_):
+        return tiny_embedder.count(lines), tiny_embedder.embed([lines[0]])
+
+    with ThreadPoolExecutor(4) as pool:
+        for counts, vectors in pool.map(work, range(40)):
+            assert counts == expected and np.allclose(vectors, vector, atol=1e-5)
 
 
 def test_an_agent_calls_codebase_search(repo, tiny_embedder):
@@ -108,9 +150,25 @@ def test_an_agent_calls_codebase_search(repo, tiny_embedder):
 
 
 def test_diff_paths_reads_the_files_a_patch_changes():
-    patch = ("diff --git a/x.py b/x.py\n--- a/x.py\n+++ b/x.py\n@@ -1 +1 @@\n-a\n+diff --git a/evil b/evil\n"
-             "diff --git a/d/new.py b/d/new.py\nnew file mode 100644\n")
-    assert diff_paths(patch) == {"x.py", "d/new.py"}
+    patch = ('# shipyard left 1 changed path(s) out of this patch (…):\n#   "big.bin": now a file of 99 bytes\n'
+             "diff --git a/x.py b/x.py\n--- a/x.py\n+++ b/x.py\n@@ -1 +1 @@\n-a\n+diff --git a/evil b/evil\n"
+             "diff --git a/d/new.py b/d/new.py\nnew file mode 100644\n"
+             "diff --git a/p/old name.py b/p/new name.py\nrename from a/p/old name.py\nrename to b/p/new name.py\n"
+             'diff --git "a/we\\"ird.py" "b/we\\"ird.py"\ndeleted file mode 100644\n')
+    assert diff_paths(patch) == {"big.bin", "x.py", "d/new.py", "p/old name.py", "p/new name.py", 'we"ird.py'}
+
+
+def test_a_copy_takes_regular_files_only(tmp_path, repo, tiny_embedder):
+    index = CodeIndex.open(tmp_path / "base", tiny_embedder)
+    index.update(LocalTree(repo))
+    index.save()
+    index.close()
+    secret = tmp_path / "secret"
+    secret.write_text("root only")
+    (tmp_path / "base" / "planted").symlink_to(secret)
+    copy_index(tmp_path / "base", tmp_path / "copy")
+    assert not (tmp_path / "copy" / "planted").exists() and (tmp_path / "copy" / "index.json").is_file()
+    assert CodeIndex.open(tmp_path / "copy", tiny_embedder).live_chunks() == index.live_chunks()
 
 
 def test_a_tasks_index_is_a_private_copy_without_the_deleted_code(tmp_path, repo, tiny_embedder):

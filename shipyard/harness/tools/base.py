@@ -56,13 +56,11 @@ class ToolContext:
     concurrent_terminals: int = 1  # run_terminal calls in the turn being executed (set by the executor)
     lock: threading.Lock = field(default_factory=threading.Lock)
     searcher: Any = None  # shipyard.harness.tools.search.Searcher: codebase_search's backend (None: not offered)
-    changed: set[str] | None = field(default_factory=set)  # files written since the last search (None: any may be)
-    background_jobs: bool = False  # a background job was started: it may write files at any time
 
     def wrote(self, paths: set[str] | None) -> None:
-        """Note files a call may have written (None: it may have written anything), for the searcher's refresh."""
-        with self.lock:
-            self.changed = None if paths is None or self.changed is None else self.changed | paths
+        """Tell the searcher the files a call is about to write (None: it may write anything), for its refresh."""
+        if self.searcher is not None:
+            self.searcher.wrote(paths)
 
     def close(self) -> None:
         if self.session is not None:

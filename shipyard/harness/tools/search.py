@@ -33,11 +33,13 @@ class SearchResult:
 
 
 class Searcher(Protocol):
-    def search(self, workspace: Workspace, query: str, directories: list[str] | None, k: int,
-               changed: set[str] | None = None) -> list[SearchResult]:
+    def wrote(self, paths: set[str] | None) -> None:
+        """A tool call is about to write these workspace files (None: any file, e.g. a terminal command)."""
+        ...
+
+    def search(self, workspace: Workspace, query: str, directories: list[str] | None, k: int) -> list[SearchResult]:
         """The `k` chunks of the workspace's files (as they are now) that best answer `query`, best first; only under
-        `directories` (workspace-relative, already checked) when given. `changed`: the files written since the
-        previous search (None: any file may have been). Infrastructure failures raise `InfraError`."""
+        `directories` (workspace-relative, already checked) when given. Infrastructure failures raise `InfraError`."""
         ...
 
 
@@ -60,13 +62,7 @@ def codebase_search(ctx: ToolContext, query: str, directories: list[str] | None 
                 raise ToolError(f"'{directory}' is not a directory in the workspace.")
             dirs.append(rel)
         dirs = None if "." in dirs else dirs
-    with ctx.lock:
-        changed, ctx.changed = (None if ctx.background_jobs else ctx.changed), set()
-    try:
-        results = ctx.searcher.search(ctx.workspace, query, dirs, MAX_RESULTS, changed)
-    except BaseException:
-        ctx.wrote(changed)  # not refreshed: the next search does it
-        raise
+    results = ctx.searcher.search(ctx.workspace, query, dirs, MAX_RESULTS)
     if not results:
         where = f" under {', '.join(directories)}" if directories else ""
         return f"No code found for {query!r}{where}."

@@ -119,7 +119,6 @@ def run_terminal(ctx: ToolContext, command: str, timeout: int = DEFAULT_TIMEOUT,
         raise ToolError(f"timeout must be between 1 and {MAX_TIMEOUT} seconds.")
     session = _session(ctx)
     if background:
-        ctx.background_jobs = True
         job = session.start_job(command)
         return (f"started background job {job.id} (pid {job.pid}). Its output goes to {job.log}; "
                 f"check it with run_terminal, e.g. `tail -n 50 {job.log}`. It is stopped when the session ends.")
