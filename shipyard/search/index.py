@@ -1,6 +1,6 @@
 """A persisted, incrementally refreshed code-search index: embeddings for meaning, BM25 for words, fused by rank.
 
-    files (FileSource) ──stamp/hash changed?──> chunk (tree-sitter) ──> embed (Embedder) ──> vectors-N.npy, chunks-N.jsonl
+    files (FileSource) ──stamp/hash changed?──> chunk (tree-sitter) ──> embed (Embedder) ──> vectors-N.npy, chunks-N
                                                                     └──> BM25 documents (Tantivy segments, bm25/)
 
 **Search.** A query is embedded and scored against every live chunk vector by dot product (exact; the vectors are
