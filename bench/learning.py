@@ -2,7 +2,9 @@
 
 Arms, each a real `shipyard train` run of one configuration (default `configs/demo.toml`: the bundled 0.5B, tasks
 synthesized from the example repository, AdamW) with the same seeds, tasks and held-out split, and the same budget
-(`--steps`, cut at `--minutes` of wall time — a cut arm is reported as such, with the steps it made):
+(`--steps`, or `--minutes` of wall time: the run stops itself after the step that reaches the budget less
+`--eval-reserve` and evaluates — `run.max_minutes` —, and is killed only if that overruns the budget; either way the
+arm is reported with the steps it made):
 
     reward     the configuration as it is (the grader's reward and its shaping terms)
     feedback   + hints (`--hints.enabled true`: hint detectors, targeted self-distillation; shipyard/rl/hints.py)
@@ -53,8 +55,12 @@ FORMAT_PROBLEMS = ("untagged_ran", "untagged", "truncated", "malformed", "unknow
 def train_arm(name: str, config: Path, run_dir: Path, args: argparse.Namespace, tasks: Path | None) -> dict:
     """Train one arm in a subprocess, cut at the wall-time budget; what happened."""
     overrides = [a.format(effort=args.effort) for a in ARMS[name]]
+    # The run stops itself after the step that reaches the budget less the reserve, then evaluates and checkpoints
+    # (`run.max_minutes`); the benchmark kills it only if that overruns the whole budget.
+    soft = max(args.minutes - args.eval_reserve, 0.1)
     cmd = [sys.executable, "-m", "shipyard.cli", "train", str(config), "--run.dir", str(run_dir), "--run.steps",
            str(args.steps), "--run.eval_every", str(args.eval_every), "--run.checkpoint_every", str(args.steps),
+           "--run.max_minutes", str(soft),
            *(["--run.tasks", str(tasks)] if tasks else []), *overrides]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     log = run_dir.with_suffix(".log")
@@ -213,6 +219,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--minutes", type=float, default=60.0, help="wall-time budget of each arm")
     p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--eval-reserve", type=float, default=8.0,
+                   help="minutes of each arm's budget kept for its final held-out eval")
     p.add_argument("--effort", type=float, default=0.1, help="shaping.effort of the effort arm")
     p.add_argument("--window", type=int, default=3, help="steps of the moving average of the rates")
     p.add_argument("--bootstrap", type=int, default=2000)
@@ -239,7 +247,10 @@ def main() -> int:
         if tasks is None:
             tasks = Path(_config(dirs[arm]).get("run", {}).get("tasks") or dirs[arm] / "tasks")
         status = json.loads((dirs[arm] / "run.json").read_text()) if (dirs[arm] / "run.json").exists() else {}
-        runs[arm]["status"] = status.get("status", "missing")
+        killed = runs[arm].get("cut_at_budget") and status.get("status") == "running"
+        runs[arm]["status"] = "killed at the budget" if killed else status.get("status", "missing")
+        if status.get("stopped"):
+            runs[arm]["stopped"] = status["stopped"]  # the run's own time budget: it evaluated and checkpointed
 
     curves, summary = {}, {}
     for arm in arms:

@@ -246,15 +246,21 @@ class RLLoop:
         return metrics, batch, hints
 
     async def run_loop(self) -> list[dict[str, Any]]:
-        """Resume if the run has a checkpoint, evaluate, train to `settings.steps`, evaluate; the logged lines."""
+        """Resume if the run has a checkpoint, evaluate, train to `settings.steps` (or to the step that reaches
+        `settings.max_minutes` of this process's wall time), evaluate; the logged lines."""
         lines = []
+        deadline = None if self.settings.max_minutes is None else time.monotonic() + 60 * self.settings.max_minutes
+        out_of_time = False
         try:
             await self.resume()
             if self.step == 0 and (before := await self.evaluate()) is not None:
                 lines.append(self.run.log(0, {"eval": before}))
             while self.step < self.settings.steps:
                 metrics = await self.train_step()
-                last = self.step == self.settings.steps
+                out_of_time = deadline is not None and time.monotonic() >= deadline and self.step < self.settings.steps
+                last = self.step == self.settings.steps or out_of_time
+                if out_of_time:
+                    metrics["run"] = {"stopped_at_budget": 1}
                 due = last or (self.settings.eval_every and self.step % self.settings.eval_every == 0)
                 if due and (after := await self.evaluate()) is not None:
                     metrics["eval"] = after
@@ -264,11 +270,13 @@ class RLLoop:
                 self.run.set_status("running", step=self.step)
                 if self.on_step is not None:
                     self.on_step(self.step, lines[-1])
+                if out_of_time:
+                    break
         except BaseException as e:
             self.run.set_status("failed", step=self.step, error=f"{type(e).__name__}: {e}"[:2000])
             raise
         finally:
             await self.scheduler.close()
             self.run.close()
-        self.run.set_status("finished", step=self.step)
+        self.run.set_status("finished", step=self.step, **({"stopped": "max_minutes"} if out_of_time else {}))
         return lines

@@ -38,7 +38,7 @@ def closing():
         thing.close()
 
 
-def make_loop(tasks_dir, run: RunDir, steps: int, closing: list) -> tuple[RLLoop, LocalEngine]:
+def make_loop(tasks_dir, run: RunDir, steps: int, closing: list, **settings) -> tuple[RLLoop, LocalEngine]:
     model, tok = tiny_model(seed=3)
     engine = LocalEngine(tiny_model(seed=3)[0], tok, name=TINY)
     env = LocalEnvironment()
@@ -51,7 +51,7 @@ def make_loop(tasks_dir, run: RunDir, steps: int, closing: list) -> tuple[RLLoop
     header = ChatFormat(tok, default_tools()).assistant_header_ids()
     trainer = Trainer(model, TrainConfig(optim=OptimConfig(name="adamw", lr=1e-3)), pad_id=tok.pad_token_id,
                       header_ids=header)
-    settings = RunConfig(steps=steps, eval_every=0, eval_samples=1, checkpoint_every=1)
+    settings = RunConfig(steps=steps, eval_every=0, eval_samples=1, checkpoint_every=1, **settings)
     loop = RLLoop(sched, trainer, run, settings, eval_tasks=tasks[:1],
                   export=lambda t, full, d: export_policy(t, full, tok, d))
     return loop, engine
@@ -86,6 +86,16 @@ def test_the_loop_trains_syncs_checkpoints_evaluates_and_exports(taskset, tmp_pa
     for name, tensor in exported.state_dict().items():
         assert torch.equal(tensor, trained[name].to(tensor.dtype)), name
     assert json.loads((run.export_dir / "shipyard.json").read_text())["policy_version"] == 2
+
+
+def test_a_time_budget_makes_the_step_that_reaches_it_the_last(taskset, tmp_path, closing):
+    run = RunDir.create(tmp_path / "run")
+    loop, _ = make_loop(taskset[0], run, steps=5, closing=closing, max_minutes=1e-4)
+    lines = asyncio.run(asyncio.wait_for(loop.run_loop(), timeout=600))
+    assert [line["step"] for line in lines] == [0, 1]  # eval before; one step, then its eval and checkpoint
+    assert "eval/pass@1" in lines[1] and lines[1]["run/stopped_at_budget"] == 1
+    assert run.status()["status"] == "finished" and run.status()["stopped"] == "max_minutes"
+    assert sorted(p.name for p in run.checkpoints_dir.iterdir()) == ["step-00000001"]
 
 
 def test_a_resumed_run_continues_as_the_uninterrupted_one(taskset, tmp_path, closing):
