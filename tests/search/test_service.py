@@ -193,3 +193,14 @@ def test_a_tasks_index_is_a_private_copy_without_the_deleted_code(tmp_path, repo
     assert "brand_new_helper" in episode.search("brand_new_helper", 1, mode="bm25")[0].chunk.text
     untouched = CodeIndex.open(task / "search-index", tiny_embedder)
     assert all("brand_new_helper" not in h.chunk.text for h in untouched.search("brand_new_helper", 5, mode="bm25"))
+
+
+def test_the_cli_agent_searches_a_repository_it_indexes_on_first_use(repo, tiny_embedder):
+    from shipyard.rollout.episode import episode_config, run_on_repo
+
+    call = json.dumps({"name": "codebase_search", "arguments": {"query": "percentile", "directories": ["pocketlib"]}})
+    engine = ReplayEngine([f"<tool_call>{call}</tool_call>", "Found it."])
+    config = episode_config("replay", max_turns=3, search=True, embedder=tiny_embedder.name)
+    traj = run_on_repo("find percentile", repo, engine, config)
+    (record,) = traj.turns[0].calls
+    assert record.error is None and "pocketlib/stats.py" in record.output and "tests/" not in record.output
