@@ -228,6 +228,9 @@ def main() -> int:
     p.add_argument("--tasks", type=Path, default=None, help="a task set for every arm (default: the first arm's)")
     p.add_argument("--reuse", action="append", default=[], metavar="ARM=DIR", help="use a finished run as an arm")
     args = p.parse_args()
+    if not 0 <= args.eval_reserve < args.minutes:
+        p.error(f"--eval-reserve must be at least 0 and less than --minutes ({args.minutes:g}), "
+                f"not {args.eval_reserve:g}")
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = sorted(set(arms) - set(ARMS))
     reuse = dict(item.split("=", 1) for item in args.reuse)

@@ -198,13 +198,15 @@ class RunConfig:
     world_size: int = 1  # trainer ranks (FSDP2): the loop's process and world_size - 1 more (shipyard.rl.ranks)
     device: str = "cpu"  # the trainer's device
     resume: bool = False  # continue the run in `dir` from its latest checkpoint
-    max_minutes: float | None = None  # wall-time budget: the step that reaches it is the last (eval, checkpoint)
+    max_minutes: float | None = None  # wall-time budget: no step is started that would not fit (then eval, checkpoint)
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.checkpoint_every < 1 or self.eval_samples < 1 or self.world_size < 1:
             raise ValueError("steps, checkpoint_every, eval_samples and world_size must be at least 1")
-        if self.eval_every < 0 or self.held_out_count < 0 or (self.max_minutes is not None and self.max_minutes <= 0):
-            raise ValueError("eval_every and held_out_count must be >= 0, max_minutes > 0")
+        if self.eval_every < 0 or self.held_out_count < 0:
+            raise ValueError("eval_every and held_out_count must be >= 0")
+        if self.max_minutes is not None and not (math.isfinite(self.max_minutes) and self.max_minutes > 0):
+            raise ValueError(f"run.max_minutes must be a positive number of minutes, not {self.max_minutes}")
         if self.held_out and self.held_out_count:
             raise ValueError("give held_out (task ids) or held_out_count (how many to pick), not both")
         _check_device("run.device", self.device)

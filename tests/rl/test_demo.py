@@ -45,6 +45,13 @@ def test_report_reads_before_after_and_training_figures():
     assert json.loads(json.dumps(r.to_json()))["ok"] is True
 
 
+def test_a_run_its_time_budget_ended_is_not_a_failure():
+    lines = [EVAL0, step(1), {**step(2, evaluated=EVAL0), "run/stopped_at_budget": 1}]
+    r = report(lines, steps=5)
+    assert r.ok, r.failures
+    assert not report([EVAL0, step(1), step(2, evaluated=EVAL0)], steps=5).ok  # without the budget: steps missing
+
+
 @pytest.mark.parametrize("lines, steps, failure", [
     ([step(1), step(2)], 2, "expected an evaluation before and after"),
     ([EVAL0, step(1, evaluated={**EVAL0, "eval/scored": 0})], 1, "after training scored no rollout"),
