@@ -20,7 +20,6 @@ from shipyard.console import (
     SEARCH_HELP,
     UNTAGGED_HELP,
     SearchMode,
-    Untagged,
     UserError,
     console,
     out,
@@ -50,7 +49,7 @@ def agent(
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", min=1, help="Token budget of one turn."),
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, …"),
     tokenizer: str | None = typer.Option(None, help="Tokenizer for openai:/replay: models (default: inferred)."),
-    untagged: Untagged | None = typer.Option(None, help=UNTAGGED_HELP),
+    untagged: str | None = typer.Option(None, help=UNTAGGED_HELP),
     search: bool = typer.Option(False, "--search", help=SEARCH_HELP),
 ) -> None:
     """Run the coding agent on a repository and print each turn, the diff and a summary."""
@@ -417,7 +416,7 @@ def eval_(
                                           "Default: bubblewrap sandboxes in this process."),
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, …"),
     tokenizer: str | None = typer.Option(None, help="Tokenizer for openai:/replay: models (default: inferred)."),
-    untagged: Untagged | None = typer.Option(None, help=UNTAGGED_HELP),
+    untagged: str | None = typer.Option(None, help=UNTAGGED_HELP),
     search: bool = typer.Option(False, "--search", help=SEARCH_HELP),
 ) -> None:
     """Evaluate a model on held-out tasks without training: pass@1, unbiased pass@k, effort, infra failures and

@@ -52,7 +52,6 @@ def status_line(message: str) -> None:
     console.print(f"[dim]· {message}[/]")
 
 
-Untagged = str  # "reject" or "accept": checked by episode_config, so a bad value is one `error:` line
 SearchMode = Literal["hybrid", "semantic", "bm25"]
 SEARCH_HELP = ("Offer the codebase_search tool (semantic code search; the bundled MiniLM embeds the code on first use, "
                "or a task's index from synthesis).")

@@ -163,10 +163,9 @@ def estimate_tokens(lines: Sequence[str]) -> list[int]:
     return [len(re.findall(r"\w+|[^\w\s]", line)) for line in lines]
 
 
-def chunk_file(path: str, text: str, max_tokens: int, count: LineCounter = estimate_tokens, *,
-               syntax: bool = True) -> list[Chunk]:
-    """The chunks of one file's `text`, in line order; every non-blank line is in exactly one chunk. Without
-    `syntax`, line windows only (the fallback for a file its grammar cannot take)."""
+def chunk_file(path: str, text: str, max_tokens: int, count: LineCounter = estimate_tokens) -> list[Chunk]:
+    """The chunks of one file's `text`, in line order; every non-blank line is in exactly one chunk. A file its
+    grammar cannot take (nesting past the stack, an encoding the parser refuses) is cut into line windows."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
     lines = text.split("\n")  # as tree-sitter counts rows (str.splitlines also splits at \f, \x1c, …)
@@ -212,12 +211,15 @@ def chunk_file(path: str, text: str, max_tokens: int, count: LineCounter = estim
             row = end + 1
         windows(row, last, symbol)
 
-    if language is None or not syntax:
-        windows(0, len(lines) - 1, None)
-    else:
-        tree = parser(language).parse(text.encode("utf-8", "surrogatepass"))
-        emit(tree.root_node, 0, len(lines) - 1, None)
-    return sorted(out, key=lambda c: c.start)
+    if language is not None:
+        try:
+            tree = parser(language).parse(text.encode("utf-8", "surrogatepass"))
+            emit(tree.root_node, 0, len(lines) - 1, None)
+            return sorted(out, key=lambda c: c.start)
+        except (RecursionError, ValueError, UnicodeError):  # what a file's content can cause: windows instead
+            out.clear()
+    windows(0, len(lines) - 1, None)
+    return out
 
 
 def _last_content(lines: Sequence[str], first: int, last: int) -> int:

@@ -15,14 +15,15 @@ for what it was looking for. Here, from saved rollouts (a run's `trajectories/st
   MultipleNegativesRankingLoss, Henderson et al. 2017): each query's positive against the other pairs' positives of
   the batch, cosine similarity × 20.
 * **Evaluation** on held-out tasks (split by task, never seen in training): for each query, its task's snapshot
-  chunks ranked by cosine similarity; recall@10 = the share of queries with a positive in the top 10, for the base
-  embedder and the tuned one.
+  indexed and searched as `codebase_search` does (semantic side); recall@10 = the share of queries with a positive
+  in the top 10, for the base embedder and the tuned one.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from pathlib import Path
 from shipyard.harness.trajectory import Trajectory
 from shipyard.search.chunks import Chunk, chunk_file
 from shipyard.search.embed import Embedder, SentenceEmbedder
-from shipyard.search.index import embedding_text
+from shipyard.search.index import CodeIndex, embedding_text
 from shipyard.search.tree import LocalTree
 
 MAX_WHOLE_FILE_LINES = 400
@@ -129,30 +130,24 @@ def split_by_task(pairs: Sequence[Pair], held_out: float, seed: int) -> tuple[li
 
 
 def recall_at(embedder: Embedder, pairs: Sequence[Pair], tasks_dir: Path, k: int = 10) -> float | None:
-    """Share of the held-out queries with a positive among the `k` most similar chunks of their task's snapshot."""
-    import numpy as np
-
-    by_query: dict[tuple[str, str], set[Chunk]] = {}
+    """Share of the held-out queries with a positive among the `k` best semantic hits of their task's snapshot, as the
+    index ranks them (a throwaway `CodeIndex` per task)."""
+    by_query: dict[tuple[str, str], set[tuple[str, int]]] = {}
     for p in pairs:
-        by_query.setdefault((p.task_id, p.query), set()).add(p.positive)
+        by_query.setdefault((p.task_id, p.query), set()).add((p.positive.path, p.positive.start))
     if not by_query:
         return None
     hits = []
-    for task_id in sorted({t for t, _ in by_query}):
-        tree = LocalTree(Path(tasks_dir) / task_id / "snapshot")
-        chunks = []
-        for path in sorted(tree.files()):
-            data = tree.read(path)
-            if data is not None:
-                chunks += chunk_file(path, data.decode("utf-8", "replace"), embedder.max_tokens, embedder.count)
-        vectors = embedder.embed([embedding_text(c) for c in chunks])
-        for (t, query), positives in by_query.items():
-            if t != task_id:
-                continue
-            scores = vectors @ embedder.embed([query])[0]
-            top = {(chunks[i].path, chunks[i].start) for i in np.argsort(-scores)[:k]}
-            hits.append(any((c.path, c.start) in top for c in positives))
-    return float(np.mean(hits))
+    with tempfile.TemporaryDirectory(prefix="shipyard-recall-") as scratch:
+        for task_id in sorted({t for t, _ in by_query}):
+            index = CodeIndex.open(Path(scratch) / task_id, embedder)
+            index.update(LocalTree(Path(tasks_dir) / task_id / "snapshot"))
+            for (t, query), positives in by_query.items():
+                if t == task_id:
+                    top = {(h.chunk.path, h.chunk.start) for h in index.search(query, k, mode="semantic")}
+                    hits.append(bool(top & positives))
+            index.close()
+    return sum(hits) / len(hits)
 
 
 def batches(pairs: Sequence[Pair], batch_size: int, rng: random.Random) -> list[list[Pair]]:

@@ -269,28 +269,24 @@ class CodeIndex:
             listed = {}
             candidates = {p: None for p in paths if indexable_name(p)}
         report.files_checked = len(listed) or len(candidates)
-        changed: dict[str, tuple[Stamp | None, bytes | None]] = {}
+        changed: dict[str, tuple[Stamp, bytes, str]] = {}  # path → (stamp, bytes, SHA-256)
         for path, stamp in candidates.items():
             data = source.read(path)
-            digest = hashlib.sha256(data).hexdigest() if data is not None else None
-            if digest is None:
+            if data is None:
                 if path in self.files:
                     report.files_removed.append(path)
                 continue
+            digest = hashlib.sha256(data).hexdigest()
             if path in self.files and self.files[path]["sha256"] == digest:
                 if stamp is not None:  # touched, not changed: remember the new stamp
                     self.files[path].update(size=stamp.size, mtime_ns=stamp.mtime_ns)
                 continue
-            changed[path] = (stamp, data)
+            changed[path] = (stamp or Stamp(len(data), 0), data, digest)
         report.files_changed = sorted(changed)
         new_chunks: list[Chunk] = []
         owners: list[str] = []
-        for path, (_, data) in changed.items():
-            text = data.decode("utf-8", "replace")
-            try:
-                file_chunks = chunk_file(path, text, self.max_tokens, self.embedder.count)
-            except (RecursionError, ValueError, UnicodeError):  # what a file's content can cause: windows instead
-                file_chunks = chunk_file(path, text, self.max_tokens, self.embedder.count, syntax=False)
+        for path, (_, data, _) in changed.items():
+            file_chunks = chunk_file(path, data.decode("utf-8", "replace"), self.max_tokens, self.embedder.count)
             new_chunks += file_chunks
             owners += [path] * len(file_chunks)
         vectors = self._embed(new_chunks, progress)
@@ -298,10 +294,8 @@ class CodeIndex:
         for path in gone:
             self._kill(path)
         added = self._append(new_chunks, vectors)
-        for path, (stamp, data) in changed.items():
-            stamp = stamp or Stamp(len(data), 0)
-            self.files[path] = {"size": stamp.size, "mtime_ns": stamp.mtime_ns,
-                                "sha256": hashlib.sha256(data).hexdigest(), "rows": []}
+        for path, (stamp, _, digest) in changed.items():
+            self.files[path] = {"size": stamp.size, "mtime_ns": stamp.mtime_ns, "sha256": digest, "rows": []}
         for (row, _), path in zip(added, owners, strict=True):
             self.files[path]["rows"].append(row)
         if gone or added:

@@ -34,7 +34,7 @@ from shipyard.harness.workspace import Workspace
 from shipyard.models.errors import InfraError
 from shipyard.search.embed import BUNDLED_EMBEDDER, Embedder, SentenceEmbedder
 from shipyard.search.index import CodeIndex, Hit, IndexConfig, IndexError_, UpdateReport
-from shipyard.search.tree import MAX_FILE_BYTES, LocalTree, Stamp, is_binary
+from shipyard.search.tree import LocalTree, Stamp, indexable_data
 
 MAX_WORKSPACE_FILES = 50_000
 TASK_INDEX = "search-index"  # a task's index, beside its snapshot (never inside it: the agent must not see it)
@@ -96,7 +96,7 @@ class WorkspaceFiles:
             raise
         except (OSError, ValueError):  # gone, not a regular file, too large (PathError is an OSError or ValueError)
             return None
-        return None if len(data) > MAX_FILE_BYTES or is_binary(data) else data
+        return indexable_data(data)
 
 
 def copy_index(base: Path, dest: Path) -> None:
@@ -110,7 +110,7 @@ def copy_index(base: Path, dest: Path) -> None:
         if stat.S_ISDIR(mode):
             target.mkdir(parents=True, exist_ok=True)
             continue
-        if not stat.S_ISREG(mode) or src.name.startswith((".tantivy-", ".saving")):
+        if not stat.S_ISREG(mode) or src.name.startswith(".tantivy-"):
             continue  # a link (a tampered index) or a lock: not copied
         target.parent.mkdir(parents=True, exist_ok=True)
         try:

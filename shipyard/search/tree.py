@@ -92,7 +92,7 @@ class LocalTree:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 return None
             data = f.read(self.max_bytes + 1)
-        return None if len(data) > self.max_bytes or is_binary(data) else data
+        return indexable_data(data, self.max_bytes)
 
 
 def indexable_name(path: str) -> bool:
@@ -105,5 +105,6 @@ def indexable_name(path: str) -> bool:
     return not any(ord(ch) < 32 or ord(ch) == 127 for ch in path)
 
 
-def is_binary(data: bytes) -> bool:
-    return b"\0" in data[:8192]
+def indexable_data(data: bytes, max_bytes: int = MAX_FILE_BYTES) -> bytes | None:
+    """`data`, unless the index leaves it out: over `max_bytes`, or binary (a NUL byte in its first 8 KiB)."""
+    return None if len(data) > max_bytes or b"\0" in data[:8192] else data
