@@ -103,11 +103,17 @@ class ToolExecutor:
                 records[call.index] = CallRecord(call.index, call.name, call.arguments, f"error: {error}", error,
                                                  0.0, call.untagged, call.error_kind)
         self.ctx.concurrent_terminals = sum(c.name == "run_terminal" for c in valid)
-        for wave in self._waves(valid):
+        access = [self._access(c) for c in valid]  # resolved once: a sandbox's resolve is a request
+        written = {c.index: a[1] for c, a in zip(valid, access, strict=True)}
+
+        def run(call: ToolCall) -> CallRecord:
+            return self._run_one(call, written[call.index])
+
+        for wave in self._waves(valid, access):
             if len(wave) == 1:
-                records[wave[0].index] = self._run_one(wave[0])
+                records[wave[0].index] = run(wave[0])
                 continue
-            for call, record in zip(wave, self.pool.map(self._run_one, wave), strict=True):
+            for call, record in zip(wave, self.pool.map(run, wave), strict=True):
                 records[call.index] = record
         return [records[c.index] for c in calls]
 
@@ -124,8 +130,9 @@ class ToolExecutor:
             return ({ANYWHERE}, {ANYWHERE}) if tool.mutates else ({ANYWHERE}, set())
         return (set(), {path}) if tool.mutates else ({path}, set())
 
-    def _waves(self, calls: list[ToolCall]) -> list[list[ToolCall]]:
-        access = [self._access(c) for c in calls]
+    def _waves(self, calls: list[ToolCall], access: list[tuple[set[str], set[str]]] | None = None
+               ) -> list[list[ToolCall]]:
+        access = access if access is not None else [self._access(c) for c in calls]
         level: list[int] = []
         for j, call in enumerate(calls):
             deps = [level[i] for i in range(j) if not (call.name == calls[i].name == "run_terminal")
@@ -133,10 +140,9 @@ class ToolExecutor:
             level.append(1 + max(deps, default=-1))
         return [[c for c, lv in zip(calls, level, strict=True) if lv == w] for w in range(max(level, default=-1) + 1)]
 
-    def _run_one(self, call: ToolCall) -> CallRecord:
+    def _run_one(self, call: ToolCall, written: set[str]) -> CallRecord:
         start = time.perf_counter()
-        if self.tools[call.name].mutates:
-            written = self._access(call)[1]
+        if self.tools[call.name].mutates:  # the searcher refreshes these before its next query
             self.ctx.wrote(None if ANYWHERE in written else written)
         try:
             output, error, kind = self.tools[call.name].run(self.ctx, **call.arguments), None, None
