@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 from _common import console, finish, table
+from rich.progress import Progress, TimeElapsedColumn
 
 from shipyard.search.embed import SentenceEmbedder
 from shipyard.search.index import CodeIndex, code_words
@@ -147,7 +148,10 @@ def build(corpus: Path, directory: Path, embedder) -> tuple[CodeIndex, float | N
     """The corpus's index (a kept one brought up to date) and its build rate in chunks/s (None when reused)."""
     index = CodeIndex.open(directory, embedder)
     start = time.perf_counter()
-    report = index.update(LocalTree(corpus))
+    with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console) as bar:
+        job = bar.add_task(f"embedding {corpus.name}", total=None)
+        report = index.update(LocalTree(corpus), progress=lambda done, total: bar.update(job, completed=done,
+                                                                                           total=total))
     seconds = time.perf_counter() - start
     index.save()
     console.print(f"[dim]· {corpus.name}: {index.live_chunks()} chunks, {report.chunks_embedded} embedded now, from "
@@ -192,7 +196,8 @@ def main() -> None:
         index, _ = build(corpus, work / "indexes" / src.name, embedder)
         per_corpus[src.name] = evaluate(index, queries)
         all_queries += [(src.name, q) for q in queries]
-        small = small or (index, corpus, queries[0]["path"]) if queries else small
+        if small is None and queries:  # the first corpus: its one-file refresh is compared with the large one's
+            small = (index, corpus, queries[0]["path"])
     rows = []
     overall = {}
     for mode in MODES:

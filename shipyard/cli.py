@@ -148,7 +148,9 @@ def train_embedder(
             report = run(rollouts, tasks, out_dir, base=base, epochs=epochs, lr=lr, held_out=held_out, seed=seed)
     out.print_json(json.dumps(report))
     if report["recall@10_tuned"] < report["recall@10_base"]:
-        console.print("[yellow]the tuned embedder is worse on the held-out tasks than the base one[/]")
+        console.print("[bold red]the tuned embedder is worse on the held-out tasks than the base one[/] (kept in "
+                      f"{out_dir} for inspection; do not use it)", soft_wrap=True)
+        raise typer.Exit(1)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
