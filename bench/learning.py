@@ -219,8 +219,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--minutes", type=float, default=60.0, help="wall-time budget of each arm")
     p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--eval-reserve", type=float, default=8.0,
-                   help="minutes of each arm's budget kept for its final held-out eval")
+    p.add_argument("--eval-reserve", type=float, default=None,
+                   help="minutes of each arm's budget kept for its final held-out eval (default: 8, or a quarter "
+                        "of --minutes when that is less)")
     p.add_argument("--effort", type=float, default=0.1, help="shaping.effort of the effort arm")
     p.add_argument("--window", type=int, default=3, help="steps of the moving average of the rates")
     p.add_argument("--bootstrap", type=int, default=2000)
@@ -228,6 +229,8 @@ def main() -> int:
     p.add_argument("--tasks", type=Path, default=None, help="a task set for every arm (default: the first arm's)")
     p.add_argument("--reuse", action="append", default=[], metavar="ARM=DIR", help="use a finished run as an arm")
     args = p.parse_args()
+    if args.eval_reserve is None:
+        args.eval_reserve = min(8.0, args.minutes / 4)
     if not 0 <= args.eval_reserve < args.minutes:
         p.error(f"--eval-reserve must be at least 0 and less than --minutes ({args.minutes:g}), "
                 f"not {args.eval_reserve:g}")
