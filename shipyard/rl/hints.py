@@ -15,7 +15,8 @@ recorded — error kinds (`CallRecord.error_kind`), grounded validity (`shipyard
 which paths — never the wording of an error message:
 
     call_format          a call the harness could not run as written: untagged, truncated, malformed, an unknown
-                         tool, arguments outside the schema (and an untagged call it accepted)
+                         tool, arguments outside the schema (and an untagged call it accepted); an untagged call
+                         that is otherwise sound is shown back in the tags, the exact text expected
     ungrounded           arguments that are no real target: a copied description or template, filler, a command
                          the shell could not run, a lint of nothing
     rejected_edit        an edit the syntax gate refused
@@ -30,9 +31,10 @@ which paths — never the wording of an error message:
     finished_unchanged   a final answer without any code change
 
 **Hints describe behaviour, never the deleted code.** Their text is fixed per kind (`HINTS`) and carries no task
-information; what a hint takes from the episode (`Finding.slots`: the paths the model wrote) is checked against the
-identifiers of the task's deleted code — the gold patch's added lines, less those the statement shows (`TaskFacts`) —
-as words and inside longer names; a finding whose slots name one is dropped and counted (`dropped_leak`). The other
+information; what a hint takes from the episode (`Finding.slots`: the paths the model wrote, its own untagged call
+written in the tags) is checked against the identifiers of the task's deleted code — the gold patch's added lines,
+less those the statement shows (`TaskFacts`) — as words and inside longer names; a finding whose slots name one is
+dropped and counted (`dropped_leak`; an untagged call that names one gets the fixed example instead). The other
 fillings come from what the model was shown anyway: the tool list, the statement's test command.
 
 Findings on the same turn become one message; at most `max_turns` turns of a rollout are hinted (the earliest).
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import builtins
 import itertools
+import json
 import keyword
 import posixpath
 import re
@@ -51,7 +54,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from shipyard.harness.parse import ToolCallParser
+from shipyard.harness.parse import CLOSE, OPEN, ToolCallParser
 from shipyard.harness.tools import Tool, default_tools
 from shipyard.harness.trajectory import FORMAT_KINDS, CallRecord, Trajectory
 from shipyard.harness.validity import ValidityChecker
@@ -64,6 +67,7 @@ from shipyard.tasks.grade import read_gold
 from shipyard.tasks.taskset import Task, load_task
 from shipyard.train.distill import Hint
 
+MAX_EXACT_CALL = 400  # characters of an untagged call's JSON that a hint repeats in full (`tagged`)
 EXPLORE = frozenset({"read_file", "list_dir", "glob", "grep", "read_lints", "codebase_search"})
 EDIT = frozenset({"search_replace", "write_file", "delete_file"})
 UNGROUNDED = frozenset({"placeholder", "trivial", "no_target", "not_run"})
@@ -80,6 +84,8 @@ COMMON_NAMES = frozenset(w.casefold() for w in (*keyword.kwlist, *keyword.softkw
 HINTS = {
     "untagged": "Write every tool call inside <tool_call></tool_call> tags, for example "
                 '<tool_call>{{"name": "list_dir", "arguments": {{"path": "."}}}}</tool_call>.',
+    "untagged_exact": "Write every tool call inside <tool_call></tool_call> tags. The call you wrote, as it should "
+                      "have been written:\n{call}",
     "truncated": "Your tool call was cut off before it closed. Keep each call short enough to finish; change a big "
                  "file with several small search_replace edits instead of one long write.",
     "malformed": 'A tool call must be one JSON object, {{"name": ..., "arguments": {{...}}}}, with double quotes and '
@@ -198,7 +204,26 @@ def _is_test_run(call: CallRecord, facts: TaskFacts) -> bool:
     return bool(TEST_RUNNER.search(command)) or any(f in command for f in facts.test_files)
 
 
+def tagged(call: CallRecord, parser: ToolCallParser) -> str | None:
+    """An untagged call written as the system prompt asks — the expected text itself, the model's own name and
+    arguments in the tags — or None when there is no such text: a call that would not run even in its tags (an
+    unknown tool, arguments outside the schema: the parser is the judge), or one longer than `MAX_EXACT_CALL`
+    characters (a whole file's `write_file`)."""
+    if call.name is None or not isinstance(call.arguments, dict):
+        return None
+    body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+    text = f"{OPEN}\n{body}\n{CLOSE}"
+    if len(body) > MAX_EXACT_CALL:
+        return None
+    parsed = parser.parse(text).calls
+    return text if len(parsed) == 1 and parsed[0].error is None and not parsed[0].untagged else None
+
+
 def call_format(ctx: Context) -> list[Finding]:
+    """A turn's first call the harness could not run as written. An untagged call that is otherwise sound gets the
+    exact text it should have been (`tagged`): a teacher that sees it puts its mass on the opening tag at the very
+    token where the student wrote a bare `{`, which a generic example did not (issue 16: the self-teacher could not
+    teach a format the model does not know). Its call is a slot, so the leak check sees the model's arguments."""
     out = []
     for turn in ctx.traj.turns:
         for call in turn.calls:
@@ -206,8 +231,13 @@ def call_format(ctx: Context) -> list[Finding]:
                 "untagged" if call.untagged else None
             if kind is None:
                 continue
-            text = hint(kind, tools=", ".join(ctx.tools))
-            out.append(Finding(turn.index, "call_format", text, f"call #{call.index + 1}: {kind}"))
+            exact = tagged(call, ctx.parser) if kind == "untagged" else None
+            if exact is not None and not ctx.facts.leaks(exact):
+                out.append(Finding(turn.index, "call_format", hint("untagged_exact", call=exact),
+                                   f"call #{call.index + 1}: untagged, its tagged text given", (exact,)))
+            else:
+                out.append(Finding(turn.index, "call_format", hint(kind, tools=", ".join(ctx.tools)),
+                                   f"call #{call.index + 1}: {kind}"))
             break
     return out
 

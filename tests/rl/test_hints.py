@@ -53,10 +53,28 @@ def test_format_errors_are_found_at_their_turn_and_the_episode_goes_on(workspace
     assert "schema" in texts[3]
 
 
-def test_an_accepted_untagged_call_gets_the_format_hint(workspace):
-    _, findings = episode(workspace, '{"name": "list_dir", "arguments": {"path": "."}}', "Done.", untagged="accept",
-                          detectors=["call_format"])
-    assert found(findings) == [(0, "call_format")] and findings[0].hint == hint("untagged")
+def test_an_untagged_call_is_shown_back_in_its_tags(workspace):
+    """The hint holds the exact text the turn should have had: the model's own call in the system prompt's form."""
+    for untagged in ("accept", "reject"):
+        _, findings = episode(workspace, 'Listing.\n{"name": "list_dir", "arguments": {"path": "."}}', "Done.",
+                              untagged=untagged, detectors=["call_format"])
+        assert found(findings) == [(0, "call_format")]
+        exact = '<tool_call>\n{"name": "list_dir", "arguments": {"path": "."}}\n</tool_call>'
+        assert findings[0].hint.endswith("\n" + exact)
+        assert findings[0].slots == (findings[0].hint.split("\n", 1)[1],)
+
+
+def test_an_untagged_call_gets_the_generic_example_when_its_text_cannot_be_repeated(workspace):
+    """Arguments naming the deleted code (the leak check), a call too long to repeat, or a call with a second problem
+    get the fixed example instead."""
+    secret = '{"name": "grep", "arguments": {"pattern": "def ordered"}}'
+    long = json.dumps({"name": "write_file", "arguments": {"path": "notes.txt", "content": "x" * 500}})
+    for text in (secret, long):
+        _, findings = episode(workspace, text, "Done.", untagged="accept", detectors=["call_format"])
+        assert [f.hint for f in findings] == [hint("untagged")] and findings[0].slots == ()
+    _, findings = episode(workspace, '{"name": "read_file", "arguments": {"offset": 3}}', "Done.",
+                          detectors=["call_format"])  # untagged and missing its path
+    assert "<tool_call>" in findings[0].hint and '"offset": 3' not in findings[0].hint
 
 
 def test_placeholder_and_unrunnable_arguments_are_ungrounded(workspace):
@@ -219,7 +237,8 @@ def test_no_hint_carries_a_secret_identifier_whatever_the_model_wrote(workspace)
 
 def test_every_hint_text_fills_and_stays_short():
     for kind in HINTS:
-        text = hint(kind, tools="read_file, list_dir", path="pocketlib/stats.py", command="`pytest`")
+        text = hint(kind, tools="read_file, list_dir", path="pocketlib/stats.py", command="`pytest`",
+                    call='<tool_call>\n{"name": "list_dir", "arguments": {"path": "."}}\n</tool_call>')
         assert len(text) < 300 and "{path}" not in text and "{command}" not in text, kind
     assert '{"name": "list_dir", "arguments": {"path": "."}}' in hint("untagged")
 
