@@ -178,3 +178,15 @@ def test_the_ann_graph_grows_with_edits_instead_of_being_rebuilt(repo, tmp_path,
     assert index._ann is graph  # added to, not rebuilt
     assert "pocketlib/extra.py" in {h.chunk.path for h in hits}
     assert "pocketlib/roman.py" not in {h.chunk.path for h in hits}  # dead rows masked
+
+
+def test_each_removal_is_masked_from_the_exact_search(repo, tmp_path, tiny_embedder):
+    """The live-row mask is kept between queries: every removal must renew it (a stale one ranks dead rows)."""
+    index = build(repo, tmp_path / "ix", tiny_embedder)
+    for name in ("roman.py", "stats.py"):
+        (repo / "pocketlib" / name).unlink()
+        index.update(LocalTree(repo))
+        live = index.live_chunks()
+        assert index._allowed(None).sum() == live
+        hits = index.search("numbers", live + 5, mode="semantic")
+        assert len(hits) == live and f"pocketlib/{name}" not in {h.chunk.path for h in hits}
