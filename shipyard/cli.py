@@ -19,7 +19,6 @@ from shipyard.console import (
     MODEL_HELP,
     SEARCH_HELP,
     UNTAGGED_HELP,
-    SearchMode,
     UserError,
     console,
     out,
@@ -30,6 +29,7 @@ from shipyard.console import (
     user_errors,
 )
 from shipyard.models.bundled import DEFAULT_MODEL
+from shipyard.search import Mode
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train fast coding agents with RL in the harness they ship in.")
@@ -82,7 +82,7 @@ def search(
     repo: Path = typer.Option(Path("."), "--repo", help="The repository to search (indexed on first use, then "
                               "refreshed with what changed)."),
     k: int = typer.Option(10, "-k", min=1, max=200, help="Results to show."),
-    mode: SearchMode = typer.Option("hybrid", help="hybrid (meaning and words), semantic or bm25."),
+    mode: Mode = typer.Option("hybrid", help="hybrid (meaning and words), semantic or bm25."),
     directory: list[str] | None = typer.Option(None, "--dir", help="Only under this directory (repeatable)."),
     index: Path | None = typer.Option(None, "--index", help="Index directory. Default: $SHIPYARD_HOME/search/…"),
     embedder: str = typer.Option("minilm", help="Embedding model: minilm (bundled), a model directory or a hub id."),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from contextlib import closing, contextmanager
 from pathlib import Path
-from typing import Literal
 
 import typer
 from rich.console import Console
@@ -52,7 +51,6 @@ def status_line(message: str) -> None:
     console.print(f"[dim]· {message}[/]")
 
 
-SearchMode = Literal["hybrid", "semantic", "bm25"]
 SEARCH_HELP = ("Offer the codebase_search tool (semantic code search; the bundled MiniLM embeds the code on first use, "
                "or a task's index from synthesis).")
 UNTAGGED_HELP = ("Tool calls written without <tool_call> tags (bare or fenced JSON): 'reject' reports them as format "

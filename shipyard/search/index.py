@@ -35,10 +35,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
+from shipyard.search import Mode
 from shipyard.search.chunks import Chunk, chunk_file
 from shipyard.search.embed import Embedder
 from shipyard.search.tree import FileSource, Stamp, indexable_name
@@ -46,7 +47,6 @@ from shipyard.search.tree import FileSource, Stamp, indexable_name
 SCHEMA = "shipyard.search/1"
 MARKER = "\0generation"  # BM25's document holding its commit generation (no real path has a NUL byte)
 RRF_K = 60
-Mode = Literal["hybrid", "semantic", "bm25"]
 
 
 class IndexError_(ValueError):
