@@ -44,7 +44,8 @@ def test_agent_with_replay_prints_turns_diff_and_summary(repo, tmp_path):
     (["agent", "x", "--model", "/no/such/model.gguf"], "does not exist"),
     (["agent", "x", "--model", "openai:http://127.0.0.1:9/v1"], "cannot reach"),
     (["agent", "x", "--model", "random:tiny", "--untagged", "maybe"], "untagged_calls must be 'reject' or 'accept'"),
-    (["synth", "--repo", ".", "--out", "synth-out", "--with", "not a requirement!"], "is not a requirement"),
+    (["synth", "--repo", ".", "--out", "synth-out", "--with", "not a requirement!"],
+     "--with / requirements: 'not a requirement!' is not a"),
     (["bench", "nope"], "no benchmark 'nope'; available: engine, hacks, harness"),
 ])
 def test_bad_input_gives_one_clear_line(args, message, repo, monkeypatch):

@@ -75,7 +75,9 @@ class SynthConfig:
             try:
                 Requirement(req)
             except InvalidRequirement as e:
-                raise ValueError(f"{req!r} is not a requirement ({e}); write it as pip does: 'hypothesis>=6'") from None
+                why = str(e).splitlines()[0]
+                raise ValueError(f"--with / requirements: {req!r} is not a requirement ({why}); write it as pip does: "
+                                 f"'hypothesis>=6'") from None
 
 
 @dataclass
