@@ -29,9 +29,15 @@ over one of three supports:
 Distillation is on only when hints can arrive (`enabled`, set by the RL loop when its hints are on): only then
 is a teacher built. The teacher runs without gradient (frozen initial weights, an EMA of the policy — the default —
 or the live policy). Every per-token term is multiplied by a truncated importance weight min(p_s(y)/μ(y), 2), μ
-the sampler that drew y (the student may have moved since), and clipped at `token_kl_clip` so that a few tokens
-where the teacher is sure and the student is not cannot dominate. The distillation loss is the mean over target
-tokens and joins the policy loss with weight λ: L = L^PG + λ L^distill.
+the sampler that drew y (the student may have moved since), and bounded by `token_kl_clip` c so that a few tokens
+where the teacher is sure and the student is not cannot dominate: such a term counts c · d / sg(d) — c in value,
+its gradient scaled by c/d rather than cut to zero as a clamp would (those tokens are what a hint is for). The
+distillation loss is the mean over target tokens and joins the policy loss with weight λ: L = L^PG + λ L^distill.
+
+Which divergence can teach what: the reverse KL's gradient at a token v is p_s(v)·[log(p_s(v)/p_t(v)) − KL], so it
+moves no mass onto a token the student almost never writes (the bundled 0.5B gives `<tool_call>` p ≈ 1e-10 as a
+turn's first token) however sure the teacher is; the forward KL's, p_s(v) − p_t(v), pulls it up by the teacher's
+mass. Hints that teach a new form (an exact call in its tags) need `forward_kl` or `jsd`.
 
 **Lift.** A hint is kept only when it argues against what the student actually did. With y_i the turn's sampled
 tokens and p_s, p_t the distributions at position i, its lift is the mean over the turn of
@@ -220,7 +226,10 @@ def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tok
         if config.support == "topk":
             index = log_t.topk(min(config.top_k, log_t.shape[-1]), -1).indices
             log_s, log_t = topk_with_tail(log_s, index), topk_with_tail(log_t, index)
-        d = divergence(log_s, log_t, config.divergence, config.jsd_alpha).clamp(max=config.token_kl_clip)
+        d = divergence(log_s, log_t, config.divergence, config.jsd_alpha)
+        # Bounded, not cut: min(d, c) in value, the gradient scaled by c/d. A clamp's gradient is 0 above c, which
+        # dropped exactly the tokens where the teacher is sure and the student is not (the ones a hint is for).
+        d = d * (config.token_kl_clip / d.detach().clamp(min=1e-12)).clamp(max=1.0)
         per_token = w * d
         value = d.detach()
     loss = per_token.mean() if per_token.numel() else student_logits.sum() * 0

@@ -98,9 +98,16 @@ def test_importance_weight_and_token_clip():
     unlikely = s_logits.clone()
     unlikely[:, 3] = -20.0
     on_policy = unlikely.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+    unlikely.requires_grad_(True)
     clipped, _ = distill_loss(unlikely, far, tokens, on_policy, DistillConfig(divergence="forward_kl",
                                                                               token_kl_clip=1.5))
-    assert float(clipped) == pytest.approx(1.5, rel=1e-5)
+    assert clipped.item() == pytest.approx(1.5, rel=1e-5)
+    clipped.backward()  # bounded, not cut: the gradient still raises the teacher's token, scaled down
+    assert (unlikely.grad[:, 3] < -0.01).all()  # a clamp gave exactly 0
+    full = unlikely.detach().clone().requires_grad_(True)
+    distill_loss(full, far, tokens, on_policy, DistillConfig(divergence="forward_kl", token_kl_clip=1e9))[0].backward()
+    ratio = unlikely.grad / full.grad
+    assert torch.allclose(ratio, ratio[:, :1].expand_as(ratio), rtol=1e-4)  # the same direction per token
 
 
 def test_bad_configs_are_refused():
