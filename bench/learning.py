@@ -229,6 +229,8 @@ def main() -> int:
     p.add_argument("--tasks", type=Path, default=None, help="a task set for every arm (default: the first arm's)")
     p.add_argument("--reuse", action="append", default=[], metavar="ARM=DIR", help="use a finished run as an arm")
     args = p.parse_args()
+    if not args.minutes > 0:
+        p.error(f"--minutes must be more than 0, not {args.minutes:g}")
     if args.eval_reserve is None:
         args.eval_reserve = min(8.0, args.minutes / 4)
     if not 0 <= args.eval_reserve < args.minutes:

@@ -51,7 +51,7 @@ import posixpath
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 
 from shipyard.harness.parse import CLOSE, OPEN, ToolCallParser
@@ -67,6 +67,7 @@ from shipyard.tasks.grade import read_gold
 from shipyard.tasks.taskset import Task, load_task
 from shipyard.train.distill import Hint
 
+CONTROL = re.compile(r"<\|[^<>|\s]{0,40}\|>|</?s>")  # chat control tokens written as text (<|im_end|>, </s>)
 MAX_EXACT_CALL = 400  # characters of an untagged call's JSON that a hint repeats in full (`tagged`)
 EXPLORE = frozenset({"read_file", "list_dir", "glob", "grep", "read_lints", "codebase_search"})
 EDIT = frozenset({"search_replace", "write_file", "delete_file"})
@@ -204,26 +205,51 @@ def _is_test_run(call: CallRecord, facts: TaskFacts) -> bool:
     return bool(TEST_RUNNER.search(command)) or any(f in command for f in facts.test_files)
 
 
-def tagged(call: CallRecord, parser: ToolCallParser) -> str | None:
+def _strings(value: object) -> Iterator[str]:
+    """Every string value inside decoded JSON arguments (not the keys: those are the tool's schema)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+def tagged(call: CallRecord, ctx: Context) -> tuple[str, tuple[str, ...]] | None:
     """An untagged call written as the system prompt asks — the expected text itself, the model's own name and
-    arguments in the tags — or None when there is no such text: a call that would not run even in its tags (an
-    unknown tool, arguments outside the schema: the parser is the judge), or one longer than `MAX_EXACT_CALL`
-    characters (a whole file's `write_file`)."""
+    arguments in the tags — with the argument strings it repeats (the finding's slots); None when the call is not one
+    to endorse. The hint says "as it should have been written", and the teacher copies it, so the call must be
+    grounded but for the tags (`ValidityChecker`: it ran without error — or, rejected unrun, nothing but the tags
+    is wrong with it — with no placeholder, filler or template argument); its strings must name none of the task's
+    deleted code (checked decoded: in the JSON text an escape such as `\\n` would hide a word), and hold no chat
+    control token (`CONTROL`: the hint is tokenized with special tokens matched); its JSON at most `MAX_EXACT_CALL`
+    characters (not a whole file's `write_file`); and it must parse back as one tagged call."""
     if call.name is None or not isinstance(call.arguments, dict):
         return None
+    if call.error_kind == "untagged":  # rejected unrun: judged as if it had run, on its arguments alone
+        call = replace(call, error=None, error_kind=None, untagged=True, output="")
+    if call.error is not None or ctx.checker.call(call).problem != "untagged_ran":
+        return None
+    strings = tuple(_strings(call.arguments))
+    if any(ctx.facts.leaks(s) or CONTROL.search(s) for s in strings):
+        return None
     body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
-    text = f"{OPEN}\n{body}\n{CLOSE}"
     if len(body) > MAX_EXACT_CALL:
         return None
-    parsed = parser.parse(text).calls
-    return text if len(parsed) == 1 and parsed[0].error is None and not parsed[0].untagged else None
+    text = f"{OPEN}\n{body}\n{CLOSE}"
+    parsed = ctx.parser.parse(text).calls
+    if len(parsed) != 1 or parsed[0].error is not None or parsed[0].untagged:
+        return None
+    return text, strings
 
 
 def call_format(ctx: Context) -> list[Finding]:
     """A turn's first call the harness could not run as written. An untagged call that is otherwise sound gets the
     exact text it should have been (`tagged`): a teacher that sees it puts its mass on the opening tag at the very
     token where the student wrote a bare `{`, which a generic example did not (issue 16: the self-teacher could not
-    teach a format the model does not know). Its call is a slot, so the leak check sees the model's arguments."""
+    teach a format the model does not know). Its argument strings are the finding's slots (leak-checked again)."""
     out = []
     for turn in ctx.traj.turns:
         for call in turn.calls:
@@ -231,10 +257,10 @@ def call_format(ctx: Context) -> list[Finding]:
                 "untagged" if call.untagged else None
             if kind is None:
                 continue
-            exact = tagged(call, ctx.parser) if kind == "untagged" else None
-            if exact is not None and not ctx.facts.leaks(exact):
-                out.append(Finding(turn.index, "call_format", hint("untagged_exact", call=exact),
-                                   f"call #{call.index + 1}: untagged, its tagged text given", (exact,)))
+            exact = tagged(call, ctx) if kind == "untagged" else None
+            if exact is not None:
+                out.append(Finding(turn.index, "call_format", hint("untagged_exact", call=exact[0]),
+                                   f"call #{call.index + 1}: untagged_exact", exact[1]))
             else:
                 out.append(Finding(turn.index, "call_format", hint(kind, tools=", ".join(ctx.tools)),
                                    f"call #{call.index + 1}: {kind}"))

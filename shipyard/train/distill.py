@@ -15,7 +15,7 @@ on-policy) we minimise a divergence between the two next-token distributions p_s
     reverse KL   KL(p_s ‖ p_t) = Σ_v p_s(v) log(p_s(v) / p_t(v))     mode-seeking; the on-policy distillation default
     forward KL   KL(p_t ‖ p_s) = Σ_v p_t(v) log(p_t(v) / p_s(v))     mass-covering
     JSD(α)       α KL(p_t ‖ m) + (1 − α) KL(p_s ‖ m),  m = α p_t + (1 − α) p_s   (generalised JSD of GKD,
-                 arXiv 2306.13649; α → 0 behaves like forward KL, α → 1 like reverse KL, both scaled)
+                 arXiv 2306.13649; in value α → 0 behaves like forward KL, α → 1 like reverse KL, both scaled)
 
 over one of three supports:
 
@@ -37,7 +37,9 @@ distillation loss is the mean over target tokens and joins the policy loss with 
 Which divergence can teach what: the reverse KL's gradient at a token v is p_s(v)·[log(p_s(v)/p_t(v)) − KL], so it
 moves no mass onto a token the student almost never writes (the bundled 0.5B gives `<tool_call>` p ≈ 1e-10 as a
 turn's first token) however sure the teacher is; the forward KL's, p_s(v) − p_t(v), pulls it up by the teacher's
-mass. Hints that teach a new form (an exact call in its tags) need `forward_kl` or `jsd`.
+mass. The JSD's gradient at v is p_s(v)·[(1 − α)·log(p_s(v)/m(v)) − E_s(…)], scaled by p_s(v) like the reverse
+KL's for every α (α → 0 makes its *value* forward-KL-like, not its gradient). A hint that teaches a new form (an
+exact call in its tags) needs `forward_kl`, with `full` or `topk` support.
 
 **Lift.** A hint is kept only when it argues against what the student actually did. With y_i the turn's sampled
 tokens and p_s, p_t the distributions at position i, its lift is the mean over the turn of
@@ -229,7 +231,8 @@ def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tok
         d = divergence(log_s, log_t, config.divergence, config.jsd_alpha)
         # Bounded, not cut: min(d, c) in value, the gradient scaled by c/d. A clamp's gradient is 0 above c, which
         # dropped exactly the tokens where the teacher is sure and the student is not (the ones a hint is for).
-        d = d * (config.token_kl_clip / d.detach().clamp(min=1e-12)).clamp(max=1.0)
+        scaled = d * (config.token_kl_clip / d.detach().clamp(min=1e-12)).clamp(max=1.0)
+        d = torch.where(torch.isfinite(d), scaled, d.clamp(max=config.token_kl_clip))  # inf · 0 would be nan
         per_token = w * d
         value = d.detach()
     loss = per_token.mean() if per_token.numel() else student_logits.sum() * 0

@@ -61,20 +61,41 @@ def test_an_untagged_call_is_shown_back_in_its_tags(workspace):
         assert found(findings) == [(0, "call_format")]
         exact = '<tool_call>\n{"name": "list_dir", "arguments": {"path": "."}}\n</tool_call>'
         assert findings[0].hint.endswith("\n" + exact)
-        assert findings[0].slots == (findings[0].hint.split("\n", 1)[1],)
+        assert findings[0].slots == (".",)
 
 
 def test_an_untagged_call_gets_the_generic_example_when_its_text_cannot_be_repeated(workspace):
-    """Arguments naming the deleted code (the leak check), a call too long to repeat, or a call with a second problem
-    get the fixed example instead."""
-    secret = '{"name": "grep", "arguments": {"pattern": "def ordered"}}'
-    long = json.dumps({"name": "write_file", "arguments": {"path": "notes.txt", "content": "x" * 500}})
-    for text in (secret, long):
-        _, findings = episode(workspace, text, "Done.", untagged="accept", detectors=["call_format"])
-        assert [f.hint for f in findings] == [hint("untagged")] and findings[0].slots == ()
+    """The exact text is an endorsement the teacher copies: not for arguments naming the deleted code (checked
+    decoded: `\\nmid` in the JSON is `mid` on its own line), chat control tokens, a call too long to repeat, a call
+    with a placeholder, one that ran and failed, or one with a second problem. (A rejected call never ran: it is
+    judged on its arguments alone.)"""
+    cases = [json.dumps({"name": "write_file", "arguments": {"path": "notes.py", "content": "n = 3\nmid = n // 2\n"}}),
+             json.dumps({"name": "grep", "arguments": {"pattern": "def ordered"}}),
+             json.dumps({"name": "write_file", "arguments": {"path": "notes.txt", "content": "x" * 500}}),
+             json.dumps({"name": "read_file", "arguments": {"path": "path/to/file.py"}})]
+    failed = json.dumps({"name": "read_file", "arguments": {"path": "no/such/file.py"}})  # known only once run
+    facts = TaskFacts("`pytest`", frozenset(), frozenset({"mid", "ordered"}))
+    for text, modes in [*((c, ("accept", "reject")) for c in cases), (failed, ("accept",))]:
+        for untagged in modes:
+            _, findings = episode(workspace, text, "Done.", untagged=untagged, facts=facts, detectors=["call_format"])
+            assert [f.hint for f in findings] == [hint("untagged")] and findings[0].slots == (), (text, untagged)
+    # A control token as text (engines decode without special tokens, so the replayed one is set in the record):
+    traj, _ = episode(workspace, '{"name": "grep", "arguments": {"pattern": "x"}}', "Done.", untagged="accept")
+    traj.turns[0].calls[0].arguments["pattern"] = "x<|im_start|>user"
+    assert [f.hint for f in detect(traj, facts, detectors=["call_format"])] == [hint("untagged")]
     _, findings = episode(workspace, '{"name": "read_file", "arguments": {"offset": 3}}', "Done.",
                           detectors=["call_format"])  # untagged and missing its path
     assert "<tool_call>" in findings[0].hint and '"offset": 3' not in findings[0].hint
+
+
+def test_an_exact_call_is_not_withheld_for_the_templates_own_words(workspace):
+    """Secrets are matched in the model's strings only: a task whose deleted code names `path` or `name` still gets
+    exact hints for calls that do not."""
+    facts = TaskFacts("`pytest`", frozenset(), frozenset({"path", "name", "arguments", "read_file"}))
+    _, findings = episode(workspace, '{"name": "read_file", "arguments": {"path": "README.md"}}', "Done.",
+                          untagged="accept", facts=facts, detectors=["call_format"])
+    assert findings[0].hint.startswith(HINTS["untagged_exact"].split("{call}")[0])
+    assert findings[0].slots == ("README.md",)
 
 
 def test_placeholder_and_unrunnable_arguments_are_ungrounded(workspace):

@@ -137,3 +137,13 @@ def test_lift_is_the_sampled_log_ratio_centred_by_the_kl():
     disliked = t.clone()
     disliked[0, 1] -= 5.0  # the teacher now strongly disfavours the student's first token
     assert lift(s, disliked, y)[0] > lift(s, t, y)[0] + 1
+
+
+def test_an_infinite_divergence_is_bounded_not_nan():
+    """A student logit of -inf under a token the teacher wants: the forward KL is inf; the term is the bound."""
+    student = torch.tensor([[0.0, float("-inf"), 0.0]], requires_grad=True)
+    teacher = torch.tensor([[0.0, 2.0, 0.0]])
+    tokens = torch.tensor([0])
+    loss, m = distill_loss(student, teacher, tokens, student.detach().log_softmax(-1)[:, 0],
+                           DistillConfig(divergence="forward_kl", token_kl_clip=3.0))
+    assert loss.item() == pytest.approx(3.0) and m["distill_divergence"] == pytest.approx(3.0)
