@@ -1,0 +1,109 @@
+"""`shipyard bench hint_probe`: can a hint make the self-teacher write the `<tool_call>` tag? (issue 16)
+
+Targeted feedback distils the policy *with* a hint into the policy without it (`shipyard.train.distill`), so a hint
+can teach only what the hinted policy itself would write. This probe looks at the one token that matters for the
+wire format — the first of an assistant turn — in three contexts: the student's (the task, no hint), with the
+generic format hint, and with the exact-call hint (`untagged_exact`: the student's own untagged call shown back in
+its tags). For each: the most likely first tokens, the probability of the tag token, and the greedy turn.
+
+It also reads the model's output row of the tag token against those of the tokenizer's added tokens: a row equal
+to those of tokens no training text contains (`<|box_start|>`, `<|quad_end|>`, …) is its initialisation, never
+trained, and the model gives the token a probability near zero in every context. A hint — or any on-policy
+method — cannot raise what the teacher will not write; such a model needs the tags spelled in ordinary tokens, a
+format warm-up on tagged examples, or untagged calls accepted (`untagged_calls = "accept"`).
+
+    shipyard bench hint_probe [-- --model qwen2.5-coder-0.5b --path pocketlib/stats.py]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from _common import console, finish, table
+
+from shipyard.harness.parse import CLOSE, OPEN, ToolCallParser
+from shipyard.harness.tools import default_tools
+from shipyard.harness.wire import ChatFormat
+from shipyard.models.resolve import load_hf
+from shipyard.rl.hints import hint
+from shipyard.tasks.taskset import load_task
+
+STATEMENT = ("The function `median` in pocketlib/stats.py has lost its body. Implement it so that the test suite "
+             "passes; run the suite with `python -m pytest -q`.")
+
+
+def first_token(model, tok, ids: list[int], tag: int | None, greedy_tokens: int) -> dict:
+    with torch.inference_mode():
+        p = model(torch.tensor([ids])).logits[0, -1].float().softmax(-1)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=greedy_tokens, do_sample=False,
+                             pad_token_id=tok.eos_token_id)
+    top = p.topk(6)
+    return {"p_tag": None if tag is None else float(p[tag]), "top": [(tok.decode([int(i)]), round(float(v), 4))
+                                            for v, i in zip(top.values, top.indices, strict=True)],
+            "greedy": tok.decode(out[0, len(ids):], skip_special_tokens=False)}
+
+
+def tag_id(tok) -> int | None:
+    """The tag's token id, None when the tokenizer spells it in pieces."""
+    ids = tok.encode(OPEN, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
+def tag_row(model, tok) -> dict:
+    """The tag's output row against the added tokens' rows: how many share it exactly (an untrained init)."""
+    rows = model.get_output_embeddings().weight.detach().float()
+    tag = tag_id(tok)
+    if tag is None:
+        return {"tag_row_untrained": None, "note": f"{OPEN} is no single token of this tokenizer"}
+    added = sorted(i for i in tok.get_added_vocab().values() if i < rows.shape[0] and i != tag)
+    same = [tok.convert_ids_to_tokens(i) for i in added if torch.equal(rows[i], rows[tag])]
+    ordinary = rows[:min(added, default=rows.shape[0])].norm(dim=-1)
+    return {"tag_row_norm": round(float(rows[tag].norm()), 4), "ordinary_row_norm_median": round(float(
+        ordinary.median()), 4), "added_tokens_with_the_same_row": same, "tag_row_untrained": len(same) >= 2}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="shipyard bench hint_probe")
+    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    p.add_argument("--tasks", type=Path, default=None, help="a task set: the statement of --task (default: built in)")
+    p.add_argument("--task", default="t1-pocketlib.stats-median")
+    p.add_argument("--path", default="pocketlib/stats.py", help="the file the student's untagged call reads")
+    p.add_argument("--greedy-tokens", type=int, default=40)
+    args = p.parse_args()
+    statement = load_task(args.tasks, args.task)[0].statement if args.tasks else STATEMENT
+    model, tok = load_hf(args.model, dtype=torch.float32)
+    tools = default_tools()
+    chat, parser = ChatFormat(tok, tools), ToolCallParser(tools)
+    tag = tag_id(tok)
+    header = list(chat.assistant_header_ids())
+    prompt = chat.prompt_ids(statement)
+    call = json.dumps({"name": "read_file", "arguments": {"path": args.path}})
+    contexts = {"student (no hint)": None, "generic hint": hint("untagged"),
+                "exact-call hint": hint("untagged_exact", call=f"{OPEN}\n{call}\n{CLOSE}")}
+    seen = {}
+    for label, text in contexts.items():
+        ids = prompt if text is None else prompt[:-len(header)] + list(chat.hint_ids(text)) + header
+        seen[label] = first_token(model, tok, ids, tag, args.greedy_tokens)
+        calls = parser.parse(seen[label]["greedy"]).calls
+        seen[label]["greedy_tagged_call"] = any(c.error is None and not c.untagged for c in calls)
+    table(f"{args.model}: the first token of the turn", ["context", f"p({OPEN})", "most likely first tokens",
+                                                          "greedy turn", "a tagged call"],
+          [[label, "-" if s["p_tag"] is None else f"{s['p_tag']:.2e}",
+            ", ".join(f"{t!r} {v:.2f}" for t, v in s["top"][:4]), repr(s["greedy"][:70]), s["greedy_tagged_call"]]
+           for label, s in seen.items()])
+    row = tag_row(model, tok)
+    if row["tag_row_untrained"] is None:
+        console.print(row["note"])
+    else:
+        console.print(f"output row of {OPEN}: norm {row['tag_row_norm']} (ordinary tokens' median "
+                      f"{row['ordinary_row_norm_median']}); the same row exactly: "
+                      f"{', '.join(row['added_tokens_with_the_same_row']) or 'none'}"
+                      f" → {'untrained' if row['tag_row_untrained'] else 'trained'}")
+    finish("hint_probe", {"model": args.model, "contexts": seen, **row})
+
+
+if __name__ == "__main__":
+    main()
