@@ -7,10 +7,10 @@ generic format hint, and with the exact-call hint (`untagged_exact`: the student
 its tags). For each: the most likely first tokens, the probability of the tag token, and the greedy turn.
 
 It also reads the model's output row of the tag token against those of the tokenizer's added tokens: a row equal
-to those of tokens no training text contains (`<|box_start|>`, `<|quad_end|>`, …) is its initialisation, never
-trained, and the model gives the token a probability near zero in every context. A hint — or any on-policy
-method — cannot raise what the teacher will not write; such a model needs the tags spelled in ordinary tokens, a
-format warm-up on tagged examples, or untagged calls accepted (`untagged_calls = "accept"`).
+(cosine > 0.999) to those of tokens no training text contains (`<|box_start|>`, `<|quad_end|>`, …) is its
+initialisation, never trained, and the model gives the token a probability near zero in every context. A hint —
+or any on-policy method — cannot raise what the teacher will not write; such a model needs the tags spelled in
+ordinary tokens, a format warm-up on tagged examples, or untagged calls accepted (`untagged_calls = "accept"`).
 
     shipyard bench hint_probe [-- --model qwen2.5-coder-0.5b --path pocketlib/stats.py]
 """
@@ -53,13 +53,15 @@ def tag_id(tok) -> int | None:
 
 
 def tag_row(model, tok) -> dict:
-    """The tag's output row against the added tokens' rows: how many share it exactly (an untrained init)."""
+    """The tag's output row against the added tokens' rows: how many share it (an untrained initialisation)."""
     rows = model.get_output_embeddings().weight.detach().float()
     tag = tag_id(tok)
     if tag is None:
         return {"tag_row_untrained": None, "note": f"{OPEN} is no single token of this tokenizer"}
     added = sorted(i for i in tok.get_added_vocab().values() if i < rows.shape[0] and i != tag)
-    same = [tok.convert_ids_to_tokens(i) for i in added if torch.equal(rows[i], rows[tag])]
+    # Equal up to the checkpoint's quantization noise (the bundled GGUF: |difference| ~4e-4), hence a cosine.
+    cosine = torch.nn.functional.cosine_similarity(rows[added], rows[tag][None], dim=-1) if added else rows[:0, 0]
+    same = [tok.convert_ids_to_tokens(i) for i, c in zip(added, cosine.tolist(), strict=True) if c > 0.999]
     ordinary = rows[:min(added, default=rows.shape[0])].norm(dim=-1)
     return {"tag_row_norm": round(float(rows[tag].norm()), 4), "ordinary_row_norm_median": round(float(
         ordinary.median()), 4), "added_tokens_with_the_same_row": same, "tag_row_untrained": len(same) >= 2}
@@ -99,7 +101,7 @@ def main() -> None:
         console.print(row["note"])
     else:
         console.print(f"output row of {OPEN}: norm {row['tag_row_norm']} (ordinary tokens' median "
-                      f"{row['ordinary_row_norm_median']}); the same row exactly: "
+                      f"{row['ordinary_row_norm_median']}); the same row (cosine > 0.999): "
                       f"{', '.join(row['added_tokens_with_the_same_row']) or 'none'}"
                       f" → {'untrained' if row['tag_row_untrained'] else 'trained'}")
     finish("hint_probe", {"model": args.model, "contexts": seen, **row})
