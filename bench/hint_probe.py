@@ -11,6 +11,8 @@ It also reads the model's output row of the tag token against those of the token
 initialisation, never trained, and the model gives the token a probability near zero in every context. A hint —
 or any on-policy method — cannot raise what the teacher will not write; such a model needs the tags spelled in
 ordinary tokens, a format warm-up on tagged examples, or untagged calls accepted (`untagged_calls = "accept"`).
+The first is measured last: first turns sampled with the prompt's tags (the system prompt's example, the tool
+block's format) as the tag token, as the chat template has them, and spelled in ordinary tokens the model can write.
 
     shipyard bench hint_probe [-- --model qwen2.5-coder-0.5b --path pocketlib/stats.py]
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -67,6 +70,41 @@ def tag_row(model, tok) -> dict:
         ordinary.median()), 4), "added_tokens_with_the_same_row": same, "tag_row_untrained": len(same) >= 2}
 
 
+def spelled_ids(tok, text: str) -> list[int]:
+    """`text` encoded with every tag spelled in ordinary tokens (`<`, `tool`, `_call`, `>`), not as the tag token."""
+    out: list[int] = []
+    for piece in re.split(f"({re.escape(OPEN)}|{re.escape(CLOSE)})", text):
+        if piece in (OPEN, CLOSE):  # without its last character the added token does not match: BPE pieces
+            out += tok.encode(piece[:-1], add_special_tokens=False) + tok.encode(piece[-1], add_special_tokens=False)
+        elif piece:
+            out += tok.encode(piece, add_special_tokens=False)
+    return out
+
+
+def sample_tags(model, tok, chat: ChatFormat, parser: ToolCallParser, statements: list[str], samples: int,
+                max_new_tokens: int, seed: int) -> dict:
+    """First turns sampled (temperature 1) with the prompt's tags as the tag token and spelled: how many hold the
+    tag's text, and how many of those a tagged call that parses."""
+    out = {}
+    for form in ("token", "spelled"):
+        tagged = valid = total = 0
+        for statement in statements:
+            text = chat.render([{"role": "system", "content": chat.system_prompt},
+                                {"role": "user", "content": statement}], True)
+            ids = chat.encode(text) if form == "token" else spelled_ids(tok, text)
+            torch.manual_seed(seed)
+            with torch.inference_mode():
+                turns = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=True,
+                                       temperature=1.0, num_return_sequences=samples, pad_token_id=tok.eos_token_id)
+            for turn in turns:
+                words = tok.decode(turn[len(ids):], skip_special_tokens=True)
+                total += 1
+                tagged += OPEN in words
+                valid += any(c.error is None and not c.untagged for c in parser.parse(words).calls)
+        out[form] = {"turns": total, "with_the_tag": tagged, "tagged_calls_that_parse": valid}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="shipyard bench hint_probe")
     p.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -74,6 +112,8 @@ def main() -> None:
     p.add_argument("--task", default="t1-pocketlib.stats-median")
     p.add_argument("--path", default="pocketlib/stats.py", help="the file the student's untagged call reads")
     p.add_argument("--greedy-tokens", type=int, default=40)
+    p.add_argument("--samples", type=int, default=4, help="first turns sampled per task, tags as token and spelled")
+    p.add_argument("--sample-tokens", type=int, default=60)
     args = p.parse_args()
     statement = load_task(args.tasks, args.task)[0].statement if args.tasks else STATEMENT
     model, tok = load_hf(args.model, dtype=torch.float32)
@@ -104,7 +144,16 @@ def main() -> None:
                       f"{row['ordinary_row_norm_median']}); the same row (cosine > 0.999): "
                       f"{', '.join(row['added_tokens_with_the_same_row']) or 'none'}"
                       f" → {'untrained' if row['tag_row_untrained'] else 'trained'}")
-    finish("hint_probe", {"model": args.model, "contexts": seen, **row})
+    statements = [statement]
+    if args.tasks:
+        statements = [load_task(args.tasks, d.name)[0].statement for d in sorted(args.tasks.iterdir())
+                      if (d / "task.json").is_file()]
+    forms = sample_tags(model, tok, chat, parser, statements, args.samples, args.sample_tokens, seed=0)
+    table(f"first turns sampled ({args.samples} per task, {len(statements)} tasks, temperature 1), the prompt's tags "
+          f"as the tag token or spelled in ordinary tokens", ["tags in the prompt", "turns", f"with {OPEN}",
+                                                              "a tagged call that parses"],
+          [[form, f["turns"], f["with_the_tag"], f["tagged_calls_that_parse"]] for form, f in forms.items()])
+    finish("hint_probe", {"model": args.model, "contexts": seen, **row, "sampled": forms})
 
 
 if __name__ == "__main__":
