@@ -116,7 +116,6 @@ class CodeIndex:
         self._bm25 = None
         self._writer = None
         self._ann = None
-        self._live: np.ndarray | None = None  # which rows hold a chunk, while there are dead rows (made on demand)
 
     # ---- persistence -------------------------------------------------------------------------------------------
 
@@ -324,7 +323,6 @@ class CodeIndex:
         for row in self.files.pop(path)["rows"]:
             self.chunks[row] = None
             self.dead += 1
-        self._live = None
 
     def _append(self, chunks: Sequence[Chunk], vectors: np.ndarray) -> list[tuple[int, Chunk]]:
         need = self.rows + len(chunks)
@@ -336,7 +334,6 @@ class CodeIndex:
         added = list(enumerate(chunks, self.rows))
         self.chunks.extend(chunks)
         self.rows = need
-        self._live = None
         return added
 
     def dead_fraction(self) -> float:
@@ -356,7 +353,7 @@ class CodeIndex:
         self._writer = self._bm25 = None  # the writer's lock goes with it
         shutil.rmtree(self.directory / "bm25", ignore_errors=True)  # no deleted document survives in a segment
         self._bm25_replace([], list(enumerate(self.chunks)))
-        self._ann = self._live = None
+        self._ann = None
 
     # ---- search ------------------------------------------------------------------------------------------------
 
@@ -365,11 +362,8 @@ class CodeIndex:
 
     def _allowed(self, dirs: Sequence[str] | None) -> np.ndarray:
         if not dirs:  # every live row: the chunks no file owns any more are the dead ones
-            if not self.dead:
-                return np.ones(self.rows, dtype=bool)
-            if self._live is None:  # kept between queries, not a walk over every chunk per query
-                self._live = np.fromiter((c is not None for c in self.chunks), bool, self.rows)
-            return self._live.copy()
+            return np.fromiter((c is not None for c in self.chunks), bool, self.rows) if self.dead else \
+                np.ones(self.rows, dtype=bool)
         allowed = np.zeros(self.rows, dtype=bool)
         for path, entry in self.files.items():
             if any(path.startswith(d + "/") for d in dirs):

@@ -181,7 +181,7 @@ def test_the_ann_graph_grows_with_edits_instead_of_being_rebuilt(repo, tmp_path,
 
 
 def test_each_removal_is_masked_from_the_exact_search(repo, tmp_path, tiny_embedder):
-    """The live-row mask is kept between queries: every removal must renew it (a stale one ranks dead rows)."""
+    """After each removal the exact search masks exactly the dead rows, and returns every live one asked for."""
     index = build(repo, tmp_path / "ix", tiny_embedder)
     for name in ("roman.py", "stats.py"):
         (repo / "pocketlib" / name).unlink()
