@@ -38,6 +38,10 @@ STATEMENT = ("The function `median` in pocketlib/stats.py has lost its body. Imp
              "passes; run the suite with `python -m pytest -q`.")
 
 
+def has_tagged_call(parser: ToolCallParser, text: str) -> bool:
+    return any(c.error is None and not c.untagged for c in parser.parse(text).calls)
+
+
 def first_token(model, tok, ids: list[int], tag: int | None, greedy_tokens: int) -> dict:
     with torch.inference_mode():
         p = model(torch.tensor([ids])).logits[0, -1].float().softmax(-1)
@@ -100,7 +104,7 @@ def sample_tags(model, tok, chat: ChatFormat, parser: ToolCallParser, statements
                 words = tok.decode(turn[len(ids):], skip_special_tokens=True)
                 total += 1
                 tagged += OPEN in words
-                valid += any(c.error is None and not c.untagged for c in parser.parse(words).calls)
+                valid += has_tagged_call(parser, words)
         out[form] = {"turns": total, "with_the_tag": tagged, "tagged_calls_that_parse": valid}
     return out
 
@@ -129,8 +133,7 @@ def main() -> None:
     for label, text in contexts.items():
         ids = prompt if text is None else prompt[:-len(header)] + list(chat.hint_ids(text)) + header
         seen[label] = first_token(model, tok, ids, tag, args.greedy_tokens)
-        calls = parser.parse(seen[label]["greedy"]).calls
-        seen[label]["greedy_tagged_call"] = any(c.error is None and not c.untagged for c in calls)
+        seen[label]["greedy_tagged_call"] = has_tagged_call(parser, seen[label]["greedy"])
     table(f"{args.model}: the first token of the turn", ["context", f"p({OPEN})", "most likely first tokens",
                                                           "greedy turn", "a tagged call"],
           [[label, "-" if s["p_tag"] is None else f"{s['p_tag']:.2e}",

@@ -247,9 +247,10 @@ def tagged(call: CallRecord, ctx: Context) -> tuple[str, tuple[str, ...]] | None
 
 def call_format(ctx: Context) -> list[Finding]:
     """A turn's first call the harness could not run as written. An untagged call that is otherwise sound gets the
-    exact text it should have been (`tagged`): a teacher that sees it puts its mass on the opening tag at the very
-    token where the student wrote a bare `{`, which a generic example did not (issue 16: the self-teacher could not
-    teach a format the model does not know). Its argument strings are the finding's slots (leak-checked again)."""
+    exact text it should have been (`tagged`), for the teacher to copy at the token where the student wrote a bare
+    `{` — where the model can write the tag at all: the bundled 0.5B's tag token was never trained, and its hinted
+    teacher copies the call without the tags (`shipyard bench hint_probe`, issue 16). Its argument strings are the
+    finding's slots (leak-checked again)."""
     out = []
     for turn in ctx.traj.turns:
         for call in turn.calls:
