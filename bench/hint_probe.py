@@ -92,10 +92,11 @@ def sample_tags(model, tok, chat: ChatFormat, parser: ToolCallParser, statements
     out = {}
     for form in ("token", "spelled"):
         tagged = valid = total = 0
-        for statement in statements:
+        for n, statement in enumerate(statements, 1):
             text = chat.render([{"role": "system", "content": chat.system_prompt},
                                 {"role": "user", "content": statement}], True)
             ids = chat.encode(text) if form == "token" else spelled_ids(tok, text)
+            console.print(f"[dim]· sampling {samples} first turns, tags as {form} ({n}/{len(statements)})[/]")
             torch.manual_seed(seed)
             with torch.inference_mode():
                 turns = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=True,
@@ -119,6 +120,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=4, help="first turns sampled per task, tags as token and spelled")
     p.add_argument("--sample-tokens", type=int, default=60)
     args = p.parse_args()
+    if min(args.samples, args.sample_tokens, args.greedy_tokens) < 1:
+        p.error("--samples, --sample-tokens and --greedy-tokens must be at least 1")
     statement = load_task(args.tasks, args.task)[0].statement if args.tasks else STATEMENT
     model, tok = load_hf(args.model, dtype=torch.float32)
     tools = default_tools()
