@@ -203,25 +203,35 @@ def test_a_group_doomed_by_an_update_is_cancelled_early_and_dropped():
 def test_a_masked_straggler_is_kept_and_learns_only_from_its_fresh_turns():
     """stale_tokens = "mask" (the default): the group that "drop" cancels runs to the end and is accepted; its turns
     sampled more than η versions before the batch are context (loss mask 0), its recent turns are trained on."""
-    # 60 turns of 4 ms: the group spans many updates (one per ≥ 10 ms), each turn within one
-    sched = straggler_scheduler(turns=60, turn_seconds=0.004, stale_tokens="mask")
     assert SchedulerConfig().stale_tokens == "mask"
 
-    async def go():
-        for v in range(100):
-            batch = await sched.next_batch()
-            if "a@0" in [g.group_id for g in batch.groups]:
-                break
-            await asyncio.sleep(0.01)
-            await sched.update_weights(v + 1, {})
-        stats = sched.stats()
-        await sched.close()
-        return batch, stats
+    def attempt():
+        # 80 turns of 3 ms against a trainer step of >= 30 ms: the group spans several updates, each turn within one
+        sched = straggler_scheduler(turns=80, turn_seconds=0.003, stale_tokens="mask")
 
-    batch, stats = asyncio.run(asyncio.wait_for(go(), timeout=30))
+        async def go():
+            for v in range(200):
+                batch = await sched.next_batch()
+                if "a@0" in [g.group_id for g in batch.groups] or sched.stats()["dropped_stale_groups"]:
+                    break
+                await asyncio.sleep(0.03)
+                await sched.update_weights(v + 1, {})
+            stats = sched.stats()
+            await sched.close()
+            return batch, stats
+
+        return asyncio.run(asyncio.wait_for(go(), timeout=30))
+
+    # A stall of the event loop longer than two trainer steps during the straggler's last turn leaves it nothing
+    # fresh to train on, and dropping it is then right: a few attempts keep the test about the accepted case.
+    for _ in range(3):
+        batch, stats = attempt()
+        if "a@0" in [g.group_id for g in batch.groups]:
+            break
+        assert stats["dropped_stale_groups"] == 1, stats  # not accepted: only because it was stale
     [straggler] = [g for g in batch.groups if g.group_id == "a@0"]
     versions = straggler.rollouts[0].versions
-    assert len(versions) == 60 and versions[0] < batch.min_version <= versions[-1]  # it spans the bound
+    assert len(versions) == 80 and versions[0] < batch.min_version <= versions[-1]  # it spans the bound
     b = Batch.from_rollouts(batch, pad_id=0)
     row = [r.rollout_id for r in batch.rollouts].index(straggler.rollouts[0].rollout_id)
     sampled, trained = b.versions[row][b.versions[row] != 0], b.versions[row][b.loss_mask[row] > 0]
