@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
 import torch
@@ -29,7 +28,7 @@ from _common import console, finish, table
 
 from shipyard.harness.parse import CLOSE, OPEN, ToolCallParser
 from shipyard.harness.tools import default_tools
-from shipyard.harness.wire import ChatFormat
+from shipyard.harness.wire import ChatFormat, tag_token_twins
 from shipyard.models.resolve import load_hf
 from shipyard.rl.hints import hint
 from shipyard.tasks.taskset import load_task
@@ -61,41 +60,25 @@ def tag_id(tok) -> int | None:
 
 def tag_row(model, tok) -> dict:
     """The tag's output row against the added tokens' rows: how many share it (an untrained initialisation)."""
-    rows = model.get_output_embeddings().weight.detach().float()
-    tag = tag_id(tok)
-    if tag is None:
+    same = tag_token_twins(model, tok)
+    if same is None:
         return {"tag_row_untrained": None, "note": f"{OPEN} is no single token of this tokenizer"}
-    added = sorted(i for i in tok.get_added_vocab().values() if i < rows.shape[0] and i != tag)
-    # Equal up to the checkpoint's quantization noise (the bundled GGUF: |difference| ~4e-4), hence a cosine.
-    cosine = torch.nn.functional.cosine_similarity(rows[added], rows[tag][None], dim=-1) if added else rows[:0, 0]
-    same = [tok.convert_ids_to_tokens(i) for i, c in zip(added, cosine.tolist(), strict=True) if c > 0.999]
-    ordinary = rows[:min(added, default=rows.shape[0])].norm(dim=-1)
+    rows, tag = model.get_output_embeddings().weight.detach().float(), tag_id(tok)
+    ordinary = rows[:min(tok.get_added_vocab().values(), default=rows.shape[0])].norm(dim=-1)
     return {"tag_row_norm": round(float(rows[tag].norm()), 4), "ordinary_row_norm_median": round(float(
         ordinary.median()), 4), "added_tokens_with_the_same_row": same, "tag_row_untrained": len(same) >= 2}
 
 
-def spelled_ids(tok, text: str) -> list[int]:
-    """`text` encoded with every tag spelled in ordinary tokens (`<`, `tool`, `_call`, `>`), not as the tag token."""
-    out: list[int] = []
-    for piece in re.split(f"({re.escape(OPEN)}|{re.escape(CLOSE)})", text):
-        if piece in (OPEN, CLOSE):  # without its last character the added token does not match: BPE pieces
-            out += tok.encode(piece[:-1], add_special_tokens=False) + tok.encode(piece[-1], add_special_tokens=False)
-        elif piece:
-            out += tok.encode(piece, add_special_tokens=False)
-    return out
-
-
-def sample_tags(model, tok, chat: ChatFormat, parser: ToolCallParser, statements: list[str], samples: int,
-                max_new_tokens: int, seed: int) -> dict:
+def sample_tags(model, tok, parser: ToolCallParser, statements: list[str], samples: int, max_new_tokens: int,
+                seed: int) -> dict:
     """First turns sampled (temperature 1) with the prompt's tags as the tag token and spelled: how many hold the
     tag's text, and how many of those a tagged call that parses."""
     out = {}
     for form in ("token", "spelled"):
         tagged = valid = total = 0
+        chat = ChatFormat(tok, default_tools(), tags=form)
         for n, statement in enumerate(statements, 1):
-            text = chat.render([{"role": "system", "content": chat.system_prompt},
-                                {"role": "user", "content": statement}], True)
-            ids = chat.encode(text) if form == "token" else spelled_ids(tok, text)
+            ids = chat.prompt_ids(statement)
             console.print(f"[dim]· sampling {samples} first turns, tags as {form} ({n}/{len(statements)})[/]")
             torch.manual_seed(seed)
             with torch.inference_mode():
@@ -125,7 +108,7 @@ def main() -> None:
     statement = load_task(args.tasks, args.task)[0].statement if args.tasks else STATEMENT
     model, tok = load_hf(args.model, dtype=torch.float32)
     tools = default_tools()
-    chat, parser = ChatFormat(tok, tools), ToolCallParser(tools)
+    chat, parser = ChatFormat(tok, tools, tags="token"), ToolCallParser(tools)
     tag = tag_id(tok)
     header = list(chat.assistant_header_ids())
     prompt = chat.prompt_ids(statement)
@@ -154,7 +137,7 @@ def main() -> None:
     if args.tasks:
         statements = [load_task(args.tasks, d.name)[0].statement for d in sorted(args.tasks.iterdir())
                       if (d / "task.json").is_file()]
-    forms = sample_tags(model, tok, chat, parser, statements, args.samples, args.sample_tokens, seed=0)
+    forms = sample_tags(model, tok, parser, statements, args.samples, args.sample_tokens, seed=0)
     table(f"first turns sampled ({args.samples} per task, {len(statements)} tasks, temperature 1), the prompt's tags "
           f"as the tag token or spelled in ordinary tokens", ["tags in the prompt", "turns", f"with {OPEN}",
                                                               "a tagged call that parses"],

@@ -18,6 +18,7 @@ import typer
 from shipyard.console import (
     MODEL_HELP,
     SEARCH_HELP,
+    TAGS_HELP,
     UNTAGGED_HELP,
     UserError,
     console,
@@ -50,6 +51,7 @@ def agent(
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, …"),
     tokenizer: str | None = typer.Option(None, help="Tokenizer for openai:/replay: models (default: inferred)."),
     untagged: str | None = typer.Option(None, help=UNTAGGED_HELP),
+    tags: str | None = typer.Option(None, help=TAGS_HELP),
     search: bool = typer.Option(False, "--search", help=SEARCH_HELP),
 ) -> None:
     """Run the coding agent on a repository and print each turn, the diff and a summary."""
@@ -65,7 +67,7 @@ def agent(
         if not repo.is_dir():
             raise UserError(f"--repo {repo} is not a directory")
         config = episode_config(model, max_turns=max_turns, temperature=temperature, seed=seed,
-                                max_new_tokens=max_new_tokens, untagged_calls=untagged, search=search)
+                                max_new_tokens=max_new_tokens, untagged_calls=untagged, tags=tags, search=search)
         with console.status(f"loading model {model}"):
             engine = make_engine(model, device=device, tokenizer=tokenizer, status=status_line)
         with closing(engine):
@@ -207,13 +209,14 @@ def serve(
     from shipyard.httpguard import server_token, store_token
     from shipyard.models.resolve import make_engine
     from shipyard.models.server import TOKEN_ENV, ServeConfig, create_app, run, token_path
-    from shipyard.rollout.episode import default_untagged
+    from shipyard.rollout.episode import wire_defaults
 
     with user_errors():
         if model.startswith("openai:"):
             raise UserError("serve needs a local model, not openai:")
         token, where = server_token(TOKEN_ENV)
         where = where or store_token(token_path(port), token, TOKEN_ENV)
+        wire = wire_defaults(model)
         engine = make_engine(model, device=device, status=status_line)
     config = ServeConfig(token=token, api_key=api_key or None, max_tokens=max_tokens_limit, max_model_len=max_model_len,
                          max_batch=max_batch, max_body=max_body_mb << 20, max_weights_body=max_weights_mb << 20)
@@ -221,7 +224,7 @@ def serve(
                   + (" (API key required)" if config.api_key else ""), soft_wrap=True)
     console.print(f"weights token for POST /v1/weights: {where}", soft_wrap=True)
     served = create_app(engine, model, config)
-    add_chat_completions(served, engine, model, default_untagged(model))
+    add_chat_completions(served, engine, model, wire.untagged_calls, wire.tags)
     run(served, host, port, max_connections=max_connections)
 
 
@@ -419,6 +422,7 @@ def eval_(
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, …"),
     tokenizer: str | None = typer.Option(None, help="Tokenizer for openai:/replay: models (default: inferred)."),
     untagged: str | None = typer.Option(None, help=UNTAGGED_HELP),
+    tags: str | None = typer.Option(None, help=TAGS_HELP),
     search: bool = typer.Option(False, "--search", help=SEARCH_HELP),
 ) -> None:
     """Evaluate a model on held-out tasks without training: pass@1, unbiased pass@k, effort, infra failures and
@@ -442,7 +446,8 @@ def eval_(
             from shipyard.rollout.episode import episode_config  # imports torch: after the checks above
 
             episode = episode_config(model, max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature,
-                                     grade_timeout=grade_timeout, untagged_calls=untagged, search=search)
+                                     grade_timeout=grade_timeout, untagged_calls=untagged, tags=tags,
+                                     search=search)
             doc = run_eval_shown(tasks, task_ids, model, config, episode, env_server, device, tokenizer, rollouts_path)
             table = evaluation.markdown(doc)
         if out_path is not None:

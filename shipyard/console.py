@@ -56,6 +56,9 @@ SEARCH_HELP = ("Offer the codebase_search tool (semantic code search; the bundle
 UNTAGGED_HELP = ("Tool calls written without <tool_call> tags (bare or fenced JSON): 'reject' reports them as format "
                  "errors, 'accept' runs them (flagged in the trajectory). Default: the bundled model's recorded "
                  "setting ('accept' for all of them), else 'reject'. See docs/harness.md.")
+TAGS_HELP = ("How the <tool_call> tags reach the model: 'token' (the tokenizer's tag tokens) or 'spelled' (ordinary "
+             "tokens, for a model that never learned the tag token). Default: the bundled model's recorded setting, "
+             "a trained export's own, else 'token'. See docs/harness.md.")
 
 
 def run_eval_shown(tasks: Path, task_ids: list[str], model: str, config, episode, env_server: str | None, device: str,

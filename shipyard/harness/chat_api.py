@@ -6,7 +6,8 @@ the model's own chat template with the tool specs, calls as JSON in `<tool_call>
 production as the fidelity with which production repeats it. So this endpoint renders a chat request exactly as an
 episode renders its prompt (`ChatFormat`, with the client's tools in place of ours), stops where an episode's turn
 stops (the template's end-of-turn ids), and reads the reply with the episode's parser (`ToolCallParser`, with the
-same untagged-call setting as training: `shipyard.rollout.episode.default_untagged` for the served model).
+same wire settings as training: `shipyard.rollout.episode.wire_defaults` for the served model — the untagged-call
+setting, and whether the call tags are spelled in ordinary tokens).
 
 **History.** An assistant message's `tool_calls` are written back the way the model writes them — its text, then
 each call as `<tool_call>{"name": …, "arguments": …}</tool_call>` — and `tool` messages become the template's tool
@@ -48,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from shipyard.harness.parse import CLOSE, OPEN, ParsedTurn, ToolCallParser
 from shipyard.harness.tools.base import Tool
-from shipyard.harness.wire import ChatFormat
+from shipyard.harness.wire import SYSTEM_PROMPT, ChatFormat, Tags
 from shipyard.models.engine import Engine, SamplingParams
 from shipyard.models.server import SamplingRequest, chars_per_token
 
@@ -199,7 +200,7 @@ def _chunks(doc: dict[str, Any]) -> Iterator[str]:
 
 
 def add_chat_completions(app: FastAPI, engine: Engine, served_name: str,
-                         untagged: Literal["reject", "accept"] = "reject") -> None:
+                         untagged: Literal["reject", "accept"] = "reject", tags: Tags = "token") -> None:
     """Add `POST /v1/chat/completions` to the app `shipyard.models.server.create_app(engine, …)` made (its limits,
     batching, API key)."""
     tokenizer, config, context = engine.tokenizer, app.state.serve_config, app.state.context
@@ -226,7 +227,7 @@ def add_chat_completions(app: FastAPI, engine: Engine, served_name: str,
         if chars > (context - max_tokens) * per_token:
             raise HTTPException(400, f"the conversation ({chars} characters) cannot fit the model's context of "
                                      f"{context} tokens with max_tokens={max_tokens}; shorten it")
-        fmt = await asyncio.to_thread(ChatFormat, tokenizer, tools)
+        fmt = await asyncio.to_thread(ChatFormat, tokenizer, tools, SYSTEM_PROMPT, tags)
         prompt = await asyncio.to_thread(lambda: fmt.encode(fmt.render(messages, add_generation_prompt=True)))
         if len(prompt) + max_tokens > context:
             raise HTTPException(400, f"a prompt of {len(prompt)} tokens plus max_tokens={max_tokens} is over the "

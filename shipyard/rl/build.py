@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from shipyard.harness.tools import default_tools
-from shipyard.harness.wire import ChatFormat
+from shipyard.harness.wire import ChatFormat, tag_token_twins
 from shipyard.models.resolve import load_tokenizer, make_engine
 from shipyard.rl.config import ConfigError, RLConfig, engine_spec, save_config
 from shipyard.rl.critic import Critic
@@ -35,6 +35,7 @@ from shipyard.rollout.advantages import (
     ShapingTerm,
 )
 from shipyard.rollout.environment import LocalEnvironment
+from shipyard.rollout.episode import WireSettings, wire_defaults
 from shipyard.rollout.scheduler import Scheduler
 from shipyard.rollout.transport import InProcessTransport
 from shipyard.tasks.curriculum import Curriculum
@@ -151,11 +152,16 @@ def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[st
             stack.callback(env.close)
             workers = config.rollout.max_in_flight or config.rollout.group_size * config.rollout.groups_per_step
             transport = InProcessTransport(engine, env, config.episode, workers)
-        chat = ChatFormat(tokenizer, default_tools())
+        loop = config.episode.loop
+        chat = ChatFormat(tokenizer, default_tools(), tags=loop.tags)  # the hints: as the episodes write the tags
         header = tuple(chat.assistant_header_ids())
         spec = RankSpec(config.model.name, config.run.device, config.trainer, tokenizer.pad_token_id, header,
                         config.run.world_size)
         group = stack.enter_context(trainer_ranks(spec, status))
+        twins = tag_token_twins(group.model, tokenizer)
+        if loop.tags == "token" and twins is not None and len(twins) >= 2:
+            status(f"warning: {config.model.name}'s output row of <tool_call> equals those of {', '.join(twins[:3])}, "
+                   f"…: never trained, the policy cannot write the tag token; set episode.loop.tags = \"spelled\"")
         trainer = Trainer(group.model, config.trainer, pad_id=tokenizer.pad_token_id, header_ids=header,
                           device=group.device)
         shaping = shaping_terms(config)
@@ -169,12 +175,14 @@ def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[st
                 critic_engine = make_engine(config.hints.critic, device=config.engine.device,
                                             tokenizer=config.hints.critic_tokenizer, status=status)
                 stack.callback(critic_engine.close)
-                critic = Critic(critic_engine, max_hints=config.hints.critic_max_hints).review
+                critic = Critic(critic_engine, max_hints=config.hints.critic_max_hints,
+                                tags=wire_defaults(config.hints.critic).tags).review
             hints = HintWriter(tasks_dir, chat, max_turns=config.hints.max_turns,
                                verbose_words=config.hints.verbose_words, detectors=config.hints.detectors,
                                critic=critic)
+        wire = WireSettings(loop.untagged_calls, loop.tags)
         yield RLLoop(scheduler, trainer, run, config.run, eval_tasks=evals, hints=hints,
-                     export=lambda t, full, d: export_policy(t, full, tokenizer, d), ranks=group.ranks(trainer))
+                     export=lambda t, full, d: export_policy(t, full, tokenizer, d, wire), ranks=group.ranks(trainer))
 
 
 def train(config: RLConfig, *, argv: list[str] | None = None, status: Status = lambda _: None,

@@ -27,7 +27,8 @@ a close-match suggestion here.
 **Derived defaults** follow other settings unless the file or the command line sets them, computed from the final
 values (so `--model.name X` changes what follows the model):
 
-    episode.loop.untagged_calls     default_untagged(model.name): what `episode_config` does for every episode
+    episode.loop.untagged_calls     wire_defaults(model.name): what `episode_config` does for every episode
+    episode.loop.tags
     trainer.seed, rollout.run_seed  run.seed
     run.tasks                       run.dir / "tasks"
     ray.device, ray.tokenizer       engine.device, the engine's tokenizer (a different explicit value is an error)
@@ -70,7 +71,7 @@ import tyro
 from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
 
 from shipyard.models.bundled import DEFAULT_MODEL
-from shipyard.rollout.episode import EpisodeConfig, default_untagged, episode_config
+from shipyard.rollout.episode import EpisodeConfig, episode_config, wire_defaults
 from shipyard.rollout.scheduler import SchedulerConfig
 from shipyard.tasks.curriculum import CurriculumConfig
 from shipyard.tasks.synth import SynthConfig
@@ -385,7 +386,8 @@ def _from_file(table: dict, reader: _Reader) -> RLConfig:
 
 def _derived(model: ModelConfig, engine: EngineConfig, run: RunConfig, tasks: Path) -> dict[str, Any]:
     """The derived defaults (module docstring) from the settings they follow; `tasks`: the task set in effect."""
-    return {"episode.loop.untagged_calls": default_untagged(model.name),
+    wire = wire_defaults(model.name)
+    return {"episode.loop.untagged_calls": wire.untagged_calls, "episode.loop.tags": wire.tags,
             "trainer.seed": run.seed, "rollout.run_seed": run.seed,
             "run.tasks": Path(os.path.abspath(run.dir / "tasks")),
             "ray.device": engine.device, "ray.tokenizer": engine_tokenizer(model, engine),

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 from shipyard.harness.trajectory import Trajectory
-from shipyard.harness.wire import ChatFormat
+from shipyard.harness.wire import ChatFormat, Tags
 from shipyard.models.engine import Engine, GenerationRequest, SamplingParams
 from shipyard.rl.hints import Finding, TaskFacts
 
@@ -38,9 +38,10 @@ class Critic:
     max_new_tokens: int = 200
     turn_chars: int = 600
     max_chars: int = 300
+    tags: Tags = "token"  # how the transcript's call tags reach the critic (its model's `wire_defaults`)
 
     def __post_init__(self) -> None:
-        self.chat = ChatFormat(self.engine.tokenizer, [], CRITIC_PROMPT.format(n=self.max_hints))
+        self.chat = ChatFormat(self.engine.tokenizer, [], CRITIC_PROMPT.format(n=self.max_hints), self.tags)
 
     def transcript(self, traj: Trajectory, statement: str) -> str:
         parts = [f"TASK:\n{statement.strip()}\n"]

@@ -35,7 +35,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from shipyard.rl.hints import HintReport
 from shipyard.rl.ranks import TrainerRanks
 from shipyard.rl.rundir import RunDir
 from shipyard.rollout.batches import RolloutBatch
+from shipyard.rollout.episode import WireSettings
 from shipyard.rollout.eval import default_ks, results, save_results, validity
 from shipyard.rollout.record import Rollout
 from shipyard.rollout.scheduler import Scheduler
@@ -134,10 +135,13 @@ def trajectory_records(batch: RolloutBatch, hints: Sequence[Hint]) -> list[dict[
     return [{**r.to_json(), "hints": by_sample.get(i, [])} for i, r in enumerate(batch.rollouts)]
 
 
-def export_policy(trainer: Trainer, full: dict[str, Any], tokenizer, directory: Path) -> None:
+def export_policy(trainer: Trainer, full: dict[str, Any], tokenizer, directory: Path,
+                  wire: WireSettings = WireSettings()) -> None:
     """The policy (`full`: `Trainer.full_state_dict()`) as a Hugging Face model directory (config, safetensors
     weights, tokenizer) that `shipyard serve --model DIR`, transformers and vLLM load; written beside `directory` and
-    swapped in, so a reader never sees half an export. Rank 0 only."""
+    swapped in, so a reader never sees half an export. Its shipyard.json records the version, the step and the wire
+    settings it was trained with (`wire`), which evaluating and serving the directory then default to
+    (`shipyard.rollout.episode.wire_defaults`). Rank 0 only."""
     import shutil
 
     directory = Path(directory)
@@ -145,8 +149,8 @@ def export_policy(trainer: Trainer, full: dict[str, Any], tokenizer, directory: 
     shutil.rmtree(partial, ignore_errors=True)
     trainer.model.save_pretrained(partial, state_dict={k: v.contiguous() for k, v in full.items()})
     tokenizer.save_pretrained(partial)
-    (partial / "shipyard.json").write_text(json.dumps({"policy_version": trainer.version,
-                                                        "step": trainer.step_count}) + "\n")
+    (partial / "shipyard.json").write_text(json.dumps({"policy_version": trainer.version, "step": trainer.step_count,
+                                                        "wire": asdict(wire)}) + "\n")
     old = directory.with_name(f".{directory.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     if directory.exists():

@@ -3,9 +3,12 @@
 Everything that runs the agent goes through here — the rollout scheduler (in-process or on Ray), `shipyard eval`,
 the CLI's `agent` and `demo` and the benchmarks — so there is one configuration path (`episode_config`): the prompt
 a policy is trained on is the prompt it is evaluated and shipped with, and its turns are parsed with the same
-settings. In particular the untagged-call setting (`shipyard.harness.parse`) defaults to the bundled model's
-recorded one ('accept' for all of them: they write bare or fenced JSON out of the box) and to 'reject' for any
-other model; before, the CLI accepted untagged calls while a bare `LoopConfig` rejected them.
+settings. In particular the wire settings (`wire_defaults`) follow the model: the untagged-call setting
+(`shipyard.harness.parse`) defaults to the bundled model's recorded one ('accept' for all of them: they write bare
+or fenced JSON out of the box) and to 'reject' for any other model; the call tags (`shipyard.harness.wire`) are
+spelled for a model that cannot write the tag token (the bundled 0.5B); a policy exported by `shipyard train`
+records the settings it was trained with. Before, the CLI accepted untagged calls while a bare `LoopConfig`
+rejected them.
 
 `run_episode` never raises for an infrastructure failure. Where the episode ends decides what the record says:
 
@@ -39,6 +42,7 @@ from typing import Any
 from shipyard.harness.loop import Agent, LoopConfig, TurnCallback
 from shipyard.harness.tools import Searcher
 from shipyard.harness.trajectory import Trajectory
+from shipyard.harness.wire import TAGS
 from shipyard.harness.workspace import LocalWorkspace, Workspace
 from shipyard.models.bundled import BUNDLED
 from shipyard.models.engine import Engine
@@ -66,23 +70,48 @@ class EpisodeConfig:
     embedder: str = "minilm"  # codebase_search's embedding model (shipyard.search.embed)
 
 
-def default_untagged(model: str) -> str:
-    """The untagged-call setting for `model` when none is given: the bundled model's recorded one, else 'reject'."""
-    return BUNDLED[model].untagged_calls if model in BUNDLED else "reject"
+@dataclass(frozen=True)
+class WireSettings:
+    """How the harness writes a model's context and reads its calls (`LoopConfig.untagged_calls`, `.tags`)."""
+
+    untagged_calls: str = "reject"
+    tags: str = "token"
+
+
+def wire_defaults(model: str) -> WireSettings:
+    """The wire settings of `model` when none are given: a bundled model's recorded ones; a policy exported by
+    `shipyard train` (a directory whose shipyard.json has a "wire" table) the ones it was trained with — a policy
+    trained on spelled tags must be evaluated and served with them; else 'reject' and 'token'. ValueError for a
+    shipyard.json that cannot be read as one."""
+    if model in BUNDLED:
+        return WireSettings(BUNDLED[model].untagged_calls, BUNDLED[model].tags)
+    record = Path(model) / "shipyard.json"
+    if not record.is_file():
+        return WireSettings()
+    try:
+        wire = json.loads(record.read_text()).get("wire", {})
+        settings = WireSettings(**wire)
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{record}: not a shipyard export record ({type(e).__name__}: {e}); remove it or write "
+                         f'{{"wire": {{"untagged_calls": "reject", "tags": "token"}}}}') from None
+    if settings.untagged_calls not in UNTAGGED or settings.tags not in TAGS:
+        raise ValueError(f"{record}: wire settings {asdict(settings)} must have untagged_calls in {UNTAGGED} and "
+                         f"tags in {TAGS}")
+    return settings
 
 
 def episode_config(model: str, **overrides: Any) -> EpisodeConfig:
     """THE configuration of an episode of `model`: `LoopConfig` and `EpisodeConfig` fields by name (untagged_calls
-    None or absent: `default_untagged(model)`). ValueError for an unknown field or setting."""
+    or tags None or absent: `wire_defaults(model)`'s). ValueError for an unknown field or setting."""
     unknown = set(overrides) - _LOOP_FIELDS - {f.name for f in fields(EpisodeConfig)} | ({"loop"} & set(overrides))
     if unknown:
         raise ValueError(f"episode_config takes LoopConfig and EpisodeConfig fields by name, not {sorted(unknown)}")
     loop = {k: v for k, v in overrides.items() if k in _LOOP_FIELDS}
-    untagged = loop.get("untagged_calls")
-    if untagged is None:
-        loop["untagged_calls"] = default_untagged(model)
-    elif untagged not in UNTAGGED:
-        raise ValueError(f"untagged_calls must be 'reject' or 'accept', not {untagged!r}")
+    for name, allowed in (("untagged_calls", UNTAGGED), ("tags", TAGS)):
+        if loop.get(name) is None:
+            loop[name] = getattr(wire_defaults(model), name)
+        elif loop[name] not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, not {loop[name]!r}")
     return EpisodeConfig(LoopConfig(**loop), **{k: v for k, v in overrides.items() if k not in _LOOP_FIELDS})
 
 

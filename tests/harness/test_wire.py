@@ -93,3 +93,60 @@ def test_chatml_matches_template_with_tools():
 def test_stop_ids_include_im_end():
     fmt = ChatFormat(byte_tokenizer(), TOOLS)
     assert fmt.tokenizer.convert_tokens_to_ids("<|im_end|>") in fmt.stop_token_ids
+
+
+def tag_tokenizer(template=TEMPLATE_WITH_TOOLS):
+    """The byte tokenizer with the call tags as added tokens, as Qwen2.5's has them."""
+    tok = tokenizer(template)
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    return tok, tok.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+
+
+def test_spelled_tags_are_ordinary_pieces_everywhere_the_model_reads():
+    """tags = "spelled": the prompt (system example and tool block), a hint and an observation hold the tags' text
+    but never the tag tokens; "token" uses the tokens. Both decode to the same text."""
+    tok, tag_ids = tag_tokenizer()
+    token, spelled = ChatFormat(tok, TOOLS), ChatFormat(tok, TOOLS, tags="spelled")
+    hint = "Reminder: write <tool_call>\n{...}\n</tool_call>."
+    for fmt, has_tokens in ((token, True), (spelled, False)):
+        pieces = [fmt.prompt_ids("fix it"), list(fmt.hint_ids(hint)),
+                  fmt.continuation_ids([1, 2], ["the file says <tool_call>x</tool_call>"])]
+        for ids in pieces:
+            assert any(i in tag_ids for i in ids) == has_tokens
+        assert tok.decode(pieces[1]) == tok.decode(list(token.hint_ids(hint)))
+    assert "<tool_call>" in tok.decode(spelled.prompt_ids("fix it"))
+    assert tok.decode(spelled.prompt_ids("fix it")) == tok.decode(token.prompt_ids("fix it"))
+    with pytest.raises(ValueError, match="tags must be one of"):
+        ChatFormat(tok, TOOLS, tags="auto")
+
+
+@pytest.mark.parametrize("tags", ["token", "spelled"])
+def test_incremental_ids_equal_full_render_with_tag_tokens(tags):
+    fmt = ChatFormat(tag_tokenizer()[0], TOOLS, system_prompt="You are an agent.", tags=tags)
+    ids = fmt.prompt_ids("fix it")
+    text = 'Reading.\n<tool_call>\n{"name": "list_dir", "arguments": {"path": "."}}\n</tool_call>'
+    completion = fmt.encode(text) + [fmt.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    ids += completion + fmt.continuation_ids(completion, ["a.py"])
+    messages = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "fix it"},
+                {"role": "assistant", "content": text}, {"role": "tool", "content": "a.py"}]
+    assert fmt.tokenizer.decode(ids) == fmt.render(messages, add_generation_prompt=True)
+
+
+def test_an_untrained_tag_row_is_found_by_its_twins():
+    """`tag_token_twins`: the added tokens whose output row equals the tag's — an initialisation no training moved
+    (the bundled Qwen models' case) — and none once the row differs; None without a tag token."""
+    torch = pytest.importorskip("torch")
+    from shipyard.harness.wire import tag_token_twins
+    from shipyard.models.resolve import tiny_model
+
+    model, tok = tiny_model()
+    assert tag_token_twins(model, tok) is None  # the byte tokenizer spells the tag
+    tok.add_tokens(["<tool_call>", "</tool_call>", "<|box_start|>", "<|vision_pad|>"])
+    model.resize_token_embeddings(len(tok))
+    rows = model.get_output_embeddings().weight
+    tag, *others = tok.convert_tokens_to_ids(["<tool_call>", "</tool_call>", "<|box_start|>", "<|vision_pad|>"])
+    with torch.no_grad():
+        rows[[tag, *others]] = torch.randn(4, rows.shape[1])
+        assert tag_token_twins(model, tok) == []
+        rows[[tag, *others]] = rows[tag] + 1e-4 * torch.randn(4, rows.shape[1])  # the checkpoint's quantization noise
+    assert tag_token_twins(model, tok) == ["</tool_call>", "<|box_start|>", "<|vision_pad|>"]

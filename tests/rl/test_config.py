@@ -162,6 +162,15 @@ def test_untagged_calls_default_follows_the_final_model(tmp_path):
     assert load_config(bundled, ["--episode.loop.untagged-calls", "reject"]).episode.loop.untagged_calls == "reject"
 
 
+def test_tags_default_follows_the_final_model(tmp_path):
+    bundled = write(tmp_path, f'[model]\nname = "{DEFAULT_MODEL}"\n')
+    assert load_config(bundled).episode.loop.tags == "spelled"  # its tag token's row is untrained
+    assert load_config(bundled, ["--model.name", "Qwen/Qwen2.5-Coder-7B-Instruct"]).episode.loop.tags == "token"
+    assert load_config(bundled, ["--episode.loop.tags", "token"]).episode.loop.tags == "token"
+    with pytest.raises(ConfigError, match="tags"):
+        load_config(bundled, ["--episode.loop.tags", "auto"])
+
+
 def test_seeds_follow_run_seed_unless_set(tmp_path):
     config = load_config(write(tmp_path, "[run]\nseed = 7\n"), ["--run.seed", "9"])
     assert config.trainer.seed == config.rollout.run_seed == 9

@@ -18,7 +18,7 @@ from shipyard.rl.config import RunConfig
 from shipyard.rl.loop import RLLoop, export_policy
 from shipyard.rl.rundir import RunDir
 from shipyard.rollout.environment import LocalEnvironment
-from shipyard.rollout.episode import episode_config
+from shipyard.rollout.episode import WireSettings, episode_config, wire_defaults
 from shipyard.rollout.scheduler import Scheduler, SchedulerConfig
 from shipyard.rollout.transport import InProcessTransport
 from shipyard.sandbox.run import sandbox_problem
@@ -53,7 +53,7 @@ def make_loop(tasks_dir, run: RunDir, steps: int, closing: list, **settings) -> 
                       header_ids=header)
     settings = RunConfig(steps=steps, eval_every=0, eval_samples=1, checkpoint_every=1, **settings)
     loop = RLLoop(sched, trainer, run, settings, eval_tasks=tasks[:1],
-                  export=lambda t, full, d: export_policy(t, full, tok, d))
+                  export=lambda t, full, d: export_policy(t, full, tok, d, WireSettings("accept", "spelled")))
     return loop, engine
 
 
@@ -86,6 +86,7 @@ def test_the_loop_trains_syncs_checkpoints_evaluates_and_exports(taskset, tmp_pa
     for name, tensor in exported.state_dict().items():
         assert torch.equal(tensor, trained[name].to(tensor.dtype)), name
     assert json.loads((run.export_dir / "shipyard.json").read_text())["policy_version"] == 2
+    assert wire_defaults(str(run.export_dir)) == WireSettings("accept", "spelled")  # evaluated and served as trained
 
 
 def test_a_time_budget_makes_the_step_that_reaches_it_the_last(taskset, tmp_path, closing):

@@ -20,7 +20,7 @@ from shipyard.models.bundled import BUNDLED
 from shipyard.models.errors import InfraError, ServerUnreachable
 from shipyard.models.replay import ReplayEngine
 from shipyard.rollout.environment import LocalEnvironment
-from shipyard.rollout.episode import default_untagged, episode_config, run_episode, run_on_repo
+from shipyard.rollout.episode import episode_config, run_episode, run_on_repo, wire_defaults
 from shipyard.rollout.record import EpisodeSpec, rollout_seed
 from shipyard.sandbox.host import host
 from shipyard.sandbox.run import sandbox_problem
@@ -101,14 +101,38 @@ def tasks(taskset):
 
 def test_untagged_default_is_the_bundled_models():
     for model in [*BUNDLED, "random:tiny", "replay:x.jsonl", "openai:http://h/v1"]:
-        assert episode_config(model).loop.untagged_calls == default_untagged(model)
-        assert episode_config(model, untagged_calls=None).loop.untagged_calls == default_untagged(model)
+        assert episode_config(model).loop.untagged_calls == wire_defaults(model).untagged_calls
+        assert episode_config(model, untagged_calls=None).loop.untagged_calls == wire_defaults(model).untagged_calls
     assert {episode_config(m).loop.untagged_calls for m in BUNDLED} == {"accept"}  # was "reject" in a bare LoopConfig
     assert episode_config("random:tiny").loop.untagged_calls == "reject"
     assert episode_config("qwen2.5-coder-0.5b", untagged_calls="reject").loop.untagged_calls == "reject"
     for bad in ({"untagged_calls": "maybe"}, {"nonsense": 1}, {"loop": None}):
         with pytest.raises(ValueError):
             episode_config("random:tiny", **bad)
+
+
+def test_the_tags_follow_the_model_and_a_trained_export_keeps_its_own(tmp_path):
+    """Spelled for the bundled Qwen models (their tag token's output row is untrained: `shipyard bench hint_probe`),
+    the tag token elsewhere; an exported policy's shipyard.json decides for it, so a policy trained on spelled tags is
+    evaluated and served with them; a broken record is an error that says what to write."""
+    assert episode_config("qwen2.5-coder-0.5b").loop.tags == "spelled"
+    assert episode_config("qwen2.5-coder-1.5b").loop.tags == "spelled"
+    assert episode_config("smollm2-135m").loop.tags == "token"  # no tag token to spell: the same ids either way
+    assert episode_config("random:tiny").loop.tags == "token"
+    assert episode_config("qwen2.5-coder-0.5b", tags="token").loop.tags == "token"
+    with pytest.raises(ValueError, match="tags must be one of"):
+        episode_config("random:tiny", tags="auto")
+    export = tmp_path / "export"
+    export.mkdir()
+    assert wire_defaults(str(export)) == wire_defaults("random:tiny")  # a plain HF directory
+    (export / "shipyard.json").write_text(json.dumps({"step": 3, "wire": {"untagged_calls": "accept",
+                                                                            "tags": "spelled"}}))
+    assert (episode_config(str(export)).loop.untagged_calls, episode_config(str(export)).loop.tags) == \
+        ("accept", "spelled")
+    for broken in ("{", "[]", json.dumps({"wire": {"tags": "emoji"}}), json.dumps({"wire": {"colour": "red"}})):
+        (export / "shipyard.json").write_text(broken)
+        with pytest.raises(ValueError, match="shipyard.json"):
+            episode_config(str(export))
 
 
 def test_cli_agent_and_library_render_the_same_prompt_with_the_same_config(repo, tmp_path):
