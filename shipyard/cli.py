@@ -265,6 +265,33 @@ def sandbox_exec(
     raise typer.Exit(result.exit_code)
 
 
+@app.command()
+def dashboard(
+    runs: Path = typer.Option(..., "--runs", help="A run directory (`shipyard train`'s run.dir) or a folder of them."),
+    env_server: str | None = typer.Option(None, "--env-server", help="Show this environment server's sandbox fleet "
+                                          "(http://HOST:PORT; its token is found as `shipyard eval` finds it)."),
+    host_: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on (loopback by default)."),
+    port: int = typer.Option(8300, min=1, max=65535),
+) -> None:
+    """Training curves, trajectories (turns, parallel calls, diffs, hints, monitor flags), evals side by side, tasks
+    and the sandbox fleet in a browser, updating live. Open the printed link: it carries the token every request
+    needs ($SHIPYARD_DASHBOARD_TOKEN if set, else a fresh one)."""
+    import uvicorn
+
+    from shipyard.dashboard.app import TOKEN_ENV, create_app
+    from shipyard.httpguard import server_token
+
+    with user_errors():
+        if not runs.is_dir():
+            raise UserError(f"--runs {runs} is not a directory")
+        token, where = server_token(TOKEN_ENV)
+        served = create_app(runs, token=token, env_server=env_server)
+    link = f"http://{host_}:{port}/auth?token=" + ("$" + TOKEN_ENV if where else token)
+    console.print(f"dashboard of {runs.resolve()} on http://{host_}:{port}", soft_wrap=True)
+    console.print(f"open {link}", soft_wrap=True)
+    uvicorn.run(served, host=host_, port=port, log_level="warning")
+
+
 @app.command("env-server")
 def env_server(
     host_: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on."),

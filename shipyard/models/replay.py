@@ -10,7 +10,9 @@ A replay file is JSON Lines. A line is either
 Each conversation replays its script from the start. A conversation is a request's `session` (the rollout id, see
 `shipyard.rollout.record`: `"<group id>/<index>[~attempt]"`; the scheduler's group ids are the task id, `@` and the
 group's number or `eval`, e.g. `"add-roman@eval/0~1"`); requests without a session share one conversation, so a
-single agent run (the CLI) consumes the default script line by line, as it always has. A keyed script is chosen by
+single agent run (the CLI) consumes the default script line by line, as it always has. A session's request whose
+prompt does not extend the session's last prompt begins its next conversation — a periodic evaluation reruns the
+same rollout ids — and replays the script from the start again. A keyed script is chosen by
 the task id the session begins with: the longest script key that is the whole session or is followed in it by a
 character no task id holds (anything but letters, digits, `.`, `_` and `-`; `session_task`). A session no keyed
 script matches replays the default script, and with no default script it is an error (`ReplayExhausted`) that
@@ -23,8 +25,10 @@ no sampler, and a replayed trajectory must never be mistaken for on-policy data 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+from array import array
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,7 +36,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from shipyard.models.engine import Completion, GenerationRequest
+from shipyard.models.engine import Completion, GenerationRequest, VersionConflict
 from shipyard.models.errors import ReplayExhausted
 from shipyard.models.tokenizer import byte_tokenizer
 
@@ -103,6 +107,10 @@ def load_replay(path: str | Path) -> list[str]:
     return default
 
 
+def _digest(ids: list[int]) -> bytes:
+    return hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).digest()
+
+
 class ReplayEngine:
     def __init__(self, messages: list[str] | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
                  name: str = "replay", scripts: Mapping[str, list[str]] | None = None):
@@ -113,7 +121,9 @@ class ReplayEngine:
         self.tokenizer = tokenizer or byte_tokenizer()
         self.name = name
         self.policy_version = -1
+        self.pushed_version = -1
         self._cursors: dict[str | None, int] = {}  # conversation -> index of its next message
+        self._prompts: dict[str, tuple[int, bytes]] = {}  # session -> its last prompt's length and digest
         self._lock = threading.Lock()
 
     @classmethod
@@ -132,10 +142,17 @@ class ReplayEngine:
                                   "and it has no default script (lines that are JSON strings)")
         return None, self.messages
 
-    def _next_message(self, session: str | None) -> str:
+    def _next_message(self, session: str | None, prompt_ids: list[int]) -> str:
         task, script = self.script(session)
         with self._lock:
             index = self._cursors.get(session, 0)
+            if session is not None:
+                # A conversation's next prompt extends its last one; one that does not is the session's next
+                # conversation (a periodic eval reruns its rollout ids): replayed from the start again.
+                seen = self._prompts.get(session)
+                if seen is not None and not (len(prompt_ids) > seen[0] and _digest(prompt_ids[:seen[0]]) == seen[1]):
+                    index = 0
+                self._prompts[session] = (len(prompt_ids), _digest(prompt_ids))
             if index >= len(script):
                 which = f"task {task!r}'s script" if task is not None else "the script"
                 raise ReplayExhausted(f"{self.name}: all {len(script)} recorded messages were replayed ({which}) "
@@ -147,7 +164,7 @@ class ReplayEngine:
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         out = []
         for req in requests:
-            text = self._next_message(req.session)
+            text = self._next_message(req.session, req.prompt_ids)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             finish = "length" if len(ids) > req.sampling.max_tokens else "stop"
             ids = ids[: req.sampling.max_tokens]
@@ -163,7 +180,13 @@ class ReplayEngine:
         return max((len(self.tokenizer.encode(m, add_special_tokens=False)) for s in scripts for m in s), default=0)
 
     def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        raise TypeError("a replay engine has no weights to update")
+        """A replay engine has no weights: a push (`shipyard train` with `engine.kind = "replay:…"`, a scripted
+        sampler for tests and demos of the loop) changes nothing but the last pushed version, which must grow
+        (`VersionConflict`). Its samples keep policy version -1, so the trainer's staleness bound decides how many
+        steps may use them (`rollout.max_staleness`); they are never taken for on-policy data."""
+        if version <= self.pushed_version:
+            raise VersionConflict(f"weights of version {version} pushed after version {self.pushed_version}")
+        self.pushed_version = version
 
     def close(self) -> None:
         pass

@@ -219,7 +219,8 @@ class RLLoop:
         with PeakRSS() as peak:
             metrics, batch, hints = await self._train_step()
         metrics["memory"] = memory_metrics(peak.peak)
-        self.run.log_rollouts(batch.metrics())
+        given = Counter(h.sample for h in hints)  # the dashboard lists hinted rollouts from these lines
+        self.run.log_rollouts([{**m, "hints": given[i]} for i, m in enumerate(batch.metrics())])
         self.run.write_trajectories(self.step, trajectory_records(batch, hints))
         return metrics
 

@@ -7,15 +7,21 @@ import threading
 
 import pytest
 
-from shipyard.models.engine import GenerationRequest, SamplingParams
+from shipyard.models.engine import GenerationRequest, SamplingParams, VersionConflict
 from shipyard.models.errors import ReplayExhausted
 from shipyard.models.replay import ReplayEngine, load_replay, load_scripts, session_task
 
 
+_CONVERSATIONS: dict[tuple[int, str | None], list[int]] = {}
+
+
 def ask(engine: ReplayEngine, session: str | None, max_tokens: int = 1000) -> str:
+    """The session's next turn, its prompt extending the last as an agent's does (the completion, then a result)."""
     sampling = SamplingParams(max_tokens=max_tokens, stop_token_ids=(engine.tokenizer.eos_token_id,))
-    done = engine.generate([GenerationRequest([1, 2, 3], sampling, session=session)])[0]
+    prompt = _CONVERSATIONS.setdefault((id(engine), session), [1, 2, 3])
+    done = engine.generate([GenerationRequest(list(prompt), sampling, session=session)])[0]
     assert done.policy_version == -1 and set(done.logprobs) <= {0.0}  # never mistaken for on-policy data
+    prompt += [*done.token_ids, 9]
     return done.text
 
 
@@ -113,3 +119,29 @@ def test_longest_counts_tokens_of_the_longest_message():
     assert engine.longest() == len(engine.tokenizer.encode("abcdef", add_special_tokens=False))
     with pytest.raises(ValueError, match="needs messages or keyed scripts"):
         ReplayEngine([])
+
+
+def test_a_weight_push_changes_nothing_and_the_samples_stay_off_policy():
+    """`shipyard train` with a replay sampler pushes weights after every step: accepted (versions must grow), and
+    every sample still says version -1, so the staleness bound, not the push, decides how long it may be trained on."""
+    engine = ReplayEngine(["hello"])
+    engine.update_weights(1, {})
+    engine.update_weights(2, {})
+    with pytest.raises(VersionConflict):
+        engine.update_weights(2, {})
+    assert engine.policy_version == -1
+
+
+def test_a_session_rerun_replays_its_script_from_the_start():
+    """A periodic eval reruns the same rollout ids: a prompt that does not extend the session's last one is a new
+    conversation, not the old one's next turn (before: the script ran out on the second eval)."""
+    engine = ReplayEngine(["first", "second"])
+
+    def turn(prompt):
+        req = GenerationRequest(prompt, SamplingParams(max_tokens=50), session="t@eval/0")
+        return engine.generate([req])[0].text
+
+    assert turn([5, 6]) == "first"
+    assert turn([5, 6, 7, 8]) == "second"  # the conversation goes on: its prompt extends the last
+    assert turn([5, 6]) == "first"  # the same session again, from its first prompt: a new conversation
+    assert turn([5, 6, 9]) == "second"

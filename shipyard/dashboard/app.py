@@ -1,0 +1,160 @@
+"""`shipyard dashboard`: one page over run directories, eval results, task sets and an environment server's fleet.
+
+    browser ──/auth?token=T (once: sets an HttpOnly, SameSite=Strict cookie)──▶ /            index.html
+            ──/static/*──▶ dashboard.js, dashboard.css (vendored: no build step, no CDN, no network)
+            ──/api/*──▶ JSON:  runs · runs/R/metrics?offset · runs/R/rollouts?filters&page · runs/R/trajectories/S/N
+                               runs/R/evals[/E] · compare?a=R/E&b=R/E · runs/R/tasks[/T] · fleet
+
+**Who may look.** A run directory holds everything the model wrote and the code it was trained on, and a loopback
+port is open to every local user, so the dashboard is guarded like every shipyard server (`shipyard.httpguard`): a
+token generated at start (or `$SHIPYARD_DASHBOARD_TOKEN`), sent as a bearer header or as the cookie the printed
+login link sets. Clients name runs, steps, rollouts, evals and tasks; the server maps only names it listed onto
+files (`shipyard.dashboard.runs`). The page renders what the model wrote as text, never as markup, and a strict
+Content-Security-Policy (scripts from this origin only, no inline script) backs that up.
+
+**Live.** The page polls: metrics from the byte offset it has read to (only new lines come back), the rollout list,
+the fleet's `/metrics` through this server (the environment server's token never reaches the browser).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shipyard import httpguard
+from shipyard.dashboard.runs import NotFound, Runs, page
+from shipyard.httpguard import TokenError
+from shipyard.models.errors import InfraError
+
+STATIC = Path(__file__).parent / "static"
+TOKEN_ENV = "SHIPYARD_DASHBOARD_TOKEN"
+COOKIE = "shipyard_dashboard"
+HEADERS = {"content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                                      "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+           "x-content-type-options": "nosniff", "referrer-policy": "no-referrer", "cache-control": "no-store"}
+
+
+def _eval_ref(runs: Runs, ref: str) -> dict[str, Any]:
+    """An eval named "RUN/step-000020"."""
+    run, _, name = ref.rpartition("/")
+    return runs.get(run).eval(name)
+
+
+def create_app(runs_dir: Path, *, token: str, env_server: str | None = None) -> FastAPI:
+    """The dashboard over the runs under `runs_dir` (module docstring); `env_server`: the fleet to show."""
+    if len(token) < 16:
+        raise ValueError(f"the dashboard needs a token of at least 16 characters (${TOKEN_ENV}): unset it for a "
+                         "fresh one")
+    runs = Runs(runs_dir)
+    app = FastAPI(title="shipyard dashboard", docs_url=None, redoc_url=None, openapi_url=None)
+    httpguard.install(app, token=token, max_body=64 << 10, open_paths=("/health", "/auth"), cookie=COOKIE)
+    fleet_client = None
+    if env_server is not None:
+        from shipyard.sandbox.client import EnvClient
+
+        fleet_client = EnvClient(env_server, timeout=5.0, retry_for=0.0)
+
+    @app.middleware("http")
+    async def security_headers(request: Request, call_next):
+        response = await call_next(request)
+        response.headers.update(HEADERS)
+        return response
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return httpguard.error_response(exc.status_code, "HTTPError", str(exc.detail))
+
+    @app.exception_handler(NotFound)
+    async def not_found(_: Request, exc: NotFound) -> JSONResponse:
+        return httpguard.error_response(404, "NotFound", str(exc))
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/auth")
+    async def auth(token: str = Query("", max_length=200)) -> Response:
+        if not hmac.compare_digest(token.encode(), app.state.token.encode()):
+            raise HTTPException(401, "wrong or missing token: open the link `shipyard dashboard` printed")
+        response = RedirectResponse("/", status_code=303)
+        response.set_cookie(COOKIE, token, httponly=True, samesite="strict", path="/")
+        return response
+
+    @app.get("/")
+    async def index() -> FileResponse:
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    def in_thread(fn, *args, **kwargs):
+        return asyncio.to_thread(fn, *args, **kwargs)
+
+    @app.get("/api/runs")
+    async def list_runs() -> dict[str, Any]:
+        return {"root": str(runs.root), "runs": await in_thread(runs.list), "fleet": fleet_client is not None}
+
+    @app.get("/api/runs/{run}/metrics")
+    async def metrics(run: str, offset: int = Query(0, ge=0)) -> dict[str, Any]:
+        return await in_thread(lambda: runs.get(run).metrics(offset))
+
+    @app.get("/api/runs/{run}/rollouts")
+    async def rollouts(run: str, task: str | None = Query(None, max_length=300), step: int | None = None,
+                       min_reward: float | None = None, max_reward: float | None = None,
+                       flagged: bool | None = None, hinted: bool | None = None,
+                       offset: int = Query(0, ge=0), limit: int = Query(50, ge=1, le=500)) -> dict[str, Any]:
+        rows = await in_thread(lambda: runs.get(run).rollouts())
+        out = page(rows, task=task, step=step, min_reward=min_reward, max_reward=max_reward, flagged=flagged,
+                   hinted=hinted, offset=offset, limit=limit)
+        out["tasks"] = sorted({r["task"] for r in rows if r.get("task")})
+        out["steps"] = sorted({r["step"] for r in rows})
+        return out
+
+    @app.get("/api/runs/{run}/trajectories/{step}/{position}")
+    async def trajectory(run: str, step: int, position: int) -> dict[str, Any]:
+        return await in_thread(lambda: runs.get(run).trajectory(step, position))
+
+    @app.get("/api/runs/{run}/evals")
+    async def evals(run: str) -> dict[str, Any]:
+        return {"evals": await in_thread(lambda: runs.get(run).evals())}
+
+    @app.get("/api/runs/{run}/evals/{name}")
+    async def one_eval(run: str, name: str) -> dict[str, Any]:
+        return await in_thread(lambda: runs.get(run).eval(name))
+
+    @app.get("/api/compare")
+    async def compare(a: str = Query(..., max_length=300), b: str = Query(..., max_length=300)) -> dict[str, Any]:
+        from shipyard.rollout.eval import compare as compare_evals
+
+        docs = await in_thread(lambda: (_eval_ref(runs, a), _eval_ref(runs, b)))
+        try:
+            return {"refs": {"a": a, "b": b}, **compare_evals(*docs)}
+        except (KeyError, TypeError, ValueError) as e:
+            raise HTTPException(422, f"these eval results cannot be compared: {type(e).__name__}: {e}") from None
+
+    @app.get("/api/runs/{run}/tasks")
+    async def tasks(run: str) -> dict[str, Any]:
+        return {"tasks": await in_thread(lambda: runs.get(run).tasks())}
+
+    @app.get("/api/runs/{run}/tasks/{task_id}")
+    async def task(run: str, task_id: str) -> dict[str, Any]:
+        return await in_thread(lambda: runs.get(run).task(task_id))
+
+    @app.get("/api/fleet")
+    async def fleet() -> dict[str, Any]:
+        if fleet_client is None:
+            return {"configured": False}
+        try:
+            metrics = await in_thread(fleet_client.metrics)
+        except (InfraError, TokenError) as e:  # unreachable, refused, no token: the page says so and keeps polling
+            return {"configured": True, "url": fleet_client.base_url, "error": f"{type(e).__name__}: {e}"[:500]}
+        return {"configured": True, "url": fleet_client.base_url, "metrics": metrics}
+
+    app.state.token = token
+    return app
