@@ -21,7 +21,7 @@ const CHARTS = [  // title, then the metric keys it draws: exact names or /patte
 ];
 const COLORS = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2"];
 
-const state = {run: null, page: "curves", metrics: [], offset: 0, rollPage: 0, fleet: [], timer: null};
+const state = {run: null, page: "curves", metrics: [], offset: 0, rollPage: 0, fleet: [], fleetPolls: 0, timer: null};
 
 function el(tag, attrs = {}, ...children) {
   const node = tag.startsWith("svg:") ? document.createElementNS(SVG, tag.slice(4)) : document.createElement(tag);
@@ -40,7 +40,13 @@ function el(tag, attrs = {}, ...children) {
 }
 
 const $ = (id) => document.getElementById(id);
-const fmt = (v, d = 3) => v === null || v === undefined ? "–" : typeof v === "number" ? (Number.isInteger(v) ? String(v) : v.toFixed(d)) : String(v);
+function fmt(v, d = 3) {
+  if (v === null || v === undefined) return "–";
+  if (typeof v !== "number") return String(v);
+  if (Number.isInteger(v)) return String(v);
+  return Math.abs(v) >= 1e-3 || v === 0 ? v.toFixed(d) : v.toExponential(1);  // a lift of 4e-5 is not "0.000"
+}
+const lines = (text) => String(text ?? "").replace(/\n$/, "").split("\n");
 
 async function api(path) {
   const r = await fetch(path, {credentials: "same-origin"});
@@ -72,7 +78,7 @@ function keysFor(rows, wanted) {
   return keys;
 }
 
-function lineChart(title, series) {  // series: [[name, [[x, y], ...]], ...]
+function lineChart(title, series, xLabel = "step") {  // series: [[name, [[x, y], ...]], ...]
   const W = 360, H = 180, L = 44, R = 8, T = 8, B = 22;
   const all = series.flatMap(([, pts]) => pts);
   const box = el("div", {class: "chart", "data-title": title, "data-points": all.length});
@@ -93,8 +99,8 @@ function lineChart(title, series) {  // series: [[name, [[x, y], ...]], ...]
   for (const [y, label] of [[y0, y0], [y1, y1]]) {
     svg.append(el("svg:text", {x: L - 4, y: sy(y) + 4, "text-anchor": "end", class: "tick", text: fmt(label, 3)}));
   }
-  for (const x of [x0, x1]) {
-    svg.append(el("svg:text", {x: sx(x), y: H - 6, "text-anchor": "middle", class: "tick", text: `step ${fmt(x, 0)}`}));
+  for (const [x, anchor] of [[x0, "start"], [x1, "end"]]) {
+    svg.append(el("svg:text", {x: sx(x), y: H - 6, "text-anchor": anchor, class: "tick", text: `${xLabel} ${fmt(x, 0)}`}));
   }
   series.forEach(([, pts], i) => {
     const color = COLORS[i % COLORS.length];
@@ -102,7 +108,7 @@ function lineChart(title, series) {  // series: [[name, [[x, y], ...]], ...]
       stroke: color, "stroke-width": 1.6}));
     for (const p of pts) {
       const dot = el("svg:circle", {cx: sx(p[0]), cy: sy(p[1]), r: 2.4, fill: color, class: "point"});
-      dot.append(el("svg:title", {text: `step ${p[0]}: ${fmt(p[1], 4)}`}));
+      dot.append(el("svg:title", {text: `${xLabel} ${p[0]}: ${fmt(p[1], 4)}`}));
       svg.append(dot);
     }
   });
@@ -184,7 +190,7 @@ async function loadRollouts() {
 
 function diffView(patch) {
   const pre = el("pre", {class: "diff"});
-  for (const line of patch.split("\n")) {
+  for (const line of lines(patch)) {
     const cls = line.startsWith("+++") || line.startsWith("---") || line.startsWith("diff ") ? "file"
       : line.startsWith("@@") ? "hunk" : line.startsWith("+") ? "add" : line.startsWith("-") ? "del" : "ctx";
     pre.append(el("span", {class: cls, text: line + "\n"}));
@@ -195,11 +201,10 @@ function diffView(patch) {
 function editDiff(call) {  // an edit call's change, as a small diff
   const a = call.arguments || {};
   if (call.name === "search_replace") {
-    const lines = [`--- ${a.path}`, `+++ ${a.path}`, ...String(a.old_string ?? "").split("\n").map((l) => `-${l}`),
-      ...String(a.new_string ?? "").split("\n").map((l) => `+${l}`)];
-    return diffView(lines.join("\n"));
+    return diffView([`--- ${a.path}`, `+++ ${a.path}`, ...lines(a.old_string).map((l) => `-${l}`),
+      ...lines(a.new_string).map((l) => `+${l}`)].join("\n"));
   }
-  if (call.name === "write_file") return diffView([`+++ ${a.path}`, ...String(a.content ?? "").split("\n").map((l) => `+${l}`)].join("\n"));
+  if (call.name === "write_file") return diffView([`+++ ${a.path}`, ...lines(a.content).map((l) => `+${l}`)].join("\n"));
   return null;
 }
 
@@ -234,7 +239,8 @@ async function openTrajectory(step, position) {
   view.replaceChildren(
     el("h2", {text: `${rec.task_id} · rollout ${rec.index} · step ${step}`}),
     el("p", {class: "verdict"}, `reward ${fmt(rec.reward, 2)} · ${rec.status} · verdict ${fmt(verdict.status)}`,
-      verdict.fail_to_pass ? ` · fail→pass ${verdict.fail_to_pass.passed}/${verdict.fail_to_pass.total}` : "",
+      verdict.fail_to_pass && verdict.fail_to_pass.total !== undefined
+        ? ` · fail→pass ${verdict.fail_to_pass.passed}/${verdict.fail_to_pass.total}` : "",
       ` · advantage ${fmt(rec.advantage, 3)} · stop ${fmt(rec.stop_reason)}`),
     flags.length ? el("div", {class: "flags"}, el("h3", {text: `monitor flags (${flags.length})`}),
       flags.map((f) => el("div", {class: "flag"}, el("b", {text: f.kind}),
@@ -276,14 +282,17 @@ async function compareEvals() {
   if (!a || !b) { view.replaceChildren(el("p", {class: "muted", text: "no eval results yet"})); return; }
   const doc = await api(`/api/compare?a=${encodeURIComponent(a)}&b=${encodeURIComponent(b)}`);
   const names = Object.keys(doc.overall);
-  const cell = (v) => el("td", {class: v.delta > 0 ? "up" : v.delta < 0 ? "down" : ""},
+  // green where B is better: more passes, reward and grounded calls; fewer masked rollouts and monitor flags (effort:
+  // neither — fewer tokens is better only for the same outcome)
+  const sign = (n) => /^pass@|reward_mean|grounded_fraction/.test(n) ? 1 : /masked|monitor_flags/.test(n) ? -1 : 0;
+  const cell = (v, n) => el("td", {class: sign(n) * v.delta > 0 ? "up" : sign(n) * v.delta < 0 ? "down" : ""},
     `${fmt(v.a)} → ${fmt(v.b)}`, el("small", {text: ` (${v.delta === null ? "–" : (v.delta > 0 ? "+" : "") + fmt(v.delta)})`}));
   view.replaceChildren(
     el("p", {}, `A ${a} (${fmt(doc.a.model)}) vs B ${b} (${fmt(doc.b.model)}) · ${doc.common_tasks} tasks in both`),
     el("table", {class: "table", id: "eval-table"},
       el("tr", {}, el("th", {text: "task"}), names.map((n) => el("th", {text: n}))),
-      el("tr", {class: "overall"}, el("td", {text: "overall"}), names.map((n) => cell(doc.overall[n]))),
-      Object.entries(doc.tasks).map(([t, m]) => el("tr", {}, el("td", {text: t}), names.map((n) => m[n] ? cell(m[n]) : el("td"))))));
+      el("tr", {class: "overall"}, el("td", {text: "overall"}), names.map((n) => cell(doc.overall[n], n))),
+      Object.entries(doc.tasks).map(([t, m]) => el("tr", {}, el("td", {text: t}), names.map((n) => m[n] ? cell(m[n], n) : el("td"))))));
 }
 
 // --- tasks -------------------------------------------------------------------------------------------------------
@@ -323,7 +332,8 @@ async function pollFleet() {
     return;
   }
   const m = doc.metrics;
-  state.fleet.push({step: state.fleet.length, ...flat(m)});
+  state.fleetPolls += 1;
+  state.fleet.push({step: state.fleetPolls, ...flat(m)});
   if (state.fleet.length > 300) state.fleet.shift();
   const card = (label, value) => el("div", {class: "card"}, el("div", {class: "value", text: fmt(value, 2)}), el("div", {class: "label", text: label}));
   cards.replaceChildren(el("p", {class: "muted", text: doc.url}),
@@ -332,10 +342,12 @@ async function pollFleet() {
     card("create p50 ms", m.start_latency_ms && m.start_latency_ms.p50), card("create p99 ms", m.start_latency_ms && m.start_latency_ms.p99),
     card("load (1 min)", m.load_avg_1m), card("memory used MB", m.memory_used_mb),
     card("failures", Object.values(m.failures || {}).reduce((a, b) => a + b, 0)));
+  const chart = (title, keys) => lineChart(title, keys.map((k) => [k, seriesOf(state.fleet, k)]), "poll");
   $("fleet-charts").replaceChildren(
-    lineChart("sandboxes (polls)", ["live", "warm_pool", "queued", "grading"].map((k) => [k, seriesOf(state.fleet, k)])),
-    lineChart("load and memory", [["load_avg_1m", seriesOf(state.fleet, "load_avg_1m")]]),
-    lineChart("create latency ms", [["p50", seriesOf(state.fleet, "start_latency_ms/p50")]]));
+    chart("sandboxes", ["live", "warm_pool", "queued", "grading", "calls_in_flight"]),
+    chart("create latency ms", ["start_latency_ms/p50", "start_latency_ms/p99"]),
+    chart("load (1 min)", ["load_avg_1m"]),
+    chart("memory used MB", ["memory_used_mb"]));
 }
 
 function flat(obj, prefix = "", out = {}) {
