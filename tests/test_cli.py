@@ -43,7 +43,10 @@ def test_agent_with_replay_prints_turns_diff_and_summary(repo, tmp_path):
     (["agent", "x", "--model", "replay:/no/such.jsonl"], "does not exist"),
     (["agent", "x", "--model", "/no/such/model.gguf"], "does not exist"),
     (["agent", "x", "--model", "openai:http://127.0.0.1:9/v1"], "cannot reach"),
-    (["agent", "x", "--model", "random:tiny", "--untagged", "maybe"], "untagged_calls must be 'reject' or 'accept'"),
+    (["agent", "x", "--model", "random:tiny", "--untagged", "maybe"],
+     "untagged_calls must be one of ('reject', 'accept'), not 'maybe'"),
+    (["agent", "x", "--model", "random:tiny", "--tags", "auto"], "tags must be one of ('token', 'spelled'), not 'auto'"),
+    (["dashboard", "--runs", "/no/such/dir"], "--runs /no/such/dir is not a directory"),
     (["synth", "--repo", ".", "--out", "synth-out", "--with", "not a requirement!"],
      "--with / requirements: 'not a requirement!' is not a"),
     (["bench", "nope"], "no benchmark 'nope'; available: engine, hacks, harness"),
@@ -145,3 +148,9 @@ def test_agent_in_sandbox_can_grep_and_lint(repo, tmp_path):
     grep_call, lint_call = turns[0]["calls"][0], turns[1]["calls"][0]
     assert grep_call["error"] is None and "pocketlib/roman.py:" in grep_call["output"], grep_call
     assert lint_call["error"] is None and "bad.py:1:8: F401" in lint_call["output"], lint_call
+
+
+def test_dashboard_refuses_a_short_token(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHIPYARD_DASHBOARD_TOKEN", "short")
+    r = CliRunner().invoke(app, ["dashboard", "--runs", str(tmp_path)])
+    assert r.exit_code == 2 and "at least 16 characters" in r.output and "Traceback" not in r.output
