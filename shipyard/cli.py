@@ -275,20 +275,24 @@ def dashboard(
 ) -> None:
     """Training curves, trajectories (turns, parallel calls, diffs, hints, monitor flags), evals side by side, tasks
     and the sandbox fleet in a browser, updating live. Open the printed link: it carries the token every request
-    needs ($SHIPYARD_DASHBOARD_TOKEN if set, else a fresh one)."""
+    needs ($SHIPYARD_DASHBOARD_TOKEN if set, else a fresh one) in its fragment, which the browser never sends."""
     import uvicorn
 
-    from shipyard.dashboard.app import TOKEN_ENV, create_app
+    from shipyard.dashboard.app import LOOPBACK_NAMES, TOKEN_ENV, create_app
     from shipyard.httpguard import server_token
 
     with user_errors():
         if not runs.is_dir():
             raise UserError(f"--runs {runs} is not a directory")
         token, where = server_token(TOKEN_ENV)
-        served = create_app(runs, token=token, env_server=env_server)
-    link = f"http://{host_}:{port}/auth?token=" + ("$" + TOKEN_ENV if where else token)
-    console.print(f"dashboard of {runs.resolve()} on http://{host_}:{port}", soft_wrap=True)
-    console.print(f"open {link}", soft_wrap=True)
+        served = create_app(runs, token=token, env_server=env_server, host=host_)
+    shown = f"[{host_}]" if ":" in host_ else host_
+    console.print(f"dashboard of {runs.resolve()} on http://{shown}:{port}", soft_wrap=True)
+    if host_ not in LOOPBACK_NAMES:
+        console.print(f"[yellow]note:[/] --host {host_} is reachable from other machines, over plain HTTP: the token "
+                      "and every page travel unencrypted (put it behind TLS, or keep the default 127.0.0.1)",
+                      soft_wrap=True)
+    console.print(f"open http://{shown}:{port}/#token=" + ("$" + TOKEN_ENV if where else token), soft_wrap=True)
     uvicorn.run(served, host=host_, port=port, log_level="warning")
 
 

@@ -27,7 +27,6 @@ import os
 import secrets
 import stat
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from http.cookies import CookieError, SimpleCookie
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -180,26 +179,14 @@ class Guard:
 
     `path_tokens` and `path_max_body` override `token` and `max_body` for exact paths (a token of None opens that
     path): `serve` keeps its weights route on the operator's token with a large body limit, and its completions on an
-    optional API key with a small one, while every other path falls back to the defaults (deny by default).
-    `cookie`: the name of a cookie that may carry the token instead of the header (a browser's, set by the
-    dashboard's login link; HttpOnly and SameSite=Strict, so no other site's page can send it)."""
+    optional API key with a small one, while every other path falls back to the defaults (deny by default)."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], *, token: str | None, max_body: int,
                  open_paths: Iterable[str] = ("/health",), path_tokens: Mapping[str, str | None] | None = None,
-                 path_max_body: Mapping[str, int] | None = None, cookie: str | None = None):
-        self.app, self.token, self.max_body, self.cookie = app, token, max_body, cookie
+                 path_max_body: Mapping[str, int] | None = None):
+        self.app, self.token, self.max_body = app, token, max_body
         self.open_paths = frozenset(open_paths)
         self.path_tokens, self.path_max_body = dict(path_tokens or {}), dict(path_max_body or {})
-
-    def _cookie(self, header: str) -> str:
-        if self.cookie is None or not header:
-            return ""
-        jar = SimpleCookie()
-        try:
-            jar.load(header)
-        except CookieError:
-            return ""
-        return jar[self.cookie].value if self.cookie in jar else ""
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -212,10 +199,8 @@ class Guard:
         if token is not None and path not in self.open_paths:
             given = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, value = given.partition(" ")
-            if scheme.lower() != "bearer":
-                value = self._cookie(headers.get(b"cookie", b"").decode("latin-1"))
-            if not hmac.compare_digest(value.strip().encode(), token.encode()):
-                why = "missing" if not value else "wrong"
+            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+                why = "missing" if not given else "wrong"
                 for event in _send_error(401, f"authentication {why}: send `Authorization: Bearer TOKEN` with the "
                                          "token this server printed at start (or wrote to its token file)",
                                          "Unauthorized", [(b"www-authenticate", b"Bearer")]):
@@ -271,7 +256,7 @@ def describe_validation(errors: Iterable[dict[str, Any]]) -> str:
 
 def install(app: Any, *, token: str | None, max_body: int, open_paths: Iterable[str] = ("/health",),
             path_tokens: Mapping[str, str | None] | None = None,
-            path_max_body: Mapping[str, int] | None = None, cookie: str | None = None) -> None:
+            path_max_body: Mapping[str, int] | None = None) -> None:
     """Guard a FastAPI app: the token/body-size middleware and the one-line 422 validation errors."""
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
@@ -281,4 +266,4 @@ def install(app: Any, *, token: str | None, max_body: int, open_paths: Iterable[
         return error_response(422, "InvalidRequest", f"invalid request: {describe_validation(exc.errors())}")
 
     app.add_middleware(Guard, token=token, max_body=max_body, open_paths=tuple(open_paths), path_tokens=path_tokens,
-                       path_max_body=path_max_body, cookie=cookie)
+                       path_max_body=path_max_body)

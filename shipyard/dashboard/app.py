@@ -1,16 +1,21 @@
 """`shipyard dashboard`: one page over run directories, eval results, task sets and an environment server's fleet.
 
-    browser ──/auth?token=T (once: sets an HttpOnly, SameSite=Strict cookie)──▶ /            index.html
-            ──/static/*──▶ dashboard.js, dashboard.css (vendored: no build step, no CDN, no network)
-            ──/api/*──▶ JSON:  runs · runs/R/metrics?offset · runs/R/rollouts?filters&page · runs/R/trajectories/S/N
-                               runs/R/evals[/E] · compare?a=R/E&b=R/E · runs/R/tasks[/T] · fleet
+    browser ──/#token=T──▶ /, /static/*   index.html, dashboard.js, dashboard.css (no secrets: served to anyone;
+                                          no build step, no CDN, no network)
+            ──/api/* with Authorization: Bearer T──▶ JSON:
+                 runs · runs/R/metrics?offset&file · runs/R/rollouts?filters&page · runs/R/trajectories/S/N
+                 runs/R/evals[/E] · compare?a=R/E&b=R/E · runs/R/tasks[/T] · fleet
 
 **Who may look.** A run directory holds everything the model wrote and the code it was trained on, and a loopback
-port is open to every local user, so the dashboard is guarded like every shipyard server (`shipyard.httpguard`): a
-token generated at start (or `$SHIPYARD_DASHBOARD_TOKEN`), sent as a bearer header or as the cookie the printed
-login link sets. Clients name runs, steps, rollouts, evals and tasks; the server maps only names it listed onto
-files (`shipyard.dashboard.runs`). The page renders what the model wrote as text, never as markup, and a strict
-Content-Security-Policy (scripts from this origin only, no inline script) backs that up.
+port is open to every local user, so the data is guarded like every shipyard server's (`shipyard.httpguard`): a
+token generated at start (or `$SHIPYARD_DASHBOARD_TOKEN`) that every `/api/` request sends as a bearer header. The
+printed link carries it in the URL's fragment, which a browser never sends anywhere; the page moves it into
+`sessionStorage` (per origin, port included) and out of the address bar. Not a cookie: browsers send a cookie for
+127.0.0.1 to every port of it, so any local user's server on another port would receive it. Requests whose Host is
+not this server's names are refused (DNS rebinding). Clients name runs, steps, rollouts, evals and tasks; the
+server maps only names it listed onto files, never following a link (`shipyard.dashboard.runs`). The page renders
+what the model wrote as text, never as markup, and a strict Content-Security-Policy (scripts from this origin only,
+no inline script, no eval) backs that up.
 
 **Live.** The page polls: metrics from the byte offset it has read to (only new lines come back), the rollout list,
 the fleet's `/metrics` through this server (the environment server's token never reaches the browser).
@@ -19,14 +24,16 @@ the fleet's `/metrics` through this server (the environment server's token never
 from __future__ import annotations
 
 import asyncio
-import hmac
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, HTTPException, Query, Request
-from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
+from fastapi import Path as Path_
+from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from shipyard import httpguard
 from shipyard.dashboard.runs import NotFound, Runs, page
@@ -35,7 +42,9 @@ from shipyard.models.errors import InfraError
 
 STATIC = Path(__file__).parent / "static"
 TOKEN_ENV = "SHIPYARD_DASHBOARD_TOKEN"
-COOKIE = "shipyard_dashboard"
+OPEN_PATHS = ("/", "/health", "/static/index.html", "/static/dashboard.js", "/static/dashboard.css")
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1", "[::1]")
+MAX_STEP = 10**9
 HEADERS = {"content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
                                       "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
            "x-content-type-options": "nosniff", "referrer-policy": "no-referrer", "cache-control": "no-store"}
@@ -47,20 +56,24 @@ def _eval_ref(runs: Runs, ref: str) -> dict[str, Any]:
     return runs.get(run).eval(name)
 
 
-def create_app(runs_dir: Path, *, token: str, env_server: str | None = None) -> FastAPI:
-    """The dashboard over the runs under `runs_dir` (module docstring); `env_server`: the fleet to show."""
+def create_app(runs_dir: Path, *, token: str, env_server: str | None = None, host: str = "127.0.0.1") -> FastAPI:
+    """The dashboard over the runs under `runs_dir` (module docstring); `env_server`: the fleet to show; `host`: the
+    interface it is served on (with the loopback names, the Host headers it answers; a wildcard answers any)."""
     if len(token) < 16:
         raise ValueError(f"the dashboard needs a token of at least 16 characters (${TOKEN_ENV}): unset it for a "
                          "fresh one")
     runs = Runs(runs_dir)
     app = FastAPI(title="shipyard dashboard", docs_url=None, redoc_url=None, openapi_url=None)
-    httpguard.install(app, token=token, max_body=64 << 10, open_paths=("/health", "/auth"), cookie=COOKIE)
-    fleet_client = None
+    httpguard.install(app, token=token, max_body=64 << 10, open_paths=OPEN_PATHS)
+    hosts = ["*"] if host in ("0.0.0.0", "::", "") else [*LOOPBACK_NAMES, host]
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts)
+    fleet_client, fleet_url = None, None
     if env_server is not None:
         from shipyard.sandbox.client import EnvClient
 
         fleet_client = EnvClient(env_server, timeout=5.0, retry_for=0.0)
-
+        parts = urlsplit(env_server)
+        fleet_url = f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}"  # no user:password
     @app.middleware("http")
     async def security_headers(request: Request, call_next):
         response = await call_next(request)
@@ -79,14 +92,6 @@ def create_app(runs_dir: Path, *, token: str, env_server: str | None = None) -> 
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/auth")
-    async def auth(token: str = Query("", max_length=200)) -> Response:
-        if not hmac.compare_digest(token.encode(), app.state.token.encode()):
-            raise HTTPException(401, "wrong or missing token: open the link `shipyard dashboard` printed")
-        response = RedirectResponse("/", status_code=303)
-        response.set_cookie(COOKIE, token, httponly=True, samesite="strict", path="/")
-        return response
-
     @app.get("/")
     async def index() -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html")
@@ -101,11 +106,13 @@ def create_app(runs_dir: Path, *, token: str, env_server: str | None = None) -> 
         return {"root": str(runs.root), "runs": await in_thread(runs.list), "fleet": fleet_client is not None}
 
     @app.get("/api/runs/{run}/metrics")
-    async def metrics(run: str, offset: int = Query(0, ge=0)) -> dict[str, Any]:
-        return await in_thread(lambda: runs.get(run).metrics(offset))
+    async def metrics(run: str, offset: int = Query(0, ge=0), file: str | None = Query(None, max_length=64)
+                      ) -> dict[str, Any]:
+        return await in_thread(lambda: runs.get(run).metrics(offset, file))
 
     @app.get("/api/runs/{run}/rollouts")
-    async def rollouts(run: str, task: str | None = Query(None, max_length=300), step: int | None = None,
+    async def rollouts(run: str, task: str | None = Query(None, max_length=300),
+                       step: int | None = Query(None, ge=0, le=MAX_STEP),
                        min_reward: float | None = None, max_reward: float | None = None,
                        flagged: bool | None = None, hinted: bool | None = None,
                        offset: int = Query(0, ge=0), limit: int = Query(50, ge=1, le=500)) -> dict[str, Any]:
@@ -117,7 +124,8 @@ def create_app(runs_dir: Path, *, token: str, env_server: str | None = None) -> 
         return out
 
     @app.get("/api/runs/{run}/trajectories/{step}/{position}")
-    async def trajectory(run: str, step: int, position: int) -> dict[str, Any]:
+    async def trajectory(run: str, step: int = Path_(ge=0, le=MAX_STEP), position: int = Path_(ge=0, le=100_000)
+                         ) -> dict[str, Any]:
         return await in_thread(lambda: runs.get(run).trajectory(step, position))
 
     @app.get("/api/runs/{run}/evals")
@@ -153,8 +161,8 @@ def create_app(runs_dir: Path, *, token: str, env_server: str | None = None) -> 
         try:
             metrics = await in_thread(fleet_client.metrics)
         except (InfraError, TokenError) as e:  # unreachable, refused, no token: the page says so and keeps polling
-            return {"configured": True, "url": fleet_client.base_url, "error": f"{type(e).__name__}: {e}"[:500]}
-        return {"configured": True, "url": fleet_client.base_url, "metrics": metrics}
+            return {"configured": True, "url": fleet_url, "error": f"{type(e).__name__}: {e}"[:500]}
+        return {"configured": True, "url": fleet_url, "metrics": metrics}
 
     app.state.token = token
     return app

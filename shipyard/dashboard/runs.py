@@ -1,71 +1,105 @@
 """What the dashboard reads: run directories (`shipyard.rl.rundir`), their eval results and task sets — by name,
 incrementally, and never outside the directories the operator named.
 
-**Names, not paths.** A client names a run (a directory under `--runs` holding run.json, or `--runs` itself)
-and within it a step and a rollout's position; the server maps names it listed itself onto paths. A name is one
-path component of `[A-Za-z0-9._-]`, and the path it maps to must resolve inside the root — so `..`, an absolute
-path, a symlink out of the root or a name that was never listed is refused (`NotFound`), whatever the client
-sends. A run's task set is the one its config.toml names (the operator's file); its tasks are again looked up by
-the ids it lists.
+**Names, not paths; no links.** A client names a run (a directory under `--runs` holding run.json, or `--runs`
+itself) and within it a step, a rollout's position, an eval or a task; the server maps names it listed itself onto
+files. A name is one path component of `[A-Za-z0-9._-]`. Every file is then opened through
+`shipyard.harness.confined.Tree` — each component below the root opened with `O_NOFOLLOW`, only regular files,
+`lstat` before `open` and `fstat` after, sizes capped — so a symbolic link planted in a run directory or a task set
+(`trajectories/step-000001.jsonl -> ~/.ssh/id_ed25519`, a `tests` directory linked elsewhere), a FIFO or a huge file
+is refused (`NotFound`), whatever the client sends. The roots themselves are the operator's: `--runs` and the task set
+a run's config.toml names (`run.tasks`).
 
 **Thousands of trajectories, loaded one at a time.** The trajectory list comes from rollouts.jsonl (one short line
-per rollout: task, reward, status, flags, step), read incrementally — each refresh parses only the lines appended
-since the last (`Tail`) — and filtered and paged in memory (a few hundred bytes per rollout). A rollout's full record
-(its turns, tool outputs, patch, hints and monitor evidence) is parsed from trajectories/step-N.jsonl only when
-opened: the n-th rollout of a step is the n-th line of its file (both are written in batch order). Metrics are read
-the same way from a byte offset the client keeps, so live updates cost what was appended.
+per rollout: task, reward, status, flags, hints, step), read incrementally — each refresh parses only the lines
+appended since the last (`Tail`), and starts over when the file was replaced (a resumed run rewrites its logs: a new
+inode) — then filtered and paged in memory (a few hundred bytes per rollout). A rollout's full record (its turns,
+tool outputs, patch, hints and monitor evidence) is parsed from trajectories/step-N.jsonl only when opened: the n-th
+rollout of a step is the n-th line of its file (both are written in batch order). Metrics are read the same way from
+a byte offset the page keeps, with the file's identity, so live updates cost what was appended.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shipyard.harness.confined import PathError, Tree
+
 NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
-MAX_LINE = 64 << 20  # a trajectory line longer than this is not shown (a run writes ~10-500 KB per rollout)
+EVAL = re.compile(r"^step-[0-9]{6}$")
+MAX_JSON = 64 << 20  # run.json, config.toml, an eval, a task.json: far below this
+MAX_LINE = 64 << 20  # one trajectory record (a run writes ~10-500 KB per rollout)
+MAX_CHUNK = 8 << 20  # JSON lines parsed per read of a log
+MAX_TEST_FILE = 1 << 20
 SUMMARY_KEYS = ("task", "group", "index", "status", "reward", "advantage", "monitor_flags", "stop_reason", "turns",
                 "tool_calls", "hints", "staleness", "total_seconds", "sampled_tokens")
 
 
 class NotFound(LookupError):
-    """No such run, step, rollout, eval or task under the dashboard's roots (or a name that is not one)."""
+    """No such run, step, rollout, eval or task under the dashboard's roots, or one that cannot be read safely (a
+    link, not a regular file, too large, not JSON)."""
 
 
-def _inside(root: Path, name: str) -> Path:
-    """`root / name` for a listed-looking name that resolves inside `root`; NotFound otherwise."""
+def _check_name(name: str, what: str) -> str:
     if not NAME.fullmatch(name) or name in (".", ".."):
-        raise NotFound(f"{name!r} is not a name this dashboard lists")
-    path = (root / name).resolve()
-    if path != root and not path.is_relative_to(root):
-        raise NotFound(f"{name!r} is outside the dashboard's directory")
-    return path
+        raise NotFound(f"{what} {name[:80]!r} is not a name this dashboard lists")
+    return name
 
 
-def _read_json(path: Path) -> Any:
+def _open(tree: Tree, rel: str, limit: int | None = None) -> int:
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise NotFound(f"{path.name}: unreadable ({type(e).__name__})") from None
-
-
-def read_from(path: Path, offset: int, limit: int = 8 << 20) -> tuple[list[dict[str, Any]], int]:
-    """Whole JSON lines of `path` from byte `offset` (at most ~`limit` bytes; a line without its newline yet is left
-    for the next call): (rows, the offset to ask from next). An offset past the end — the file was rewritten on
-    resume — starts over from 0. A line cut short by a crash is skipped, as `RunDir.resume` does."""
-    try:
-        size = path.stat().st_size
+        return tree.open_regular(rel, limit)
     except FileNotFoundError:
-        return [], 0
-    if not 0 <= offset <= size:
-        offset = 0
-    with path.open("rb") as f:
+        raise NotFound(f"{rel} does not exist") from None
+    except (PathError, OSError) as e:
+        raise NotFound(f"{rel} cannot be read: a link, not a regular file, or too large ({type(e).__name__})") from None
+
+
+def _read(tree: Tree, rel: str, limit: int = MAX_JSON) -> bytes:
+    fd = _open(tree, rel, limit)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(limit + 1)[:limit]
+
+
+def _json(tree: Tree, rel: str) -> Any:
+    try:
+        return json.loads(_read(tree, rel))
+    except ValueError:
+        raise NotFound(f"{rel} is not JSON") from None
+
+
+def read_from(tree: Tree, rel: str, offset: int, identity: str | None = None) -> tuple[list[dict[str, Any]], int, str]:
+    """Whole JSON lines of `rel` from byte `offset` (at most ~`MAX_CHUNK` bytes; a line without its newline yet is
+    left for the next call): (rows, the offset to ask from next, the file's identity). When `identity` (the one a
+    previous call returned) is not the file's any more — it was replaced: a resumed run rewrites its logs — or the
+    offset is past its end, reading starts over from 0. A line longer than `MAX_CHUNK` is skipped, as is one cut
+    short by a crash (`RunDir.resume` drops those too). A missing file reads as empty."""
+    try:
+        fd = _open(tree, rel)
+    except NotFound:
+        return [], 0, ""
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        current = f"{st.st_dev}:{st.st_ino}"
+        if identity not in (None, current) or not 0 <= offset <= st.st_size:
+            offset = 0
         f.seek(offset)
-        chunk = f.read(min(size - offset, limit))
-    end = chunk.rfind(b"\n") + 1
+        chunk = f.read(MAX_CHUNK)
+        end = chunk.rfind(b"\n") + 1
+        if end == 0 and len(chunk) == MAX_CHUNK:  # one line longer than a whole chunk: skip past it
+            skipped = offset + len(chunk)
+            while block := f.read(1 << 20):
+                if (newline := block.find(b"\n")) != -1:
+                    return [], skipped + newline + 1, current
+                skipped += len(block)
+            return [], offset, current  # still being written: wait for its end
     rows = []
     for raw in chunk[:end].splitlines():
         try:
@@ -74,67 +108,75 @@ def read_from(path: Path, offset: int, limit: int = 8 << 20) -> tuple[list[dict[
             continue
         if isinstance(row, dict):
             rows.append(row)
-    return rows, offset + end
+    return rows, offset + end, current
 
 
 @dataclass
 class Tail:
-    """A JSON-lines file read incrementally: `lines()` parses only what was appended since the last call, and
-    starts over when the file shrank (a resumed run rewrites its logs)."""
+    """A JSON-lines file of a tree read incrementally: `lines()` parses only what was appended since the last call,
+    and starts over when the file was replaced or shrank. One reader at a time (polls may overlap)."""
 
-    path: Path
+    tree: Tree
+    rel: str
     offset: int = 0
+    identity: str | None = None
     rows: list[dict[str, Any]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def lines(self) -> list[dict[str, Any]]:
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            size = 0
-        if size < self.offset:
-            self.offset, self.rows = 0, []
-        while self.offset < size:
-            rows, offset = read_from(self.path, self.offset)
-            if offset <= self.offset:  # a partial last line, or the file shrank meanwhile (the next call starts over)
-                break
-            self.rows += rows
-            self.offset = offset
-        return self.rows
+        with self.lock:
+            while True:
+                rows, offset, identity = read_from(self.tree, self.rel, self.offset, self.identity)
+                restarted = identity != self.identity or offset < self.offset
+                if restarted:
+                    self.rows = []
+                self.rows += rows
+                done = not restarted and offset == self.offset
+                self.offset, self.identity = offset, identity
+                if done:
+                    return list(self.rows)
 
 
 class Run:
-    """One run directory, read on demand."""
+    """One run directory (`tree`: the folder given to the dashboard; `name`: the run's directory in it, "." when the
+    folder is the run), read on demand."""
 
-    def __init__(self, name: str, path: Path):
-        self.name, self.path = name, path
-        self._rollouts = Tail(path / "rollouts.jsonl")
+    def __init__(self, name: str, tree: Tree, base: str):
+        self.name, self.tree, self.base = name, tree, base
+        self._rollouts = Tail(tree, self._rel("rollouts.jsonl"))
+
+    def _rel(self, *parts: str) -> str:
+        return "/".join(p for p in (self.base, *parts) if p != ".")
 
     def summary(self) -> dict[str, Any]:
-        status = _read_json(self.path / "run.json")
+        status = _json(self.tree, self._rel("run.json"))
+        if not isinstance(status, dict):
+            raise NotFound("run.json is not a run's status")
         config = self.config()
+        section = lambda key: config.get(key) if isinstance(config.get(key), dict) else {}  # noqa: E731
         return {"name": self.name, "status": status.get("status"), "step": status.get("step"),
                 "started": status.get("started"), "updated": status.get("updated"), "error": status.get("error"),
-                "model": config.get("model", {}).get("name"), "steps": config.get("run", {}).get("steps"),
-                "hints": config.get("hints", {}).get("enabled")}
+                "model": section("model").get("name"), "steps": section("run").get("steps"),
+                "hints": section("hints").get("enabled")}
 
     def config(self) -> dict[str, Any]:
         try:
-            return tomllib.loads((self.path / "config.toml").read_text())
-        except (OSError, tomllib.TOMLDecodeError):
+            return tomllib.loads(_read(self.tree, self._rel("config.toml")).decode())
+        except (NotFound, UnicodeDecodeError, tomllib.TOMLDecodeError):
             return {}
 
-    def metrics(self, offset: int) -> dict[str, Any]:
-        rows, next_offset = read_from(self.path / "metrics.jsonl", offset)
-        return {"rows": rows, "offset": next_offset}
+    def metrics(self, offset: int, identity: str | None = None) -> dict[str, Any]:
+        rows, next_offset, current = read_from(self.tree, self._rel("metrics.jsonl"), offset, identity)
+        return {"rows": rows, "offset": next_offset, "file": current,
+                "reset": identity not in (None, current) or next_offset < offset}
 
     def rollouts(self) -> list[dict[str, Any]]:
         """Every rollout's summary, with `step` and `position` (its line in the step's trajectory file)."""
-        rows = self._rollouts.lines()
         counts: dict[int, int] = {}
         out = []
-        for row in rows:
+        for row in self._rollouts.lines():
             step = row.get("step")
-            if not isinstance(step, int):
+            if not isinstance(step, int) or isinstance(step, bool):
                 continue
             position = counts.get(step, 0)
             counts[step] = position + 1
@@ -142,99 +184,130 @@ class Run:
         return out
 
     def trajectory(self, step: int, position: int) -> dict[str, Any]:
-        path = self.path / "trajectories" / f"step-{step:06d}.jsonl"
-        if step < 0 or position < 0 or not path.is_file():
-            raise NotFound(f"run {self.name} has no trajectories of step {step}")
-        with path.open("rb") as f:
-            for n, raw in enumerate(f):
-                if n == position:
-                    if len(raw) > MAX_LINE:
+        rel = self._rel("trajectories", f"step-{step:06d}.jsonl")
+        fd = _open(self.tree, rel)
+        with os.fdopen(fd, "rb") as f:
+            for n in range(position + 1):
+                raw = f.readline(MAX_LINE + 1)
+                if not raw:
+                    raise NotFound(f"step {step} of run {self.name} has no rollout {position}")
+                if len(raw) > MAX_LINE and not raw.endswith(b"\n"):
+                    if n == position:
                         raise NotFound(f"rollout {position} of step {step} is over {MAX_LINE >> 20} MiB")
-                    try:
-                        return json.loads(raw)
-                    except ValueError:
-                        raise NotFound(f"rollout {position} of step {step} is not readable JSON") from None
-        raise NotFound(f"step {step} of run {self.name} has no rollout {position}")
+                    while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                        pass
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            raise NotFound(f"rollout {position} of step {step} is not readable JSON") from None
+        if not isinstance(record, dict):
+            raise NotFound(f"rollout {position} of step {step} is not a rollout record")
+        return record
 
     def evals(self) -> list[str]:
-        return sorted(p.stem for p in (self.path / "eval").glob("step-*.json"))
+        try:
+            fd = self.tree.open_dir(Tree.parts(self._rel("eval") or "."))
+        except (PathError, OSError):
+            return []
+        try:
+            return sorted(n[:-5] for n in os.listdir(fd) if n.endswith(".json") and EVAL.fullmatch(n[:-5]))
+        finally:
+            os.close(fd)
 
     def eval(self, name: str) -> dict[str, Any]:
-        if not re.fullmatch(r"step-\d{6}", name):
-            raise NotFound(f"{name!r} is not an eval of run {self.name}")
-        path = self.path / "eval" / f"{name}.json"
-        if not path.is_file():
-            raise NotFound(f"run {self.name} has no eval {name}")
-        return _read_json(path)
+        if not EVAL.fullmatch(name):
+            raise NotFound(f"{name[:80]!r} is not an eval of run {self.name}")
+        doc = _json(self.tree, self._rel("eval", f"{name}.json"))
+        if not isinstance(doc, dict):
+            raise NotFound(f"eval {name} of run {self.name} is not an eval result")
+        return doc
 
-    def tasks_dir(self) -> Path | None:
+    def task_tree(self) -> Tree | None:
+        """The run's task set (`run.tasks` in its config: the operator's; else RUN/tasks, inside the run)."""
         tasks = self.config().get("run", {}).get("tasks")
-        path = Path(tasks) if tasks else self.path / "tasks"
-        return path if path.is_dir() else None
+        if isinstance(tasks, str) and tasks:
+            root = Path(tasks).resolve()
+            return Tree(root) if root.is_dir() else None
+        rel = self._rel("tasks")
+        try:
+            os.close(self.tree.open_dir(Tree.parts(rel)))
+        except (PathError, OSError):
+            return None
+        return Tree(self.tree.root / rel)
 
     def tasks(self) -> list[dict[str, Any]]:
-        root = self.tasks_dir()
-        if root is None:
+        tree = self.task_tree()
+        if tree is None:
             return []
         held_out = set(self.config().get("run", {}).get("held_out", ()))
         out = []
-        for d in sorted(root.iterdir()):
-            if (d / "task.json").is_file() and NAME.fullmatch(d.name):
-                try:
-                    doc = json.loads((d / "task.json").read_text())
-                except (OSError, ValueError):
-                    continue
-                out.append({"id": d.name, "tier": doc.get("tier"), "held_out": d.name in held_out,
-                            "deleted": [f"{s.get('file')}:{s.get('qualname')}" for s in doc.get("deleted", [])
-                                        if isinstance(s, dict)]})
+        for entry in sorted(os.scandir(tree.root), key=lambda e: e.name):
+            if not NAME.fullmatch(entry.name) or not entry.is_dir(follow_symlinks=False):
+                continue
+            try:
+                doc = _json(tree, f"{entry.name}/task.json")
+            except NotFound:
+                continue
+            if isinstance(doc, dict):
+                out.append({"id": entry.name, "tier": doc.get("tier"), "held_out": entry.name in held_out,
+                            "deleted": [f"{d.get('file')}:{d.get('qualname')}" for d in doc.get("deleted", [])
+                                        if isinstance(d, dict)]})
         return out
 
     def task(self, task_id: str) -> dict[str, Any]:
-        root = self.tasks_dir()
-        if root is None:
+        tree = self.task_tree()
+        if tree is None:
             raise NotFound(f"run {self.name} names no task set that exists")
-        path = _inside(root.resolve(), task_id)
-        if not (path / "task.json").is_file():
-            raise NotFound(f"no task {task_id!r} in run {self.name}'s task set")
-        doc = _read_json(path / "task.json")
-        tests = {}  # the files of the tests the task must make pass, as the grader restores them
-        test_root = (path / "tests").resolve()
+        _check_name(task_id, "task")
+        doc = _json(tree, f"{task_id}/task.json")
+        if not isinstance(doc, dict):
+            raise NotFound(f"task {task_id} has no task record")
+        tests = {}  # the files of the tests the task must make pass, as the grader restores them (no link followed)
         for node in doc.get("fail_to_pass", []):
             name = str(node).split("::")[0]
-            file = (test_root / name).resolve()
-            if name in tests or not file.is_relative_to(test_root) or not file.is_file():
+            if name in tests or len(tests) >= 20:
                 continue
-            tests[name] = file.read_text(errors="replace")[:256 << 10]
+            try:
+                tests[name] = _read(tree, f"{task_id}/tests/{'/'.join(Tree.parts(name))}",
+                                    MAX_TEST_FILE).decode(errors="replace")
+            except (NotFound, PathError):
+                continue
         return {"id": task_id, "task": doc, "tests": tests}
 
 
 class Runs:
-    """The runs under `root`: `root` itself when it is a run directory, else each subdirectory that is one."""
+    """The runs under `root`: `root` itself when it is a run directory, else each subdirectory that is one (a
+    symbolic link is not)."""
 
     def __init__(self, root: Path):
         self.root = Path(root).resolve()
         if not self.root.is_dir():
             raise NotFound(f"--runs {root} is not a directory")
+        self.tree = Tree(self.root)
         self._open: dict[str, Run] = {}
 
-    def paths(self) -> dict[str, Path]:
-        """Run name → directory: the root's own name when it is a run, else each subdirectory that is one."""
+    def bases(self) -> dict[str, str]:
+        """Run name → its directory relative to the root ("." for the root itself)."""
         if (self.root / "run.json").is_file():
-            return {self.root.name if NAME.fullmatch(self.root.name) else "run": self.root}
-        return {d.name: _inside(self.root, d.name) for d in sorted(self.root.iterdir())
-                if NAME.fullmatch(d.name) and (d / "run.json").is_file() and d.resolve().is_relative_to(self.root)}
+            return {self.root.name if NAME.fullmatch(self.root.name) else "run": "."}
+        def is_run(entry: os.DirEntry) -> bool:
+            status = os.path.join(entry.path, "run.json")
+            return (NAME.fullmatch(entry.name) is not None and entry.is_dir(follow_symlinks=False)
+                    and os.path.isfile(status) and not os.path.islink(status))
+
+        return {e.name: e.name for e in sorted(os.scandir(self.root), key=lambda e: e.name) if is_run(e)}
 
     def get(self, name: str) -> Run:
-        paths = self.paths()
-        if name not in paths:
-            raise NotFound(f"no run {name!r} under {self.root}")
-        if name not in self._open or self._open[name].path != paths[name]:
-            self._open[name] = Run(name, paths[name])
+        bases = self.bases()
+        if name not in bases:
+            raise NotFound(f"no run {name[:80]!r} under {self.root}")
+        if name not in self._open or self._open[name].base != bases[name]:
+            self._open[name] = Run(name, self.tree, bases[name])
         return self._open[name]
 
     def list(self) -> list[dict[str, Any]]:
         out = []
-        for name in self.paths():
+        for name in self.bases():
             try:
                 out.append(self.get(name).summary())
             except NotFound as e:
@@ -248,9 +321,10 @@ def page(rows: list[dict[str, Any]], *, task: str | None = None, step: int | Non
     """Filter rollout summaries and return one page (newest step first), with the total that matched."""
     def keep(r: dict[str, Any]) -> bool:
         reward = r.get("reward")
+        number = isinstance(reward, int | float) and not isinstance(reward, bool)
         return ((task is None or r.get("task") == task) and (step is None or r.get("step") == step)
-                and (min_reward is None or (reward is not None and reward >= min_reward))
-                and (max_reward is None or (reward is not None and reward <= max_reward))
+                and (min_reward is None or (number and reward >= min_reward))
+                and (max_reward is None or (number and reward <= max_reward))
                 and (flagged is None or bool(r.get("monitor_flags")) == flagged)
                 and (hinted is None or bool(r.get("hints")) == hinted))
 

@@ -169,7 +169,9 @@ class Tree:
             raise
         return fd
 
-    def read(self, rel: str, limit: int) -> bytes:
+    def open_regular(self, rel: str, limit: int | None = None) -> int:
+        """A read-only descriptor of the regular file `rel` (at most `limit` bytes when given), reached without
+        following a link: `lstat` before opening (a FIFO is never opened), `fstat` of what was opened."""
         *dirs, name = self.parts(rel) or [""]
         if not name:
             raise PathError("'.' is the workspace root, a directory.")
@@ -182,6 +184,15 @@ class Tree:
                 os.close(parent)
             try:
                 check_regular(rel, os.fstat(fd), limit)
+            except BaseException:
+                os.close(fd)
+                raise
+        return fd
+
+    def read(self, rel: str, limit: int) -> bytes:
+        fd = self.open_regular(rel, limit)
+        try:
+            with model_errors(rel):
                 chunks, total = [], 0
                 while chunk := os.read(fd, min(1 << 20, limit + 1 - total)):
                     chunks.append(chunk)
@@ -189,8 +200,8 @@ class Tree:
                     if total > limit:
                         raise too_big(rel, f"more than {limit}", limit)
                 return b"".join(chunks)
-            finally:
-                os.close(fd)
+        finally:
+            os.close(fd)
 
     def write(self, rel: str, data: bytes) -> None:
         *dirs, name = self.parts(rel) or [""]

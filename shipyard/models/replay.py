@@ -28,8 +28,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from array import array
 import threading
+from array import array
 from collections.abc import Mapping
 from pathlib import Path
 

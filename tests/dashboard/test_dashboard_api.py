@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tomllib
+from pathlib import Path
 
 import httpx
 import pytest
 from servers import running_app
 
-from shipyard.dashboard.app import COOKIE, create_app
-from shipyard.dashboard.runs import Runs, page
+from shipyard.dashboard.app import create_app
+from shipyard.dashboard.runs import NotFound, Runs, page
 
 TOKEN = "dashboard-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -23,24 +26,27 @@ def served(dash_run):
         yield url, httpx.Client(base_url=url, headers=AUTH, timeout=30)
 
 
-def test_nothing_is_served_without_the_token_and_the_login_link_sets_a_strict_cookie(served):
+def test_no_data_without_the_token_and_no_cookie_to_leak(served):
+    """The page and its scripts hold no secrets; every /api/ route needs the bearer token. No cookie is ever set: a
+    browser sends 127.0.0.1's cookies to every port of it, i.e. to any local user's server."""
     url, client = served
     run = client.get("/api/runs").json()["runs"][0]["name"]
-    for path in ("/", "/static/dashboard.js", "/api/runs", f"/api/runs/{run}/metrics"):
+    for path in ("/api/runs", f"/api/runs/{run}/metrics", f"/api/runs/{run}/rollouts", "/api/fleet",
+                 f"/api/runs/{run}/trajectories/1/0", "/static/nope.js"):
         assert httpx.get(url + path).status_code == 401, path
-        assert httpx.get(url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
-        assert httpx.get(url + path, cookies={COOKIE: "wrong"}).status_code == 401, path
-    assert httpx.get(url + "/auth?token=wrong", follow_redirects=False).status_code == 401
-    login = httpx.get(url + f"/auth?token={TOKEN}", follow_redirects=False)
-    assert login.status_code == 303 and login.headers["location"] == "/"
-    cookie = login.headers["set-cookie"].lower()
-    assert "httponly" in cookie and "samesite=strict" in cookie
-    page_ = httpx.get(url + "/", cookies={COOKIE: TOKEN})
-    assert page_.status_code == 200 and "shipyard dashboard" in page_.text
+        assert httpx.get(url + path, headers={"Authorization": "Bearer wrong-token-wrong-token"}).status_code == 401
+    page_ = httpx.get(url + "/")
+    assert page_.status_code == 200 and "shipyard dashboard" in page_.text and "set-cookie" not in page_.headers
+    assert httpx.get(url + "/static/dashboard.js").status_code == 200
+    assert "set-cookie" not in client.get("/api/runs").headers
     csp = page_.headers["content-security-policy"]
-    assert "script-src 'self'" in csp and "unsafe-inline" not in csp
+    assert "script-src 'self'" in csp and "unsafe-inline" not in csp and "unsafe-eval" not in csp
     assert page_.headers["x-content-type-options"] == "nosniff"
     assert httpx.get(url + "/health").json() == {"status": "ok"}
+    # DNS rebinding: a page of evil.example resolving to 127.0.0.1 reaches the port with its own Host header
+    assert httpx.get(url + "/api/runs", headers={**AUTH, "Host": "evil.example"}).status_code == 400
+    assert httpx.get(url + "/", headers={"Host": "evil.example"}).status_code == 400
+    assert httpx.get(url + "/api/runs", headers={**AUTH, "Host": "localhost"}).status_code == 200
 
 
 def test_runs_metrics_rollouts_and_a_trajectory(served, dash_run):
@@ -96,6 +102,8 @@ def test_thousands_of_rollouts_are_listed_without_reading_the_trajectories(run_c
 @pytest.mark.parametrize("path", [
     "/api/runs/..%2f..%2fetc/metrics", "/api/runs/%2e%2e/metrics", "/api/runs/nope/metrics",
     "/api/runs/{run}/trajectories/1/99", "/api/runs/{run}/trajectories/-1/0", "/api/runs/{run}/trajectories/99/0",
+    "/api/runs/{run}/trajectories/" + "9" * 300 + "/0",
+    "/api/runs/{run}/evals/step-%D9%A0%D9%A0%D9%A0%D9%A0%D9%A0%D9%A0",  # Arabic-Indic digits
     "/api/runs/{run}/evals/..%2fconfig", "/api/runs/{run}/evals/step-1", "/api/runs/{run}/tasks/%2e%2e",
     "/api/runs/{run}/tasks/..%2f..%2f..%2fetc", "/api/compare?a=..%2fx&b={run}/step-000000",
 ])
@@ -106,13 +114,89 @@ def test_hostile_names_reach_no_file(served, dash_run, path):
     assert "root:" not in reply.text
 
 
-def test_a_symlink_out_of_the_runs_folder_is_not_a_run(run_copy, tmp_path):
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "run.json").write_text('{"status": "finished"}')
-    os.symlink(outside, run_copy.parent / "escape")
+def test_links_fifos_and_huge_lines_in_a_run_are_refused(run_copy, tmp_path):
+    """Whoever can write into a run directory or its task set cannot make the dashboard read a file elsewhere: no
+    link is followed anywhere below the roots, only regular files are opened, and sizes are capped."""
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "data.json").write_text('{"TOPSECRET": 1}')
+    (secret / "data.jsonl").write_text('{"step": 1, "TOPSECRET": 1}\n')
+    (secret / "run.json").write_text('{"status": "finished"}')
+    os.symlink(secret, run_copy.parent / "escape")  # a run directory that is a link
     runs = Runs(run_copy.parent)
-    assert list(runs.paths()) == [run_copy.name]
+    assert list(runs.bases()) == [run_copy.name]
+    run = runs.get(run_copy.name)
+    steps = run_copy / "trajectories"
+    os.replace(steps / "step-000002.jsonl", tmp_path / "kept.jsonl")
+    os.symlink(secret / "data.jsonl", steps / "step-000002.jsonl")
+    (run_copy / "eval" / "step-000001.json").unlink()
+    os.symlink(secret / "data.json", run_copy / "eval" / "step-000001.json")
+    (run_copy / "metrics.jsonl").unlink()
+    os.symlink(secret / "data.jsonl", run_copy / "metrics.jsonl")
+    os.mkfifo(run_copy / "config.toml.fifo")
+    (run_copy / "config.toml").unlink()
+    os.replace(run_copy / "config.toml.fifo", run_copy / "config.toml")  # a FIFO: opening it would hang
+    with pytest.raises(NotFound):
+        run.trajectory(2, 0)
+    with pytest.raises(NotFound):
+        run.eval("step-000001")
+    assert run.metrics(0)["rows"] == [] and run.config() == {} and run.summary()["status"] == "finished"
+    with (steps / "step-000001.jsonl").open("r+b") as f:  # a first line far over the cap, then a good one
+        good = f.read().splitlines()[1]
+        f.seek(0)
+        f.write(b'{"x": "' + b"a" * (70 << 20) + b'"}\n' + good + b"\n")
+        f.truncate()
+    with pytest.raises(NotFound, match="over 64 MiB"):
+        run.trajectory(1, 0)
+    assert run.trajectory(1, 1)["index"] == json.loads(good)["index"]
+
+
+def test_links_in_the_task_set_are_refused(dash_run, tmp_path):
+    """The task set named by the run's config: a task directory, its task.json or its tests/ linked elsewhere is
+    not read (before: tests/ -> any directory served the file a fail_to_pass id named)."""
+    tasks = tmp_path / "tasks"
+    shutil.copytree(Path(tomllib.loads((dash_run / "config.toml").read_text())["run"]["tasks"]), tasks, symlinks=True)
+    secret = tmp_path / "secret"
+    (secret / "tests").mkdir(parents=True)
+    (secret / "tests" / "test_stats.py").write_text("TOPSECRET")
+    (secret / "task.json").write_text(json.dumps({"tier": "TOPSECRET", "fail_to_pass": []}))
+    first, second, third = sorted(d.name for d in tasks.iterdir() if (d / "task.json").is_file())
+    shutil.rmtree(tasks / first / "tests")
+    os.symlink(secret / "tests", tasks / first / "tests")
+    (tasks / second / "task.json").unlink()
+    os.symlink(secret / "task.json", tasks / second / "task.json")
+    os.symlink(secret, tasks / "linked-task")
+    run_dir = tmp_path / "runs" / "r"
+    shutil.copytree(dash_run, run_dir, ignore=shutil.ignore_patterns("checkpoints", "export", "tb"))
+    config = (run_dir / "config.toml").read_text()
+    (run_dir / "config.toml").write_text(config.replace(str(tomllib.loads(config)["run"]["tasks"]), str(tasks)))
+    run = Runs(run_dir.parent).get("r")
+    listed = run.tasks()
+    assert [t["id"] for t in listed] == [first, third] and "TOPSECRET" not in json.dumps(listed)
+    assert "TOPSECRET" not in json.dumps(run.task(first)) and run.task(first)["tests"] == {}
+    for task_id in (second, "linked-task"):
+        with pytest.raises(NotFound):
+            run.task(task_id)
+
+
+def test_a_rewritten_log_is_read_again_from_its_start(run_copy):
+    """A resumed run rewrites rollouts.jsonl and metrics.jsonl (a new file, not always a shorter one): the lists
+    start over instead of keeping the old lines."""
+    run = Runs(run_copy.parent).get(run_copy.name)
+    old = run.rollouts()
+    first = run.metrics(0)
+    lines = (run_copy / "rollouts.jsonl").read_text().splitlines()
+    marked = [json.dumps({**json.loads(line), "task": "rewritten"}) for line in lines] * 2
+    tmp = run_copy / ".rollouts.partial"
+    tmp.write_text("\n".join(marked) + "\n")
+    os.replace(tmp, run_copy / "rollouts.jsonl")
+    new = run.rollouts()
+    assert len(new) == 2 * len(old) and {r["task"] for r in new} == {"rewritten"}
+    tmp = run_copy / ".metrics.partial"
+    tmp.write_text((run_copy / "metrics.jsonl").read_text() + '{"step": 9}\n')
+    os.replace(tmp, run_copy / "metrics.jsonl")
+    again = run.metrics(first["offset"], first["file"])
+    assert again["reset"] and again["rows"][-1]["step"] == 9 and len(again["rows"]) == len(first["rows"]) + 1
 
 
 def test_evals_side_by_side_and_tasks(served, dash_run):

@@ -61,7 +61,7 @@ def open_page(browser, url: str, tab: str = "curves"):
     page = browser.new_page(viewport={"width": 1400, "height": 900})
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto(f"{url}/auth?token={TOKEN}")  # the printed link: sets the cookie, back to /
+    page.goto(f"{url}/#token={TOKEN}")  # the printed link: the token in the fragment, kept in sessionStorage
     if tab != "curves":
         page.click(f"#tabs button[data-page={tab}]")
     return page, errors
@@ -91,6 +91,9 @@ def test_training_curves_hold_data_points(browser, dash_run, shots):
         assert points(page, "reward") >= 4  # reward/mean and pass_rate, two steps each
         assert points(page, "held-out eval") >= 3 and points(page, "hints") >= 2 and points(page, "grad norm") == 2
         assert "finished" in page.inner_text("#run-summary")
+        assert "token" not in page.url  # moved out of the address bar (and history) into sessionStorage
+        page.reload()
+        page.wait_for_selector('.chart[data-title="reward"] circle.point')  # still signed in, in this tab
         page.screenshot(path=str(shots / "dashboard-training.png"), full_page=True)
         assert errors == []
 

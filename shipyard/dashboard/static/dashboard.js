@@ -21,7 +21,19 @@ const CHARTS = [  // title, then the metric keys it draws: exact names or /patte
 ];
 const COLORS = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2"];
 
-const state = {run: null, page: "curves", metrics: [], offset: 0, rollPage: 0, fleet: [], fleetPolls: 0, timer: null};
+const state = {run: null, page: "curves", metrics: [], offset: 0, file: null, rollPage: 0, fleet: [], fleetPolls: 0,
+  timer: null};
+
+// The token comes in the printed link's fragment (never sent over the network), is kept in sessionStorage (this
+// origin's, port included) and removed from the address bar; every API request sends it as a bearer header.
+const TOKEN = (() => {
+  const m = location.hash.match(/(?:^#|&)token=([^&]+)/);
+  if (m) {
+    sessionStorage.setItem("shipyard-dashboard-token", decodeURIComponent(m[1]));
+    history.replaceState(null, "", location.pathname + location.search);
+  }
+  return sessionStorage.getItem("shipyard-dashboard-token");
+})();
 
 function el(tag, attrs = {}, ...children) {
   const node = tag.startsWith("svg:") ? document.createElementNS(SVG, tag.slice(4)) : document.createElement(tag);
@@ -49,7 +61,8 @@ function fmt(v, d = 3) {
 const lines = (text) => String(text ?? "").replace(/\n$/, "").split("\n");
 
 async function api(path) {
-  const r = await fetch(path, {credentials: "same-origin"});
+  if (!TOKEN) throw new Error("no token: open the link `shipyard dashboard` printed (it ends in #token=…)");
+  const r = await fetch(path, {headers: {Authorization: `Bearer ${TOKEN}`}, credentials: "omit"});
   const body = await r.json().catch(() => ({}));
   if (!r.ok) throw new Error((body.error && body.error.message) || `${r.status} ${r.statusText}`);
   return body;
@@ -87,8 +100,11 @@ function lineChart(title, series, xLabel = "step") {  // series: [[name, [[x, y]
     box.append(el("p", {class: "muted", text: "no data yet"}));
     return box;
   }
-  let [x0, x1] = [Math.min(...all.map((p) => p[0])), Math.max(...all.map((p) => p[0]))];
-  let [y0, y1] = [Math.min(...all.map((p) => p[1])), Math.max(...all.map((p) => p[1]))];
+  // a loop, not Math.min(...all): spreading 100k+ points overflows the call stack
+  let [x0, x1, y0, y1] = [Infinity, -Infinity, Infinity, -Infinity];
+  for (const [x, y] of all) {
+    x0 = Math.min(x0, x); x1 = Math.max(x1, x); y0 = Math.min(y0, y); y1 = Math.max(y1, y);
+  }
   if (x0 === x1) { x0 -= 1; x1 += 1; }
   if (y0 === y1) { y0 -= Math.abs(y0) * 0.1 || 1; y1 += Math.abs(y1) * 0.1 || 1; }
   const sx = (x) => L + (x - x0) / (x1 - x0) * (W - L - R);
@@ -145,10 +161,12 @@ async function loadRuns() {
 
 async function pollMetrics() {
   if (!state.run) return;
-  const doc = await api(`/api/runs/${encodeURIComponent(state.run)}/metrics?offset=${state.offset}`);
-  if (doc.offset < state.offset) state.metrics = [];  // the log was rewritten (a resumed run)
-  state.metrics.push(...doc.rows);
+  const file = state.file ? `&file=${encodeURIComponent(state.file)}` : "";
+  const doc = await api(`/api/runs/${encodeURIComponent(state.run)}/metrics?offset=${state.offset}${file}`);
+  if (doc.reset) state.metrics = [];  // the log was rewritten (a resumed run): read again from its start
+  for (const row of doc.rows) state.metrics.push(row);
   state.offset = doc.offset;
+  state.file = doc.file;
   if (doc.rows.length || !$("charts").children.length) drawCurves();
 }
 
@@ -385,7 +403,7 @@ function start() {
   for (const b of $("tabs").querySelectorAll("button")) b.addEventListener("click", () => show(b.dataset.page));
   $("run").addEventListener("change", () => {
     state.run = $("run").value;
-    state.metrics = []; state.offset = 0; state.rollPage = 0;
+    state.metrics = []; state.offset = 0; state.file = null; state.rollPage = 0;
     $("charts").replaceChildren();
     refresh(true);
   });
@@ -393,8 +411,7 @@ function start() {
   $("filters").addEventListener("submit", (e) => e.preventDefault());
   $("eval-a").addEventListener("change", () => compareEvals().catch((e) => setStatus(e.message, true)));
   $("eval-b").addEventListener("change", () => compareEvals().catch((e) => setStatus(e.message, true)));
-  const hash = location.hash.slice(1);
-  show(["curves", "trajectories", "evals", "tasks", "fleet"].includes(hash) ? hash : "curves");
+  show("curves");
   state.timer = setInterval(() => refresh(false), POLL_MS);
 }
 
