@@ -84,6 +84,16 @@ def rows(page) -> int:
     return page.locator("#rollouts tr.rollout").count()
 
 
+def open_rollout(page, step: int, position: int) -> None:
+    """On the trajectories page: list the step's rollouts (the filter), open one, wait for its turns."""
+    page.wait_for_selector("#rollouts tr.rollout")
+    page.select_option('#filters select[name="step"]', str(step))
+    assert until(page, lambda: {int(s) for s in page.locator("#rollouts tr.rollout").evaluate_all(
+        "rows => rows.map(r => r.dataset.step)")} == {step})
+    page.locator(f'#rollouts tr.rollout[data-position="{position}"]').click()
+    page.wait_for_selector("#viewer section.turn")
+
+
 def test_training_curves_hold_data_points(browser, dash_run, shots):
     with running_app(create_app(dash_run.parent, token=TOKEN)) as url:
         page, errors = open_page(browser, url)
@@ -102,10 +112,8 @@ def test_a_trajectory_opens_with_parallel_calls_diff_hints_and_flags(browser, da
     with running_app(create_app(dash_run.parent, token=TOKEN)) as url:
         page, errors = open_page(browser, url, "trajectories")
         page.wait_for_selector("#rollouts tr.rollout")
-        assert page.locator("#rollouts tr.rollout").count() == 4
-        page.select_option('#filters select[name="step"]', "1")
-        assert until(page, lambda: rows(page) == 2)
-        page.locator("#rollouts tr.rollout").first.click()
+        assert rows(page) == 4
+        open_rollout(page, 1, 0)
         page.wait_for_selector("#viewer pre.diff span.add")
         viewer = page.locator("#viewer")
         assert "+# pocketlib (checked)" in viewer.locator("pre.diff").last.inner_text()
@@ -183,11 +191,7 @@ def test_what_the_model_wrote_is_shown_as_text_never_run(browser, run_copy):
     path.write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
     with running_app(create_app(run_copy.parent, token=TOKEN)) as url:
         page, errors = open_page(browser, url, "trajectories")
-        page.wait_for_selector("#rollouts tr.rollout")
-        page.select_option('#filters select[name="step"]', "1")
-        assert until(page, lambda: rows(page) == 2)
-        page.locator('#rollouts tr.rollout[data-position="0"]').click()
-        page.wait_for_selector("#viewer section.turn")
+        open_rollout(page, 1, 0)
         assert page.evaluate("window.pwned") is None
         assert page.locator("#viewer img").count() == 0 and page.locator("#viewer script").count() == 0
         assert page.inner_text("#viewer").count(payload) >= 3
