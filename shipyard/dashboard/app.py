@@ -65,7 +65,7 @@ def create_app(runs_dir: Path, *, token: str, env_server: str | None = None, hos
     runs = Runs(runs_dir)
     app = FastAPI(title="shipyard dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     httpguard.install(app, token=token, max_body=64 << 10, open_paths=OPEN_PATHS)
-    hosts = ["*"] if host in ("0.0.0.0", "::", "") else [*LOOPBACK_NAMES, host]
+    hosts = ["*"] if host in ("0.0.0.0", "::", "") else [*LOOPBACK_NAMES, host, f"[{host}]"]
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts)
     fleet_client, fleet_url = None, None
     if env_server is not None:
@@ -119,7 +119,7 @@ def create_app(runs_dir: Path, *, token: str, env_server: str | None = None, hos
         rows = await in_thread(lambda: runs.get(run).rollouts())
         out = page(rows, task=task, step=step, min_reward=min_reward, max_reward=max_reward, flagged=flagged,
                    hinted=hinted, offset=offset, limit=limit)
-        out["tasks"] = sorted({r["task"] for r in rows if r.get("task")})
+        out["tasks"] = sorted({r["task"] for r in rows if isinstance(r.get("task"), str)})
         out["steps"] = sorted({r["step"] for r in rows})
         return out
 
@@ -143,7 +143,7 @@ def create_app(runs_dir: Path, *, token: str, env_server: str | None = None, hos
         docs = await in_thread(lambda: (_eval_ref(runs, a), _eval_ref(runs, b)))
         try:
             return {"refs": {"a": a, "b": b}, **compare_evals(*docs)}
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise HTTPException(422, f"these eval results cannot be compared: {type(e).__name__}: {e}") from None
 
     @app.get("/api/runs/{run}/tasks")

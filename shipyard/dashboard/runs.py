@@ -58,7 +58,7 @@ def _open(tree: Tree, rel: str, limit: int | None = None) -> int:
         return tree.open_regular(rel, limit)
     except FileNotFoundError:
         raise NotFound(f"{rel} does not exist") from None
-    except (PathError, OSError) as e:
+    except (ValueError, OSError) as e:  # PathError is a ValueError; so is a NUL in a name
         raise NotFound(f"{rel} cannot be read: a link, not a regular file, or too large ({type(e).__name__})") from None
 
 
@@ -73,6 +73,18 @@ def _json(tree: Tree, rel: str) -> Any:
         return json.loads(_read(tree, rel))
     except ValueError:
         raise NotFound(f"{rel} is not JSON") from None
+
+
+def _table(doc: Any, key: str) -> dict[str, Any]:
+    """`doc[key]` when both are tables, else empty: config.toml and task.json are read, not trusted to be well
+    formed."""
+    value = doc.get(key) if isinstance(doc, dict) else None
+    return value if isinstance(value, dict) else {}
+
+
+def _items(doc: dict[str, Any], key: str) -> list[Any]:
+    value = doc.get(key)
+    return value if isinstance(value, list) else []
 
 
 def read_from(tree: Tree, rel: str, offset: int, identity: str | None = None) -> tuple[list[dict[str, Any]], int, str]:
@@ -153,11 +165,10 @@ class Run:
         if not isinstance(status, dict):
             raise NotFound("run.json is not a run's status")
         config = self.config()
-        section = lambda key: config.get(key) if isinstance(config.get(key), dict) else {}  # noqa: E731
         return {"name": self.name, "status": status.get("status"), "step": status.get("step"),
                 "started": status.get("started"), "updated": status.get("updated"), "error": status.get("error"),
-                "model": section("model").get("name"), "steps": section("run").get("steps"),
-                "hints": section("hints").get("enabled")}
+                "model": _table(config, "model").get("name"), "steps": _table(config, "run").get("steps"),
+                "hints": _table(config, "hints").get("enabled")}
 
     def config(self) -> dict[str, Any]:
         try:
@@ -180,7 +191,10 @@ class Run:
                 continue
             position = counts.get(step, 0)
             counts[step] = position + 1
-            out.append({"step": step, "position": position, **{k: row.get(k) for k in SUMMARY_KEYS}})
+            summary = {k: row.get(k) for k in SUMMARY_KEYS}
+            if not isinstance(summary["task"], str):
+                summary["task"] = None
+            out.append({"step": step, "position": position, **summary})
         return out
 
     def trajectory(self, step: int, position: int) -> dict[str, Any]:
@@ -223,23 +237,26 @@ class Run:
         return doc
 
     def task_tree(self) -> Tree | None:
-        """The run's task set (`run.tasks` in its config: the operator's; else RUN/tasks, inside the run)."""
-        tasks = self.config().get("run", {}).get("tasks")
-        if isinstance(tasks, str) and tasks:
-            root = Path(tasks).resolve()
-            return Tree(root) if root.is_dir() else None
-        rel = self._rel("tasks")
-        try:
-            os.close(self.tree.open_dir(Tree.parts(rel)))
-        except (PathError, OSError):
-            return None
-        return Tree(self.tree.root / rel)
+        """The run's task set: `run.tasks` in its config (relative to the run), else RUN/tasks. One inside the runs
+        folder is reached without following a link, like every file there; one outside it is the operator's."""
+        run_dir = self.tree.root / self._rel() if self.base != "." else self.tree.root
+        named = _table(self.config(), "run").get("tasks")
+        path = Path(os.path.normpath(run_dir / named)) if isinstance(named, str) and named else run_dir / "tasks"
+        if path.is_relative_to(self.tree.root):
+            rel = str(path.relative_to(self.tree.root)) or "."
+            try:
+                os.close(self.tree.open_dir(Tree.parts(rel)))
+            except (ValueError, OSError):
+                return None
+            return Tree(path)
+        path = path.resolve()
+        return Tree(path) if path.is_dir() else None
 
     def tasks(self) -> list[dict[str, Any]]:
         tree = self.task_tree()
         if tree is None:
             return []
-        held_out = set(self.config().get("run", {}).get("held_out", ()))
+        held_out = {t for t in _items(_table(self.config(), "run"), "held_out") if isinstance(t, str)}
         out = []
         for entry in sorted(os.scandir(tree.root), key=lambda e: e.name):
             if not NAME.fullmatch(entry.name) or not entry.is_dir(follow_symlinks=False):
@@ -250,7 +267,7 @@ class Run:
                 continue
             if isinstance(doc, dict):
                 out.append({"id": entry.name, "tier": doc.get("tier"), "held_out": entry.name in held_out,
-                            "deleted": [f"{d.get('file')}:{d.get('qualname')}" for d in doc.get("deleted", [])
+                            "deleted": [f"{d.get('file')}:{d.get('qualname')}" for d in _items(doc, "deleted")
                                         if isinstance(d, dict)]})
         return out
 
@@ -263,14 +280,14 @@ class Run:
         if not isinstance(doc, dict):
             raise NotFound(f"task {task_id} has no task record")
         tests = {}  # the files of the tests the task must make pass, as the grader restores them (no link followed)
-        for node in doc.get("fail_to_pass", []):
+        for node in _items(doc, "fail_to_pass"):
             name = str(node).split("::")[0]
             if name in tests or len(tests) >= 20:
                 continue
             try:
                 tests[name] = _read(tree, f"{task_id}/tests/{'/'.join(Tree.parts(name))}",
                                     MAX_TEST_FILE).decode(errors="replace")
-            except (NotFound, PathError):
+            except (NotFound, ValueError):  # a link, a special file, a NUL or `..` in the name
                 continue
         return {"id": task_id, "task": doc, "tests": tests}
 

@@ -227,3 +227,45 @@ def test_the_fleet_comes_from_the_environment_server(dash_run, tmp_path, monkeyp
     with running_app(gone) as url:
         fleet = httpx.get(url + "/api/fleet", headers=AUTH, timeout=60).json()
     assert fleet["configured"] and "cannot reach the environment server" in fleet["error"]
+
+
+def test_a_task_set_inside_the_runs_folder_is_read_without_links_even_when_the_config_names_it(run_copy, tmp_path):
+    """`shipyard train` writes run.tasks as an absolute path, RUN/tasks by default: that path is inside the folder
+    the dashboard was given, so a link there is refused like any other (second review: it was followed)."""
+    secret = tmp_path / "secret" / "t1"
+    secret.mkdir(parents=True)
+    (secret / "task.json").write_text(json.dumps({"tier": "TOPSECRET"}))
+    os.symlink(secret.parent, run_copy / "tasks")
+    config = (run_copy / "config.toml").read_text()
+    named = tomllib.loads(config)["run"]["tasks"]
+    (run_copy / "config.toml").write_text(config.replace(f'tasks = "{named}"', f'tasks = "{run_copy / "tasks"}"'))
+    run = Runs(run_copy.parent).get(run_copy.name)
+    assert run.tasks() == []
+    with pytest.raises(NotFound):
+        run.task("t1")
+
+
+def test_malformed_records_are_skipped_or_404_never_a_server_error(served, run_copy, tmp_path):
+    """Lines and files of the wrong shape (second review: each gave a 500)."""
+    with (run_copy / "rollouts.jsonl").open("a") as f:
+        for row in ({"step": 1, "task": ["x"]}, {"step": 1, "task": 3}, {"step": True}, {"step": 1, "reward": "a"}):
+            f.write(json.dumps(row) + "\n")
+    (run_copy / "trajectories" / "step-000003.jsonl").write_text('["not", "a", "record"]\n')
+    config = (run_copy / "config.toml").read_text()
+    (run_copy / "config.toml").write_text(config.replace("[run]\n", "[run]\nheld_out_extra = [[1]]\n"))
+    with running_app(create_app(run_copy.parent, token=TOKEN)) as url:
+        client = httpx.Client(base_url=url, headers=AUTH, timeout=30)
+        name = run_copy.name
+        listed = client.get(f"/api/runs/{name}/rollouts", params={"min_reward": 0})
+        assert listed.status_code == 200 and all(isinstance(t, str) for t in listed.json()["tasks"])
+        assert client.get(f"/api/runs/{name}/trajectories/3/0").status_code == 404
+        assert client.get(f"/api/runs/{name}/tasks").status_code == 200
+    (run_copy / "config.toml").write_text('run = "x"\n')  # `run` not a table: RUN/tasks, absent here
+    assert Runs(run_copy.parent).get(run_copy.name).tasks() == []
+    tasks = tmp_path / "tasks" / "t1"
+    (tasks / "tests").mkdir(parents=True)
+    (tasks / "task.json").write_text(json.dumps({"deleted": 5, "fail_to_pass": ["a\u0000b.py::t", "../x.py::t", 7]}))
+    (run_copy / "config.toml").write_text(f'[run]\ntasks = "{tasks.parent}"\nheld_out = [[1], "t1"]\n')
+    run = Runs(run_copy.parent).get(run_copy.name)
+    assert run.tasks() == [{"id": "t1", "tier": None, "held_out": True, "deleted": []}]
+    assert run.task("t1")["tests"] == {}

@@ -11,7 +11,6 @@ from shipyard.models.engine import GenerationRequest, SamplingParams, VersionCon
 from shipyard.models.errors import ReplayExhausted
 from shipyard.models.replay import ReplayEngine, load_replay, load_scripts, session_task
 
-
 _CONVERSATIONS: dict[tuple[int, str | None], list[int]] = {}
 
 

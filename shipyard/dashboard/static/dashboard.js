@@ -22,14 +22,16 @@ const CHARTS = [  // title, then the metric keys it draws: exact names or /patte
 const COLORS = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2"];
 
 const state = {run: null, page: "curves", metrics: [], offset: 0, file: null, rollPage: 0, fleet: [], fleetPolls: 0,
-  timer: null};
+  timer: null, busy: false};
 
 // The token comes in the printed link's fragment (never sent over the network), is kept in sessionStorage (this
 // origin's, port included) and removed from the address bar; every API request sends it as a bearer header.
 const TOKEN = (() => {
   const m = location.hash.match(/(?:^#|&)token=([^&]+)/);
   if (m) {
-    sessionStorage.setItem("shipyard-dashboard-token", decodeURIComponent(m[1]));
+    let token = m[1];
+    try { token = decodeURIComponent(token); } catch (e) { /* not %-encoded: taken as written */ }
+    sessionStorage.setItem("shipyard-dashboard-token", token);
     history.replaceState(null, "", location.pathname + location.search);
   }
   return sessionStorage.getItem("shipyard-dashboard-token");
@@ -161,8 +163,10 @@ async function loadRuns() {
 
 async function pollMetrics() {
   if (!state.run) return;
+  const [run, offset] = [state.run, state.offset];
   const file = state.file ? `&file=${encodeURIComponent(state.file)}` : "";
-  const doc = await api(`/api/runs/${encodeURIComponent(state.run)}/metrics?offset=${state.offset}${file}`);
+  const doc = await api(`/api/runs/${encodeURIComponent(run)}/metrics?offset=${offset}${file}`);
+  if (state.run !== run || state.offset !== offset) return;  // another run chosen, or a newer reply applied
   if (doc.reset) state.metrics = [];  // the log was rewritten (a resumed run): read again from its start
   for (const row of doc.rows) state.metrics.push(row);
   state.offset = doc.offset;
@@ -386,6 +390,8 @@ function show(page) {
 }
 
 async function refresh(first = false) {
+  if (state.busy && !first) return;  // a slow reply: skip this tick rather than overlap it
+  state.busy = true;
   try {
     await loadRuns();
     if (state.page === "curves") await pollMetrics();
@@ -396,6 +402,8 @@ async function refresh(first = false) {
     setStatus(`updated ${new Date().toLocaleTimeString()}`);
   } catch (e) {
     setStatus(String(e.message), true);
+  } finally {
+    state.busy = false;
   }
 }
 
