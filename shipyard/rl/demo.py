@@ -14,9 +14,11 @@ overridden, `shipyard demo --run.steps 2`) under `$SHIPYARD_HOME/runs/demo-<time
    (`shipyard.harness.validity`), placeholder calls, then mean parallel width, reward-hacking flags and seconds per
    step over training.
 
-**What is being learned.** Out of the box the 0.5B model solves none of these tasks and writes its tool calls as
-bare JSON, never in `<tool_call>` tags (0 of ~700 samples, issue 15; it did not switch to tags when a rejected call
-was answered with the expected format either). So the demo accepts untagged calls (they run, marked untagged) and
+**What is being learned.** Out of the box the 0.5B model solves none of these tasks. Shown the `<tool_call>` tags as
+Qwen's tag token, it never wrote them (0 of ~700 samples, issue 15: that token's output row is untrained); so the
+harness spells the tags in ordinary tokens for it (`tags = "spelled"`, docs/harness.md), and it then writes tagged
+calls within a few steps (docs/benchmarks.md). Some of its calls stay bare JSON: the demo accepts untagged calls
+(they run, marked untagged) and
 its shaping term pays distinct grounded calls — real arguments, run without error — in full with the tags and half
 without (`untagged_credit`), and charges copied placeholders: a group's rollouts differ in that long before one
 solves a task, and RL makes the better calls more likely. A handful of steps on 2 cores moves these figures by
