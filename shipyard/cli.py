@@ -276,26 +276,19 @@ def dashboard(
     """Training curves, trajectories (turns, parallel calls, diffs, hints, monitor flags), evals side by side, tasks
     and the sandbox fleet in a browser, updating live. Open the printed link: it carries the token every request
     needs ($SHIPYARD_DASHBOARD_TOKEN if set, else a fresh one) in its fragment, which the browser never sends."""
-    import ipaddress
-
     import uvicorn
 
-    from shipyard.dashboard.app import LOOPBACK_NAMES, TOKEN_ENV, create_app
-    from shipyard.httpguard import server_token
+    from shipyard.dashboard.app import TOKEN_ENV, WILDCARD_HOSTS, create_app
+    from shipyard.httpguard import is_loopback, server_token
 
     with user_errors():
         if not runs.is_dir():
             raise UserError(f"--runs {runs} is not a directory")
         token, where = server_token(TOKEN_ENV)
         served = create_app(runs, token=token, env_server=env_server, host=host_)
-    wildcard = host_ in ("0.0.0.0", "::")
-    shown = "127.0.0.1" if wildcard else f"[{host_}]" if ":" in host_ else host_
+    shown = "127.0.0.1" if host_ in WILDCARD_HOSTS else f"[{host_}]" if ":" in host_ else host_
     console.print(f"dashboard of {runs.resolve()} on http://{shown}:{port}", soft_wrap=True)
-    try:
-        loopback = host_ in LOOPBACK_NAMES or ipaddress.ip_address(host_).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
+    if not is_loopback(host_.strip("[]")):
         console.print(f"[yellow]note:[/] --host {host_} is reachable from other machines, over plain HTTP: the token "
                       "and every page travel unencrypted (put it behind TLS, or keep the default 127.0.0.1)",
                       soft_wrap=True)

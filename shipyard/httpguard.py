@@ -133,16 +133,20 @@ def store_token(path: Path, token: str, env_var: str) -> str:
                          "file)") from None
 
 
-def loopback_port(url: str) -> int | None:
-    """The port of an http(s) URL naming this machine (127.0.0.0/8, localhost, ::1), else None: a default token
-    file holds a local server's token, which must never be sent to another host."""
-    parsed = urlsplit(url)
-    host = (parsed.hostname or "").lower()
+def is_loopback(host: str) -> bool:
+    """Whether a host name or address names this machine (127.0.0.0/8, localhost, ::1)."""
+    host = host.lower()
     try:
-        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
-        local = False
-    if not local:
+        return False
+
+
+def loopback_port(url: str) -> int | None:
+    """The port of an http(s) URL naming this machine (`is_loopback`), else None: a default token file holds a local
+    server's token, which must never be sent to another host."""
+    parsed = urlsplit(url)
+    if not is_loopback(parsed.hostname or ""):
         return None
     try:
         return parsed.port or (443 if parsed.scheme == "https" else 80)

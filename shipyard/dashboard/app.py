@@ -44,6 +44,7 @@ STATIC = Path(__file__).parent / "static"
 TOKEN_ENV = "SHIPYARD_DASHBOARD_TOKEN"
 OPEN_PATHS = ("/", "/health", "/static/index.html", "/static/dashboard.js", "/static/dashboard.css")
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1", "[::1]")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # every interface: any Host header is answered
 MAX_STEP = 10**9
 HEADERS = {"content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
                                       "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
@@ -65,7 +66,7 @@ def create_app(runs_dir: Path, *, token: str, env_server: str | None = None, hos
     runs = Runs(runs_dir)
     app = FastAPI(title="shipyard dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     httpguard.install(app, token=token, max_body=64 << 10, open_paths=OPEN_PATHS)
-    hosts = ["*"] if host in ("0.0.0.0", "::", "") else [*LOOPBACK_NAMES, host, f"[{host}]"]
+    hosts = ["*"] if host in WILDCARD_HOSTS else [*LOOPBACK_NAMES, host, f"[{host}]"]
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts)
     fleet_client, fleet_url = None, None
     if env_server is not None:
@@ -98,17 +99,14 @@ def create_app(runs_dir: Path, *, token: str, env_server: str | None = None, hos
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
-    def in_thread(fn, *args, **kwargs):
-        return asyncio.to_thread(fn, *args, **kwargs)
-
     @app.get("/api/runs")
     async def list_runs() -> dict[str, Any]:
-        return {"root": str(runs.root), "runs": await in_thread(runs.list), "fleet": fleet_client is not None}
+        return {"root": str(runs.root), "runs": await asyncio.to_thread(runs.list), "fleet": fleet_client is not None}
 
     @app.get("/api/runs/{run}/metrics")
     async def metrics(run: str, offset: int = Query(0, ge=0), file: str | None = Query(None, max_length=64)
                       ) -> dict[str, Any]:
-        return await in_thread(lambda: runs.get(run).metrics(offset, file))
+        return await asyncio.to_thread(lambda: runs.get(run).metrics(offset, file))
 
     @app.get("/api/runs/{run}/rollouts")
     async def rollouts(run: str, task: str | None = Query(None, max_length=300),
@@ -116,7 +114,7 @@ def create_app(runs_dir: Path, *, token: str, env_server: str | None = None, hos
                        min_reward: float | None = None, max_reward: float | None = None,
                        flagged: bool | None = None, hinted: bool | None = None,
                        offset: int = Query(0, ge=0), limit: int = Query(50, ge=1, le=500)) -> dict[str, Any]:
-        rows = await in_thread(lambda: runs.get(run).rollouts())
+        rows = await asyncio.to_thread(lambda: runs.get(run).rollouts())
         out = page(rows, task=task, step=step, min_reward=min_reward, max_reward=max_reward, flagged=flagged,
                    hinted=hinted, offset=offset, limit=limit)
         out["tasks"] = sorted({r["task"] for r in rows if isinstance(r.get("task"), str)})
@@ -126,21 +124,21 @@ def create_app(runs_dir: Path, *, token: str, env_server: str | None = None, hos
     @app.get("/api/runs/{run}/trajectories/{step}/{position}")
     async def trajectory(run: str, step: int = Path_(ge=0, le=MAX_STEP), position: int = Path_(ge=0, le=100_000)
                          ) -> dict[str, Any]:
-        return await in_thread(lambda: runs.get(run).trajectory(step, position))
+        return await asyncio.to_thread(lambda: runs.get(run).trajectory(step, position))
 
     @app.get("/api/runs/{run}/evals")
     async def evals(run: str) -> dict[str, Any]:
-        return {"evals": await in_thread(lambda: runs.get(run).evals())}
+        return {"evals": await asyncio.to_thread(lambda: runs.get(run).evals())}
 
     @app.get("/api/runs/{run}/evals/{name}")
     async def one_eval(run: str, name: str) -> dict[str, Any]:
-        return await in_thread(lambda: runs.get(run).eval(name))
+        return await asyncio.to_thread(lambda: runs.get(run).eval(name))
 
     @app.get("/api/compare")
     async def compare(a: str = Query(..., max_length=300), b: str = Query(..., max_length=300)) -> dict[str, Any]:
         from shipyard.rollout.eval import compare as compare_evals
 
-        docs = await in_thread(lambda: (_eval_ref(runs, a), _eval_ref(runs, b)))
+        docs = await asyncio.to_thread(lambda: (_eval_ref(runs, a), _eval_ref(runs, b)))
         try:
             return {"refs": {"a": a, "b": b}, **compare_evals(*docs)}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -148,18 +146,18 @@ def create_app(runs_dir: Path, *, token: str, env_server: str | None = None, hos
 
     @app.get("/api/runs/{run}/tasks")
     async def tasks(run: str) -> dict[str, Any]:
-        return {"tasks": await in_thread(lambda: runs.get(run).tasks())}
+        return {"tasks": await asyncio.to_thread(lambda: runs.get(run).tasks())}
 
     @app.get("/api/runs/{run}/tasks/{task_id}")
     async def task(run: str, task_id: str) -> dict[str, Any]:
-        return await in_thread(lambda: runs.get(run).task(task_id))
+        return await asyncio.to_thread(lambda: runs.get(run).task(task_id))
 
     @app.get("/api/fleet")
     async def fleet() -> dict[str, Any]:
         if fleet_client is None:
             return {"configured": False}
         try:
-            metrics = await in_thread(fleet_client.metrics)
+            metrics = await asyncio.to_thread(fleet_client.metrics)
         except (InfraError, TokenError) as e:  # unreachable, refused, no token: the page says so and keeps polling
             return {"configured": True, "url": fleet_url, "error": f"{type(e).__name__}: {e}"[:500]}
         return {"configured": True, "url": fleet_url, "metrics": metrics}

@@ -26,6 +26,8 @@ import os
 import re
 import threading
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,19 +55,25 @@ def _check_name(name: str, what: str) -> str:
     return name
 
 
-def _open(tree: Tree, rel: str, limit: int | None = None) -> int:
+@contextmanager
+def _reading(rel: str) -> Iterator[None]:
+    """`Tree`'s refusals as NotFound. Its messages are written for a model (`confined.error_for`: a missing file
+    too is a PathError), so they are summed up here."""
     try:
-        return tree.open_regular(rel, limit)
-    except FileNotFoundError:
-        raise NotFound(f"{rel} does not exist") from None
+        yield
     except (ValueError, OSError) as e:  # PathError is a ValueError; so is a NUL in a name
-        raise NotFound(f"{rel} cannot be read: a link, not a regular file, or too large ({type(e).__name__})") from None
+        raise NotFound(f"{rel} does not exist or cannot be read safely (a link, not a regular file, or too large: "
+                       f"{type(e).__name__})") from None
+
+
+def _open(tree: Tree, rel: str) -> int:
+    with _reading(rel):
+        return tree.open_regular(rel)
 
 
 def _read(tree: Tree, rel: str, limit: int = MAX_JSON) -> bytes:
-    fd = _open(tree, rel, limit)
-    with os.fdopen(fd, "rb") as f:
-        return f.read(limit + 1)[:limit]
+    with _reading(rel):
+        return tree.read(rel, limit)
 
 
 def _json(tree: Tree, rel: str) -> Any:

@@ -107,9 +107,10 @@ def episode_config(model: str, **overrides: Any) -> EpisodeConfig:
     if unknown:
         raise ValueError(f"episode_config takes LoopConfig and EpisodeConfig fields by name, not {sorted(unknown)}")
     loop = {k: v for k, v in overrides.items() if k in _LOOP_FIELDS}
+    defaults = wire_defaults(model) if loop.get("untagged_calls") is None or loop.get("tags") is None else None
     for name, allowed in (("untagged_calls", UNTAGGED), ("tags", TAGS)):
         if loop.get(name) is None:
-            loop[name] = getattr(wire_defaults(model), name)
+            loop[name] = getattr(defaults, name)
         elif loop[name] not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, not {loop[name]!r}")
     return EpisodeConfig(LoopConfig(**loop), **{k: v for k, v in overrides.items() if k not in _LOOP_FIELDS})
