@@ -7,7 +7,6 @@ printed as one clear line and exit with status 2, not as a traceback.
 from __future__ import annotations
 
 import json
-import runpy
 import sys
 import time
 from contextlib import closing
@@ -23,7 +22,10 @@ from shipyard.console import (
     UserError,
     console,
     out,
+    print_hits,
+    print_notes,
     progress_bar,
+    run_bench,
     run_eval_shown,
     status_line,
     train_shown,
@@ -91,8 +93,6 @@ def search(
     as_json: bool = typer.Option(False, "--json", help="Print the results as one JSON object."),
 ) -> None:
     """Search a repository's code by meaning: syntax-aware chunks, embeddings and BM25 (docs/search.md)."""
-    from rich.text import Text
-
     from shipyard.search.embed import SentenceEmbedder
     from shipyard.search.index import IndexError_
     from shipyard.search.service import open_repo_index
@@ -111,19 +111,8 @@ def search(
                 raise UserError(f"{e} (or give another --index)") from None
         hits = idx.search(query, k, mode=mode, dirs=directory)
     status_line(f"index {idx.directory}: {idx.live_chunks()} chunks; {len(report.files_changed)} files (re)indexed, "
-            f"{report.chunks_embedded} chunks embedded in {report.seconds:.1f} s")
-    if as_json:
-        out.print_json(json.dumps({"query": query, "results": [
-            {"location": h.chunk.location, "symbol": h.chunk.symbol, "score": h.score, "semantic_rank": h.semantic_rank,
-             "bm25_rank": h.bm25_rank} for h in hits]}))
-        return
-    for h in hits:  # names come from the repository: printed as text, never as markup
-        out.print(Text(h.chunk.location, style="bold") + Text(f"  {h.chunk.symbol}" if h.chunk.symbol else "",
-                                                              style="cyan"), soft_wrap=True)
-        for n, line in enumerate(h.chunk.text.split("\n")[:4], h.chunk.start):
-            out.print(f"{n:>6}  {line[:160]}", markup=False, highlight=False)
-    if not hits:
-        console.print("no results")
+                f"{report.chunks_embedded} chunks embedded in {report.seconds:.1f} s")
+    print_hits(query, hits, as_json)
 
 
 @app.command("train-embedder")
@@ -143,9 +132,8 @@ def train_embedder(
     from shipyard.search.finetune import train_embedder as run
 
     with user_errors():
-        for path in rollouts:
-            if not path.is_file():
-                raise UserError(f"{path} is not a file of saved rollouts")
+        if missing := [path for path in rollouts if not path.is_file()]:
+            raise UserError(f"{missing[0]} is not a file of saved rollouts")
         with console.status("pairs, base recall, training, tuned recall"):
             report = run(rollouts, tasks, out_dir, base=base, epochs=epochs, lr=lr, held_out=held_out, seed=seed)
     out.print_json(json.dumps(report))
@@ -250,10 +238,8 @@ def sandbox_exec(
     with user_errors():
         if not repo.is_dir():
             raise UserError(f"--repo {repo} is not a directory")
-        h = host()
-        for note in h.notes:
-            console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
-        with snapshot_of(repo, h) as snapshot:
+        print_notes(host().notes)
+        with snapshot_of(repo, host()) as snapshot:
             limits = Limits(memory_mb=memory, pids=pids, disk_mb=disk)
             result = run_in_sandbox(snapshot, command, timeout=timeout, limits=limits)
     sys.stdout.buffer.write(result.output)
@@ -278,23 +264,16 @@ def dashboard(
     needs ($SHIPYARD_DASHBOARD_TOKEN if set, else a fresh one) in its fragment, which the browser never sends."""
     import uvicorn
 
-    from shipyard.dashboard.app import TOKEN_ENV, WILDCARD_HOSTS, create_app
-    from shipyard.httpguard import is_loopback, server_token
+    from shipyard.dashboard.app import TOKEN_ENV, announce, create_app
+    from shipyard.httpguard import server_token
 
     with user_errors():
         if not runs.is_dir():
             raise UserError(f"--runs {runs} is not a directory")
         token, where = server_token(TOKEN_ENV)
         served = create_app(runs, token=token, env_server=env_server, host=host_)
-    shown = "127.0.0.1" if host_ in WILDCARD_HOSTS else f"[{host_}]" if ":" in host_ else host_
-    console.print(f"dashboard of {runs.resolve()} on http://{shown}:{port}", soft_wrap=True)
-    if not is_loopback(host_.strip("[]")):
-        console.print(f"[yellow]note:[/] --host {host_} is reachable from other machines, over plain HTTP: the token "
-                      "and every page travel unencrypted (put it behind TLS, or keep the default 127.0.0.1)",
-                      soft_wrap=True)
-    link = f"http://{shown}:{port}/#token="
-    console.print(f"open {link}{token}" if where is None else f"open {link} followed by the value of ${TOKEN_ENV}",
-                  soft_wrap=True)
+    for line in announce(runs, host_, port, token, shown_token=where is None):
+        console.print(line, soft_wrap=True, markup=False, style="yellow" if line.startswith("note:") else None)
     uvicorn.run(served, host=host_, port=port, log_level="warning")
 
 
@@ -342,8 +321,7 @@ def env_server(
 
     with user_errors():
         check_sandboxes()  # SandboxesUnavailable: one line, exit 2
-        for note in host().notes:
-            console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+        print_notes(host().notes)
         token, where = server_token(TOKEN_ENV)
         token_file = None if where else token_file or default_token_file(port)
         config = ServerConfig(token=token, allowed_roots=tuple(allow_root or [Path.cwd()]), token_file=token_file,
@@ -394,9 +372,7 @@ def synth(
                                      progress=lambda a, t: bar.update(job, completed=a, tried=t)).run()
             except EnvSetupError as e:
                 raise UserError(str(e)) from None
-    summary = report.to_json()
-    out_line = {k: summary[k] for k in ("yield", "tasks_per_cpu_hour", "tried", "rejections", "seconds")}
-    console.print(f"[green]{len(report.accepted)} tasks[/] in {out} — " + json.dumps(out_line))
+    console.print(f"[green]{len(report.accepted)} tasks[/] in {out} — " + json.dumps(report.headline()))
     if not report.accepted:
         raise typer.Exit(1)
 
@@ -483,11 +459,7 @@ def eval_(
                                      search=search)
             doc = run_eval_shown(tasks, task_ids, model, config, episode, env_server, device, tokenizer, rollouts_path)
             table = evaluation.markdown(doc)
-        if out_path is not None:
-            evaluation.save_results(doc, out_path)
-        if markdown_path is not None:
-            markdown_path.parent.mkdir(parents=True, exist_ok=True)
-            markdown_path.write_text(table)
+        evaluation.write_outputs(doc, table, out_path, markdown_path)
     sys.stdout.write(table)
     sys.stdout.flush()
     if out_path is not None:
@@ -520,15 +492,7 @@ def bench(name: str = typer.Argument(..., help="Benchmark name: a file bench/NAM
           args: list[str] | None = typer.Argument(None, help="Arguments passed to the benchmark.")) -> None:
     """Run a benchmark from bench/: readable tables, then its figures as JSON on the last line."""
     with user_errors():
-        bench_dir = Path(__file__).resolve().parent.parent / "bench"
-        script = bench_dir / f"{name}.py"
-        if not script.is_file():
-            found = sorted(p.stem for p in bench_dir.glob("*.py") if not p.stem.startswith("_"))
-            raise UserError(f"no benchmark '{name}'" + (f"; available: {', '.join(found)}" if found else
-                                                         f" (no bench/ folder at {bench_dir}; use a source checkout)"))
-        sys.argv = [str(script), *(args or [])]
-        sys.path.insert(0, str(bench_dir))  # benchmarks share bench/_common.py
-        runpy.run_path(str(script), run_name="__main__")
+        run_bench(Path(__file__).resolve().parent.parent / "bench", name, args or [])
 
 
 if __name__ == "__main__":

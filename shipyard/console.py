@@ -5,6 +5,7 @@ a training run). Only `shipyard/cli.py` imports this; the library never prints.
 
 from __future__ import annotations
 
+import json
 from contextlib import closing, contextmanager
 from pathlib import Path
 
@@ -51,6 +52,31 @@ def status_line(message: str) -> None:
     console.print(f"[dim]· {message}[/]")
 
 
+def print_notes(notes) -> None:
+    """The host's notes (a missing hardening, a fallback taken), one yellow line each."""
+    for note in notes:
+        console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+
+
+def print_hits(query: str, hits, as_json: bool) -> None:
+    """`shipyard search`'s results on stdout: location, symbol and the first lines of each chunk, or one JSON object.
+    Names and code come from the repository: printed as text, never as markup."""
+    from rich.text import Text
+
+    if as_json:
+        out.print_json(json.dumps({"query": query, "results": [
+            {"location": h.chunk.location, "symbol": h.chunk.symbol, "score": h.score, "semantic_rank": h.semantic_rank,
+             "bm25_rank": h.bm25_rank} for h in hits]}))
+        return
+    for h in hits:
+        out.print(Text(h.chunk.location, style="bold") + Text(f"  {h.chunk.symbol}" if h.chunk.symbol else "",
+                                                              style="cyan"), soft_wrap=True)
+        for n, line in enumerate(h.chunk.text.split("\n")[:4], h.chunk.start):
+            out.print(f"{n:>6}  {line[:160]}", markup=False, highlight=False)
+    if not hits:
+        console.print("no results")
+
+
 SEARCH_HELP = ("Offer the codebase_search tool (semantic code search; the bundled MiniLM embeds the code on first use, "
                "or a task's index from synthesis).")
 UNTAGGED_HELP = ("Tool calls written without <tool_call> tags (bare or fenced JSON): 'reject' reports them as format "
@@ -88,6 +114,21 @@ def run_eval_shown(tasks: Path, task_ids: list[str], model: str, config, episode
             return run_eval(engine, env, tasks, task_ids, episode, config, progress=progress,
                             rollouts_path=rollouts_path, describe={"model": model, "tasks_dir": str(tasks.resolve()),
                                                                    "engine": engine.name, "environment": env.name})
+
+
+def run_bench(bench_dir: Path, name: str, args: list[str]) -> None:
+    """Run bench/NAME.py as a script with `args` (benchmarks share bench/_common.py, so bench/ goes on the path)."""
+    import runpy
+    import sys
+
+    script = bench_dir / f"{name}.py"
+    if not script.is_file():
+        found = sorted(p.stem for p in bench_dir.glob("*.py") if not p.stem.startswith("_"))
+        raise UserError(f"no benchmark '{name}'" + (f"; available: {', '.join(found)}" if found else
+                                                     f" (no bench/ folder at {bench_dir}; use a source checkout)"))
+    sys.argv = [str(script), *args]
+    sys.path.insert(0, str(bench_dir))
+    runpy.run_path(str(script), run_name="__main__")
 
 
 def train_shown(cfg, argv: list[str]) -> list[dict]:

@@ -51,6 +51,20 @@ HEADERS = {"content-security-policy": "default-src 'none'; script-src 'self'; st
            "x-content-type-options": "nosniff", "referrer-policy": "no-referrer", "cache-control": "no-store"}
 
 
+def announce(runs: Path, host: str, port: int, token: str, *, shown_token: bool) -> list[str]:
+    """What `shipyard dashboard` prints at start (plain text): what is served where, a note when the interface is
+    reachable from other machines, and the link to open — the token in its fragment unless it came from the
+    environment (`shown_token` False: the user has it already, and a terminal's scrollback need not)."""
+    shown = "127.0.0.1" if host in WILDCARD_HOSTS else f"[{host}]" if ":" in host else host
+    lines = [f"dashboard of {runs.resolve()} on http://{shown}:{port}"]
+    if not httpguard.is_loopback(host.strip("[]")):
+        lines.append(f"note: --host {host} is reachable from other machines, over plain HTTP: the token and every "
+                     "page travel unencrypted (put it behind TLS, or keep the default 127.0.0.1)")
+    link = f"http://{shown}:{port}/#token="
+    lines.append(f"open {link}{token}" if shown_token else f"open {link} followed by the value of ${TOKEN_ENV}")
+    return lines
+
+
 def _eval_ref(runs: Runs, ref: str) -> dict[str, Any]:
     """An eval named "RUN/step-000020"."""
     run, _, name = ref.rpartition("/")

@@ -316,6 +316,15 @@ def save_results(doc: Mapping[str, Any], path: str | Path) -> Path:
     return path
 
 
+def write_outputs(doc: Mapping[str, Any], table: str, json_path: Path | None, markdown_path: Path | None) -> None:
+    """`shipyard eval --out/--markdown`: the results document as JSON and its markdown table, where asked."""
+    if json_path is not None:
+        save_results(doc, json_path)
+    if markdown_path is not None:
+        markdown_path.parent.mkdir(parents=True, exist_ok=True)
+        markdown_path.write_text(table)
+
+
 def _metrics(s: Mapping[str, Any], ks: list[int]) -> dict[str, float | None]:
     values: dict[str, float | None] = {f"pass@{k}": s["pass_at"].get(str(k)) for k in ks}
     values.update({k: s["mean"].get(k) for k in EFFORT})

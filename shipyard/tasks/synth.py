@@ -111,6 +111,11 @@ class SynthReport:
         out |= {"yield": round(self.yield_, 3), "tasks_per_cpu_hour": round(self.tasks_per_cpu_hour, 1)}
         return out
 
+    def headline(self) -> dict:
+        """The figures `shipyard synth` prints: yield, rate, tries, rejections by reason, seconds."""
+        summary = self.to_json()
+        return {k: summary[k] for k in ("yield", "tasks_per_cpu_hour", "tried", "rejections", "seconds")}
+
 
 class Rejected(Exception):
     def __init__(self, reason: str, detail: str = ""):

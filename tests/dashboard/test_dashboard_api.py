@@ -13,7 +13,7 @@ import httpx
 import pytest
 from servers import running_app
 
-from shipyard.dashboard.app import create_app
+from shipyard.dashboard.app import TOKEN_ENV, announce, create_app
 from shipyard.dashboard.runs import NotFound, Runs, page
 
 TOKEN = "dashboard-test-token"
@@ -269,3 +269,18 @@ def test_malformed_records_are_skipped_or_404_never_a_server_error(served, run_c
     run = Runs(run_copy.parent).get(run_copy.name)
     assert run.tasks() == [{"id": "t1", "tier": None, "held_out": True, "deleted": []}]
     assert run.task("t1")["tests"] == {}
+
+
+@pytest.mark.parametrize(("host", "shown", "warned"), [
+    ("127.0.0.1", "127.0.0.1", False), ("0.0.0.0", "127.0.0.1", True), ("::1", "[::1]", False),
+    ("192.0.2.7", "192.0.2.7", True)])
+def test_the_start_lines_give_a_link_that_works_and_warn_off_loopback(tmp_path, host, shown, warned):
+    """The printed link is one the browser can open (a wildcard host is shown as 127.0.0.1, IPv6 in brackets), with
+    the token in its fragment; a token from the environment is not printed again; an interface other machines reach
+    gets a note that everything travels unencrypted."""
+    lines = announce(tmp_path, host, 8300, TOKEN, shown_token=True)
+    assert lines[0] == f"dashboard of {tmp_path.resolve()} on http://{shown}:8300"
+    assert lines[-1] == f"open http://{shown}:8300/#token={TOKEN}"
+    assert any(line.startswith("note:") and "unencrypted" in line for line in lines) == warned
+    quiet = announce(tmp_path, host, 8300, TOKEN, shown_token=False)
+    assert TOKEN not in "".join(quiet) and quiet[-1].endswith(f"followed by the value of ${TOKEN_ENV}")
