@@ -10,13 +10,12 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from bench_modules import BENCH, bench_module
 from tiny_run import CONFIG
 
 from shipyard.sandbox.run import sandbox_problem
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
-learning = pytest.importorskip("learning")
+learning = bench_module("learning")
 
 TINY = CONFIG + "\n[trainer.distill]\nmin_lift = -1e9  # every hint kept: the random model's lift has either sign\n"
 
