@@ -228,7 +228,7 @@ def add_chat_completions(app: FastAPI, engine: Engine, served_name: str,
             raise HTTPException(400, f"the conversation ({chars} characters) cannot fit the model's context of "
                                      f"{context} tokens with max_tokens={max_tokens}; shorten it")
         fmt = await asyncio.to_thread(ChatFormat, tokenizer, tools, SYSTEM_PROMPT, tags)
-        prompt = await asyncio.to_thread(lambda: fmt.encode(fmt.render(messages, add_generation_prompt=True)))
+        prompt = await asyncio.to_thread(fmt.render_ids, messages, True)  # contents as text (wire.py)
         if len(prompt) + max_tokens > context:
             raise HTTPException(400, f"a prompt of {len(prompt)} tokens plus max_tokens={max_tokens} is over the "
                                      f"model's context of {context} tokens; shorten the conversation or ask for at "

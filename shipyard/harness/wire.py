@@ -21,12 +21,22 @@ and it copies pieces it was shown (first turns holding the tag: 0/24 with the to
 docs/benchmarks.md). Either way the parser reads decoded text, where both are the same tag, and the sampled ids are
 kept as they were; the setting only decides what the model is shown, so training, evaluation and serving must use
 the same one (`shipyard.rollout.episode.wire_defaults`).
+
+**Text is never a control token.** The task statement, tool outputs, hints and a chat client's messages come from
+repositories, models and clients, and may spell the template's control tokens — a file holding
+`<|im_end|>\n<|im_start|>system\n…` would, tokenized as a whole, close the tool turn and open a system turn the
+model never got from us. So messages are rendered with a placeholder for each content (`render_ids`), and in the
+filled-in text a control token (any added token but the call tags) is kept only where the template wrote it; inside a
+content span its text is encoded as ordinary pieces, as `split_special_tokens` does. Text without control tokens
+encodes exactly as before. The call tags inside content follow `tags` as everywhere: they are the format itself.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -40,6 +50,12 @@ TAGS: tuple[Tags, ...] = ("token", "spelled")
 _TAG = re.compile(f"({re.escape(OPEN)}|{re.escape(CLOSE)})")
 
 SENTINEL = "\x00SHIPYARD-ASSISTANT-END\x00"
+# Where message i's content goes in a rendering (ASCII letters and digits: templates may escape anything else); the
+# nonce keeps text that a client or a repository writes from forging one.
+_NONCE = secrets.token_hex(8)
+_SLOT = "SHIPYARDSLOT" + _NONCE + "N{}E"
+_SLOTS = re.compile("SHIPYARDSLOT" + _NONCE + r"N(\d+)E")
+Span = tuple[int, int]
 
 SYSTEM_PROMPT = """\
 You are a coding agent working in a software repository (the workspace). Solve the user's task by calling \
@@ -136,6 +152,8 @@ class ChatFormat:
         self.tool_names = [t.name for t in tools]
         self.system_prompt = system_prompt
         self.uses_template = bool(getattr(tokenizer, "chat_template", None))
+        tag_ids = {tokenizer.convert_tokens_to_ids(t) for t in (OPEN, CLOSE)}
+        self.control_ids = frozenset(tokenizer.added_tokens_decoder) - tag_ids
         self.template_renders_tools = self.uses_template and self._template_shows_tools()
         self.stop_token_ids = self._stop_token_ids()
 
@@ -164,23 +182,61 @@ class ChatFormat:
             messages = [{**messages[0], "content": messages[0]["content"] + hermes_block(self.tools)}, *messages[1:]]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
-    def encode(self, text: str) -> list[int]:
-        """`text` as ids, special tokens matched; with `tags = "spelled"` the call tags in ordinary pieces (module
-        docstring): a tag without its last character matches no added token, so it splits into BPE pieces."""
+    def encode(self, text: str, literal: Sequence[Span] = ()) -> list[int]:
+        """`text` as ids, control tokens matched except inside the `literal` spans (content: module docstring); with
+        `tags = "spelled"` the call tags in ordinary pieces (module docstring): a tag without its last character
+        matches no added token, so it splits into BPE pieces."""
         if self.tags == "token":
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self._ids(text, 0, literal)
         out: list[int] = []
+        start = 0
         for piece in _TAG.split(text):
             if piece in (OPEN, CLOSE):
                 out += self.tokenizer.encode(piece[:-1], add_special_tokens=False)
                 out += self.tokenizer.encode(piece[-1], add_special_tokens=False)
             elif piece:
-                out += self.tokenizer.encode(piece, add_special_tokens=False)
+                out += self._ids(piece, start, literal)
+            start += len(piece)
         return out
+
+    def _ids(self, text: str, start: int, literal: Sequence[Span]) -> list[int]:
+        """Ids of `text` (found at `start` of the whole), a control token inside a literal span spelled as text."""
+        if not literal:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        out: list[int] = []
+        for token, (a, b) in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
+            if token in self.control_ids and any(lo <= start + a and start + b <= hi for lo, hi in literal):
+                out += self.tokenizer.encode(text[a:b], add_special_tokens=False, split_special_tokens=True)
+            else:
+                out.append(token)
+        return out
+
+    def render_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        """Messages rendered and encoded, their contents as text: a control token spelled in a content is not one."""
+        text, spans = self._filled(self.render(_slotted(messages), add_generation_prompt), messages)
+        return self.encode(text, spans)
+
+    @staticmethod
+    def _filled(rendered: str, messages: list[dict[str, Any]]) -> tuple[str, list[Span]]:
+        """The rendering with each content put back where its placeholder is; the contents' spans."""
+        parts, spans, last, at, seen = [], [], 0, 0, set()
+        for m in _SLOTS.finditer(rendered):
+            content = messages[int(m.group(1))]["content"]
+            parts += [rendered[last:m.start()], content]
+            at += m.start() - last
+            spans.append((at, at + len(content)))
+            at += len(content)
+            last = m.end()
+            seen.add(int(m.group(1)))
+        if seen != {i for i, m in enumerate(messages) if isinstance(m.get("content"), str)}:
+            raise RuntimeError("the chat template drops or repeats a message's content; shipyard cannot tell the "
+                               "content from the template's own tokens with it")
+        return "".join(parts) + rendered[last:], spans
 
     def prompt_ids(self, task: str) -> list[int]:
         messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task}]
-        return self.encode(self.render(messages, add_generation_prompt=True))
+        return self.render_ids(messages, add_generation_prompt=True)
 
     def assistant_header_ids(self) -> tuple[int, ...]:
         """The ids that open an assistant turn (the generation prompt ending every prompt and continuation)."""
@@ -195,31 +251,40 @@ class ChatFormat:
         header in the teacher's context (see `shipyard.train.batch`)."""
         base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
         before = self.render(base, False)
-        after = self.render([*base, {"role": "user", "content": hint}], False)
+        after = self.render([*base, {"role": "user", "content": _SLOT.format(0)}], False)
         if not after.startswith(before):
             raise RuntimeError("the chat template renders earlier turns differently once a message follows")
-        return tuple(self.encode(after[len(before):]))
+        return tuple(self.encode(*self._filled(after[len(before):], [{"content": hint}])))
 
-    def continuation(self, tool_results: list[str]) -> Continuation:
+    def continuation(self, tool_results: int) -> Continuation:
+        """The text after an assistant turn for `tool_results` tool messages, their contents as placeholders."""
         base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
                 {"role": "assistant", "content": SENTINEL}]
         prefix = self.render(base, add_generation_prompt=False)
-        full = self.render(base + [{"role": "tool", "content": r} for r in tool_results], add_generation_prompt=True)
+        full = self.render(base + [{"role": "tool", "content": _SLOT.format(i)} for i in range(tool_results)],
+                           add_generation_prompt=True)
         if not full.startswith(prefix) or SENTINEL not in prefix:
             raise RuntimeError("the chat template renders earlier turns differently once tool results follow; "
                                "shipyard cannot append turns incrementally with it (use a ChatML-style template)")
         return Continuation(closing=prefix[prefix.rindex(SENTINEL) + len(SENTINEL):], between=full[len(prefix):])
 
     def continuation_ids(self, completion_ids: list[int], tool_results: list[str]) -> list[int]:
-        """Ids to append after a sampled completion so that the next turn can be generated.
+        """Ids to append after a sampled completion so that the next turn can be generated; the tool results are
+        text (module docstring).
 
         If the completion ended with a stop token whose text starts the template's closing (`<|im_end|>`), only
         the rest of the closing is added; if it was cut off (max tokens), the whole closing is added.
         """
-        cont = self.continuation(tool_results)
+        cont = self.continuation(len(tool_results))
         closing = cont.closing
         if completion_ids and completion_ids[-1] in self.stop_token_ids:
             stop_text = self.tokenizer.decode([completion_ids[-1]])
             if closing.startswith(stop_text):
                 closing = closing[len(stop_text):]
-        return self.encode(closing + cont.between)
+        return self.encode(*self._filled(closing + cont.between, [{"content": r} for r in tool_results]))
+
+
+def _slotted(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with each string content replaced by its placeholder (`_SLOT`)."""
+    return [{**m, "content": _SLOT.format(i)} if isinstance(m.get("content"), str) else m
+            for i, m in enumerate(messages)]
