@@ -122,6 +122,7 @@ def client_tools(specs: list[ToolSpec]) -> list[Tool]:
             raise HTTPException(400, f"tools: '{f.name}'.parameters is nested too deeply") from None
         if f.parameters.get("type", "object") != "object":
             raise HTTPException(400, f"tools: '{f.name}'.parameters must describe an object (type: object)")
+        _unicode(json.dumps([f.name, f.description, f.parameters], ensure_ascii=False), f"tools: '{f.name}'")
         tools.append(Tool(f.name, f.description, f.parameters, _unrunnable))
     return tools
 
@@ -130,14 +131,23 @@ def _text(message: Message, where: str) -> str:
     if message.content is None:
         return ""
     if isinstance(message.content, str):
-        return message.content
+        return _unicode(message.content, where)
     parts = []
     for part in message.content:
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise HTTPException(400, f"{where}: only text content parts are supported (type 'text' with a 'text' "
                                      f"string), not {str(part.get('type'))[:40]!r}")
         parts.append(part["text"])
-    return "".join(parts)
+    return _unicode("".join(parts), where)
+
+
+def _unicode(text: str, where: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate (JSON allows "\ud800"): no tokenizer takes it
+        raise HTTPException(400, f"{where}: the content is not valid Unicode ({e.reason} at character {e.start}); "
+                                 "send UTF-8 text") from None
+    return text
 
 
 def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
@@ -156,7 +166,7 @@ def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
                 calls.add(call.id)
                 body = json.dumps({"name": call.function.name, "arguments": args}, ensure_ascii=False)
                 text += ("\n" if text else "") + f"{OPEN}\n{body}\n{CLOSE}"
-            out.append({"role": "assistant", "content": text})
+            out.append({"role": "assistant", "content": _unicode(text, where)})  # arguments may hold "\ud800"
         elif m.role == "tool":
             if m.tool_call_id is None or m.tool_call_id not in calls:
                 raise HTTPException(400, f"{where}: a tool message must answer the id of a call in an earlier "
@@ -227,8 +237,11 @@ def add_chat_completions(app: FastAPI, engine: Engine, served_name: str,
         if chars > (context - max_tokens) * per_token:
             raise HTTPException(400, f"the conversation ({chars} characters) cannot fit the model's context of "
                                      f"{context} tokens with max_tokens={max_tokens}; shorten it")
-        fmt = await asyncio.to_thread(ChatFormat, tokenizer, tools, SYSTEM_PROMPT, tags)
-        prompt = await asyncio.to_thread(fmt.render_ids, messages, True)  # contents as text (wire.py)
+        try:  # a tool spec spelling a control token, a template that drops a content that spells one
+            fmt = await asyncio.to_thread(ChatFormat, tokenizer, tools, SYSTEM_PROMPT, tags)
+            prompt = await asyncio.to_thread(fmt.render_ids, messages, True)  # contents as text (wire.py)
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
         if len(prompt) + max_tokens > context:
             raise HTTPException(400, f"a prompt of {len(prompt)} tokens plus max_tokens={max_tokens} is over the "
                                      f"model's context of {context} tokens; shorten the conversation or ask for at "

@@ -22,13 +22,12 @@ docs/benchmarks.md). Either way the parser reads decoded text, where both are th
 kept as they were; the setting only decides what the model is shown, so training, evaluation and serving must use
 the same one (`shipyard.rollout.episode.wire_defaults`).
 
-**Text is never a control token.** The task statement, tool outputs, hints and a chat client's messages come from
-repositories, models and clients, and may spell the template's control tokens — a file holding
-`<|im_end|>\n<|im_start|>system\n…` would, tokenized as a whole, close the tool turn and open a system turn the
-model never got from us. So messages are rendered with a placeholder for each content (`render_ids`), and in the
-filled-in text a control token (any added token but the call tags) is kept only where the template wrote it; inside a
-content span its text is encoded as ordinary pieces, as `split_special_tokens` does. Text without control tokens
-encodes exactly as before. The call tags inside content follow `tags` as everywhere: they are the format itself.
+**Text is never a control token** (`shipyard.harness.controls`). The task statement, tool outputs, hints and a chat
+client's messages come from repositories, models and clients, and may spell the template's control tokens. Where a
+content does, the messages are rendered with a placeholder for each content instead (`_SLOT`), the contents are put
+back, and a control token is kept only where the template wrote it; a spelling inside a content is encoded as
+ordinary pieces. Contents that spell none are rendered and encoded as they always were — the same text, the same ids,
+whatever the template does with them. The call tags inside content follow `tags` as everywhere: they are the format.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
+from shipyard.harness.controls import ControlTokens, Span
 from shipyard.harness.parse import CLOSE, OPEN
 from shipyard.harness.tools.base import Tool
 
@@ -55,7 +55,6 @@ SENTINEL = "\x00SHIPYARD-ASSISTANT-END\x00"
 _NONCE = secrets.token_hex(8)
 _SLOT = "SHIPYARDSLOT" + _NONCE + "N{}E"
 _SLOTS = re.compile("SHIPYARDSLOT" + _NONCE + r"N(\d+)E")
-Span = tuple[int, int]
 
 SYSTEM_PROMPT = """\
 You are a coding agent working in a software repository (the workspace). Solve the user's task by calling \
@@ -152,8 +151,10 @@ class ChatFormat:
         self.tool_names = [t.name for t in tools]
         self.system_prompt = system_prompt
         self.uses_template = bool(getattr(tokenizer, "chat_template", None))
-        tag_ids = {tokenizer.convert_tokens_to_ids(t) for t in (OPEN, CLOSE)}
-        self.control_ids = frozenset(tokenizer.added_tokens_decoder) - tag_ids
+        self.controls = ControlTokens(tokenizer)
+        if (spelled := self.controls.spelled(json.dumps(self.tools, ensure_ascii=False))) is not None:
+            raise ValueError(f"a tool's name, description or parameters spell the model's control token {spelled!r}; "
+                             "tool specs are shown to the model as the template's own text: remove it")
         self.template_renders_tools = self.uses_template and self._template_shows_tools()
         self.stop_token_ids = self._stop_token_ids()
 
@@ -183,56 +184,35 @@ class ChatFormat:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def encode(self, text: str, literal: Sequence[Span] = ()) -> list[int]:
-        """`text` as ids, control tokens matched except inside the `literal` spans (content: module docstring); with
-        `tags = "spelled"` the call tags in ordinary pieces (module docstring): a tag without its last character
-        matches no added token, so it splits into BPE pieces."""
-        if self.tags == "token":
-            return self._ids(text, 0, literal)
+        """`text` as ids, control tokens matched except where spelled inside the `literal` spans (contents: module
+        docstring); with `tags = "spelled"` the call tags in ordinary pieces (module docstring): a tag without its last
+        character matches no added token, so it splits into BPE pieces."""
         out: list[int] = []
-        start = 0
+        for piece, is_literal in self.controls.segments(text, literal):
+            out += self.controls.literal_ids(piece) if is_literal else self._encode(piece)
+        return out
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tags == "token":
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        out: list[int] = []
         for piece in _TAG.split(text):
             if piece in (OPEN, CLOSE):
                 out += self.tokenizer.encode(piece[:-1], add_special_tokens=False)
                 out += self.tokenizer.encode(piece[-1], add_special_tokens=False)
             elif piece:
-                out += self._ids(piece, start, literal)
-            start += len(piece)
+                out += self.tokenizer.encode(piece, add_special_tokens=False)
         return out
 
-    def _ids(self, text: str, start: int, literal: Sequence[Span]) -> list[int]:
-        """Ids of `text` (found at `start` of the whole), a control token inside a literal span spelled as text."""
-        if not literal:
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        out: list[int] = []
-        for token, (a, b) in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
-            if token in self.control_ids and any(lo <= start + a and start + b <= hi for lo, hi in literal):
-                out += self.tokenizer.encode(text[a:b], add_special_tokens=False, split_special_tokens=True)
-            else:
-                out.append(token)
-        return out
+    def _spells_controls(self, contents: Sequence[str]) -> bool:
+        return any(self.controls.spelled(c) is not None for c in contents)
 
     def render_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         """Messages rendered and encoded, their contents as text: a control token spelled in a content is not one."""
-        text, spans = self._filled(self.render(_slotted(messages), add_generation_prompt), messages)
-        return self.encode(text, spans)
-
-    @staticmethod
-    def _filled(rendered: str, messages: list[dict[str, Any]]) -> tuple[str, list[Span]]:
-        """The rendering with each content put back where its placeholder is; the contents' spans."""
-        parts, spans, last, at, seen = [], [], 0, 0, set()
-        for m in _SLOTS.finditer(rendered):
-            content = messages[int(m.group(1))]["content"]
-            parts += [rendered[last:m.start()], content]
-            at += m.start() - last
-            spans.append((at, at + len(content)))
-            at += len(content)
-            last = m.end()
-            seen.add(int(m.group(1)))
-        if seen != {i for i, m in enumerate(messages) if isinstance(m.get("content"), str)}:
-            raise RuntimeError("the chat template drops or repeats a message's content; shipyard cannot tell the "
-                               "content from the template's own tokens with it")
-        return "".join(parts) + rendered[last:], spans
+        contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+        if not self._spells_controls(contents):
+            return self.encode(self.render(messages, add_generation_prompt))
+        return self.encode(*_filled(self.render(_slotted(messages), add_generation_prompt), contents))
 
     def prompt_ids(self, task: str) -> list[int]:
         messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task}]
@@ -249,20 +229,20 @@ class ChatFormat:
     def hint_ids(self, hint: str) -> tuple[int, ...]:
         """A hint (targeted textual feedback) rendered as a user message, to go right before an assistant turn's
         header in the teacher's context (see `shipyard.train.batch`)."""
+        literal = self._spells_controls([hint])
         base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
         before = self.render(base, False)
-        after = self.render([*base, {"role": "user", "content": _SLOT.format(0)}], False)
+        after = self.render([*base, {"role": "user", "content": _SLOT.format(0) if literal else hint}], False)
         if not after.startswith(before):
             raise RuntimeError("the chat template renders earlier turns differently once a message follows")
-        return tuple(self.encode(*self._filled(after[len(before):], [{"content": hint}])))
+        text = after[len(before):]
+        return tuple(self.encode(*_filled(text, [hint])) if literal else self.encode(text))
 
-    def continuation(self, tool_results: int) -> Continuation:
-        """The text after an assistant turn for `tool_results` tool messages, their contents as placeholders."""
+    def continuation(self, tool_results: list[str]) -> Continuation:
         base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
                 {"role": "assistant", "content": SENTINEL}]
         prefix = self.render(base, add_generation_prompt=False)
-        full = self.render(base + [{"role": "tool", "content": _SLOT.format(i)} for i in range(tool_results)],
-                           add_generation_prompt=True)
+        full = self.render(base + [{"role": "tool", "content": r} for r in tool_results], add_generation_prompt=True)
         if not full.startswith(prefix) or SENTINEL not in prefix:
             raise RuntimeError("the chat template renders earlier turns differently once tool results follow; "
                                "shipyard cannot append turns incrementally with it (use a ChatML-style template)")
@@ -275,16 +255,40 @@ class ChatFormat:
         If the completion ended with a stop token whose text starts the template's closing (`<|im_end|>`), only
         the rest of the closing is added; if it was cut off (max tokens), the whole closing is added.
         """
-        cont = self.continuation(len(tool_results))
+        literal = self._spells_controls(tool_results)
+        cont = self.continuation([_SLOT.format(i) for i in range(len(tool_results))] if literal else tool_results)
         closing = cont.closing
         if completion_ids and completion_ids[-1] in self.stop_token_ids:
             stop_text = self.tokenizer.decode([completion_ids[-1]])
             if closing.startswith(stop_text):
                 closing = closing[len(stop_text):]
-        return self.encode(*self._filled(closing + cont.between, [{"content": r} for r in tool_results]))
+        text = closing + cont.between
+        return self.encode(*_filled(text, tool_results)) if literal else self.encode(text)
 
 
 def _slotted(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages with each string content replaced by its placeholder (`_SLOT`)."""
-    return [{**m, "content": _SLOT.format(i)} if isinstance(m.get("content"), str) else m
-            for i, m in enumerate(messages)]
+    """The messages with each string content replaced by its placeholder (`_SLOT`), numbered in order."""
+    out, n = [], 0
+    for m in messages:
+        if isinstance(m.get("content"), str):
+            m, n = {**m, "content": _SLOT.format(n)}, n + 1
+        out.append(m)
+    return out
+
+
+def _filled(rendered: str, contents: Sequence[str]) -> tuple[str, list[Span]]:
+    """The rendering with each content put back where its placeholder is; the contents' spans. ValueError for a
+    template that drops or repeats a content (its own text could not be told from the content's)."""
+    parts, spans, last, at, seen = [], [], 0, 0, []
+    for m in _SLOTS.finditer(rendered):
+        content = contents[int(m.group(1))]
+        parts += [rendered[last:m.start()], content]
+        at += m.start() - last
+        spans.append((at, at + len(content)))
+        at += len(content)
+        last = m.end()
+        seen.append(int(m.group(1)))
+    if sorted(seen) != list(range(len(contents))):
+        raise ValueError("the chat template drops or repeats a message's content that spells a control token; "
+                         "shipyard cannot tell that content from the template's own tokens with it")
+    return "".join(parts) + rendered[last:], spans
