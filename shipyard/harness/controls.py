@@ -38,6 +38,7 @@ class ControlTokens:
         self.ids = frozenset(added)
         texts = sorted({t for t in added.values() if t}, key=len, reverse=True)  # the longest spelling first
         self.pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
+        self._literal: dict[str, list[int]] = {}  # a spelling's ids, once per spelling (threads may race: same value)
 
     def spelled(self, text: str) -> str | None:
         """The first control token `text` spells, or None."""
@@ -62,6 +63,9 @@ class ControlTokens:
         added token hides in the spelling. ValueError if even that yields a control token (a one-character added
         token: nothing spells it otherwise)."""
 
+        if (known := self._literal.get(spelling)) is not None:
+            return list(known)
+
         def encode(s: str) -> list[int]:
             return self.tokenizer.encode(s, add_special_tokens=False)
 
@@ -70,4 +74,5 @@ class ControlTokens:
             ids = [i for ch in spelling for i in encode(ch)]
         if not self.ids.isdisjoint(ids):
             raise ValueError(f"the text {spelling!r} cannot be encoded without a control token of this tokenizer")
-        return ids
+        self._literal[spelling] = ids
+        return list(ids)
