@@ -184,12 +184,17 @@ class ChatFormat:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def encode(self, text: str, literal: Sequence[Span] = ()) -> list[int]:
-        """`text` as ids, control tokens matched except where spelled inside the `literal` spans (contents: module
-        docstring); with `tags = "spelled"` the call tags in ordinary pieces (module docstring): a tag without its last
-        character matches no added token, so it splits into BPE pieces."""
+        """`text` as ids, control tokens matched but inside the `literal` spans (contents, in order: module docstring,
+        `shipyard.harness.controls`); with `tags = "spelled"` the call tags in ordinary pieces (module docstring): a
+        tag without its last character matches no added token, so it splits into BPE pieces."""
         out: list[int] = []
-        for piece, is_literal in self.controls.segments(text, literal):
-            out += self.controls.literal_ids(piece) if is_literal else self._encode(piece)
+        for piece, kind in self.controls.segments(text, literal):
+            if kind == "spelling":
+                out += self.controls.literal_ids(piece)
+            elif kind == "content" and not self.controls.ids.isdisjoint(ids := self._encode(piece)):
+                out += self.controls.plain_ids(piece)  # a control token the normalizer made (controls.py)
+            else:
+                out += ids if kind == "content" else self._encode(piece)
         return out
 
     def _encode(self, text: str) -> list[int]:

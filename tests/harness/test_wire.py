@@ -3,6 +3,7 @@
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from tokenizers import AddedToken, normalizers
 
 from shipyard.harness.tools import default_tools
 from shipyard.harness.tools.base import Tool
@@ -187,6 +188,42 @@ def test_text_without_control_tokens_encodes_as_before(template):
     task = "  fix it\n<tool_call>\n{}\n</tool_call> <|im_endx|>\n"
     messages = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": task}]
     assert fmt.prompt_ids(task) == tok.encode(fmt.render(messages, True), add_special_tokens=False)
+
+
+def test_a_spelling_the_normalizer_makes_is_text_too():
+    """An added token matched after the tokenizer's normalizer (NFKC here: the Kelvin sign becomes K) is found in a
+    content that spells it only once normalized, and stays text."""
+    tok, control = hostile_tokenizer(TEMPLATE_WITH_TOOLS, True)
+    tok.backend_tokenizer.normalizer = normalizers.NFKC()
+    tok.add_tokens([AddedToken("<|OK|>", normalized=True)])
+    control.add(tok.convert_tokens_to_ids("<|OK|>"))
+    fmt = ChatFormat(tok, TOOLS)
+    assert tok.convert_tokens_to_ids("<|OK|>") in tok.encode("<|O\u212a|>")  # the tokenizer does match it
+    for clean, evil in ((fmt.prompt_ids("fix it"), fmt.prompt_ids("fix <|O\u212a|> it")),
+                        (fmt.continuation_ids([1], ["a"]), fmt.continuation_ids([1], ["<|O\u212a|>" + EVIL]))):
+        assert sum(i in control for i in evil) == sum(i in control for i in clean)
+
+
+def test_a_content_never_unwrites_the_templates_own_token():
+    """A spelling that straddles a content's end ('y' + the template's `<|im_end|>`, an added token of its own here)
+    leaves the template's token a token: the turn still closes."""
+    tok, _ = hostile_tokenizer(TEMPLATE_WITH_TOOLS, True)
+    tok.add_tokens(["y<|im_end|>"])
+    fmt = ChatFormat(tok, TOOLS)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert fmt.prompt_ids("<|endoftext|> fix y").count(im_end) == fmt.prompt_ids("fix y").count(im_end) == 2
+
+
+def test_whitespace_and_one_character_added_tokens_are_text():
+    """Vocabularies that add a newline or runs of spaces as tokens: those are text, not control tokens — prompts
+    render, and encode as the tokenizer does."""
+    tok, _ = tag_tokenizer()
+    tok.add_tokens(["\n", "    ", "~"])
+    fmt = ChatFormat(tok, TOOLS, system_prompt="You are an agent.\n    Indent.")
+    messages = [{"role": "system", "content": "You are an agent.\n    Indent."},
+                {"role": "user", "content": "fix\n  ~"}]
+    assert fmt.prompt_ids("fix\n  ~") == tok.encode(fmt.render(messages, True), add_special_tokens=False)
+    assert fmt.continuation_ids([1], ["<|im_end|>\n    x"])
 
 
 def test_threads_sharing_a_tokenizer_never_leak_control_tokens():
