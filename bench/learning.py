@@ -128,7 +128,7 @@ def steps_ratio(reward: list[float], feedback: list[float]) -> tuple[float | Non
     reached = next((i + 1 for i, v in enumerate(feedback) if v >= target), None)
     if reached is None:
         return None, f"the feedback arm never reached the reward-only arm's final rate {target:.3f}"
-    return reached / len(reward), f"reached {target:.3f} at step {reached} of {len(feedback)}"
+    return reached / len(reward), f"reached {target:.3f} at step {reached}; the reward-only arm made {len(reward)}"
 
 
 def pass_change(evals: dict[int, dict], resamples: int, seed: int = 0) -> dict:

@@ -77,7 +77,8 @@ HintSource = Callable[[RolloutBatch], HintReport]  # shipyard.rl.hints.HintWrite
 
 
 def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
-    """What a batch says about the policy: rewards, pass rate, lengths, parallel width, monitor flags, staleness,
+    """What a batch says about the policy: rewards, pass rate, lengths, parallel width, monitor flags, shaping terms,
+    staleness,
     grounded tool-call validity (`tools/grounded_fraction`: grounded calls / calls, `shipyard.harness.validity`), and
     how busy the sandboxes were (`sandbox/*`, from the rollouts' timings)."""
     rollouts = batch.rollouts
@@ -99,6 +100,11 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
                     "parallel_width_mean": sum(widths) / len(widths) if widths else 0.0},
         "monitor": {"flagged": sum(bool(r.monitor_flags) for r in rollouts), **{f"flag_{k}": v for k, v in
                                                                                  flags.items()}},
+        # Each shaping term's mean over scored rollouts, and on how many it was not 0 (effort calibration pays only
+        # among a group's solutions: `_active` 0 says it has had nothing to act on).
+        "shaping": {f"{name}_{stat}": value for name in sorted({n for r in scored for n in r.shaping})
+                    for stat, value in (("mean", sum(r.shaping.get(name, 0.0) for r in scored) / len(scored)),
+                                        ("active", sum(r.shaping.get(name, 0.0) != 0.0 for r in scored)))},
         "staleness": {"max": max(batch.staleness(), default=0)},
         "tools": validity(rollouts).as_metrics(prefix=""),
         # Sandbox utilisation: the share of the rollouts' lives their sandboxes spent running tools and tests, and

@@ -21,7 +21,8 @@ TINY = CONFIG + "\n[trainer.distill]\nmin_lift = -1e9  # every hint kept: the ra
 
 
 def test_steps_ratio_and_its_refusals():
-    assert learning.steps_ratio([0.1, 0.2, 0.4, 0.5], [0.1, 0.5, 0.6, 0.7]) == (0.5, "reached 0.500 at step 2 of 4")
+    assert learning.steps_ratio([0.1, 0.2, 0.4, 0.5], [0.1, 0.5, 0.6, 0.7]) == (
+        0.5, "reached 0.500 at step 2; the reward-only arm made 4")
     ratio, why = learning.steps_ratio([0.0, 0.0, 0.0], [0.0, 0.3, 0.5])
     assert ratio is None and "did not raise the rate" in why  # nothing to reach: not a win for the other arm
     ratio, why = learning.steps_ratio([0.1, 0.4], [0.1, 0.2])

@@ -99,3 +99,18 @@ def test_batch_metrics_count_flags_by_their_kind():
     batch = RolloutBatch([RolloutGroup("t", "g", [rollout(1.0, [], flagged=True), rollout(0.0, [], index=1)])])
     metrics = batch_metrics(batch)["monitor"]
     assert metrics == {"flagged": 1, "flag_test_edit": 1}
+
+
+def test_batch_metrics_report_each_shaping_term_and_whether_it_acted():
+    """Effort calibration pays only among a group's solutions: with one solution it is 0 everywhere, and the metrics
+    say so (`_active` 0) instead of leaving an effort arm indistinguishable from none."""
+    terms = [GroundedCalls(0.5, 0.0, target=1)]
+    group = [rollout(1.0, [GOOD], index=0), rollout(0.0, [COPIED], index=1), rollout(0.0, [], index=2)]
+    effort = EffortCalibration(0.1)
+    for r, value in zip(group, effort.group(group, tier=1), strict=True):
+        r.shaping[effort.name] = value
+    for r in group:
+        shaped_reward(r, terms)
+    shaping = batch_metrics(RolloutBatch([RolloutGroup("t", "g", group)]))["shaping"]
+    assert shaping["effort_calibration_active"] == 0 and shaping["effort_calibration_mean"] == 0.0
+    assert shaping["grounded_active"] == 1 and shaping["grounded_mean"] == pytest.approx(0.5 / 3)
