@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -191,10 +191,11 @@ class ChatFormat:
         for piece, kind in self.controls.segments(text, literal):
             if kind == "spelling":
                 out += self.controls.literal_ids(piece)
-            elif kind == "content" and not self.controls.ids.isdisjoint(ids := self._encode(piece)):
-                out += self.controls.plain_ids(piece)  # a control token the normalizer made (controls.py)
+            elif kind == "template":
+                out += self._encode(piece)
             else:
-                out += ids if kind == "content" else self._encode(piece)
+                ids = self._encode(piece)  # a control token here is one the normalizer made (controls.py)
+                out += ids if self.controls.ids.isdisjoint(ids) else self.controls.plain_ids(piece)
         return out
 
     def _encode(self, text: str) -> list[int]:
@@ -209,15 +210,22 @@ class ChatFormat:
                 out += self.tokenizer.encode(piece, add_special_tokens=False)
         return out
 
-    def _spells_controls(self, contents: Sequence[str]) -> bool:
-        return any(self.controls.spelled(c) is not None for c in contents)
+    def _contents_ids(self, render: Callable[[Sequence[str]], str], contents: Sequence[str]) -> list[int]:
+        """The ids of `render(contents)`, its contents as text: rendered and encoded as they are when none spells a
+        control token, else rendered with placeholders, filled back in and encoded with their spans (module
+        docstring)."""
+        if all(self.controls.spelled(c) is None for c in contents):
+            return self.encode(render(contents))
+        return self.encode(*_filled(render([_SLOT.format(i) for i in range(len(contents))]), contents))
 
     def render_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         """Messages rendered and encoded, their contents as text: a control token spelled in a content is not one."""
-        contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
-        if not self._spells_controls(contents):
-            return self.encode(self.render(messages, add_generation_prompt))
-        return self.encode(*_filled(self.render(_slotted(messages), add_generation_prompt), contents))
+        def render(contents: Sequence[str]) -> str:
+            given = iter(contents)
+            return self.render([{**m, "content": next(given)} if isinstance(m.get("content"), str) else m
+                                for m in messages], add_generation_prompt)
+
+        return self._contents_ids(render, [m["content"] for m in messages if isinstance(m.get("content"), str)])
 
     def prompt_ids(self, task: str) -> list[int]:
         messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task}]
@@ -234,14 +242,16 @@ class ChatFormat:
     def hint_ids(self, hint: str) -> tuple[int, ...]:
         """A hint (targeted textual feedback) rendered as a user message, to go right before an assistant turn's
         header in the teacher's context (see `shipyard.train.batch`)."""
-        literal = self._spells_controls([hint])
         base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
         before = self.render(base, False)
-        after = self.render([*base, {"role": "user", "content": _SLOT.format(0) if literal else hint}], False)
-        if not after.startswith(before):
-            raise RuntimeError("the chat template renders earlier turns differently once a message follows")
-        text = after[len(before):]
-        return tuple(self.encode(*_filled(text, [hint])) if literal else self.encode(text))
+
+        def render(contents: Sequence[str]) -> str:
+            after = self.render([*base, {"role": "user", "content": contents[0]}], False)
+            if not after.startswith(before):
+                raise RuntimeError("the chat template renders earlier turns differently once a message follows")
+            return after[len(before):]
+
+        return tuple(self._contents_ids(render, [hint]))
 
     def continuation(self, tool_results: list[str]) -> Continuation:
         base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
@@ -260,25 +270,16 @@ class ChatFormat:
         If the completion ended with a stop token whose text starts the template's closing (`<|im_end|>`), only
         the rest of the closing is added; if it was cut off (max tokens), the whole closing is added.
         """
-        literal = self._spells_controls(tool_results)
-        cont = self.continuation([_SLOT.format(i) for i in range(len(tool_results))] if literal else tool_results)
-        closing = cont.closing
-        if completion_ids and completion_ids[-1] in self.stop_token_ids:
-            stop_text = self.tokenizer.decode([completion_ids[-1]])
-            if closing.startswith(stop_text):
-                closing = closing[len(stop_text):]
-        text = closing + cont.between
-        return self.encode(*_filled(text, tool_results)) if literal else self.encode(text)
+        def render(contents: Sequence[str]) -> str:
+            cont = self.continuation(list(contents))
+            closing = cont.closing
+            if completion_ids and completion_ids[-1] in self.stop_token_ids:
+                stop_text = self.tokenizer.decode([completion_ids[-1]])
+                if closing.startswith(stop_text):
+                    closing = closing[len(stop_text):]
+            return closing + cont.between
 
-
-def _slotted(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages with each string content replaced by its placeholder (`_SLOT`), numbered in order."""
-    out, n = [], 0
-    for m in messages:
-        if isinstance(m.get("content"), str):
-            m, n = {**m, "content": _SLOT.format(n)}, n + 1
-        out.append(m)
-    return out
+        return self._contents_ids(render, tool_results)
 
 
 def _filled(rendered: str, contents: Sequence[str]) -> tuple[str, list[Span]]:

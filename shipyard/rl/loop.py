@@ -78,9 +78,8 @@ HintSource = Callable[[RolloutBatch], HintReport]  # shipyard.rl.hints.HintWrite
 
 def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
     """What a batch says about the policy: rewards, pass rate, lengths, parallel width, monitor flags, shaping terms,
-    staleness,
-    grounded tool-call validity (`tools/grounded_fraction`: grounded calls / calls, `shipyard.harness.validity`), and
-    how busy the sandboxes were (`sandbox/*`, from the rollouts' timings)."""
+    staleness, grounded tool-call validity (`tools/grounded_fraction`: grounded calls / calls,
+    `shipyard.harness.validity`), and how busy the sandboxes were (`sandbox/*`, from the rollouts' timings)."""
     rollouts = batch.rollouts
     scored = [r for r in rollouts if r.reward is not None]
     turns = [t for r in rollouts if r.trajectory is not None for t in r.trajectory.turns]
