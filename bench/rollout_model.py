@@ -167,7 +167,7 @@ def figures(run: dict, returned: list[tuple[float, Rollout]], workers: int) -> d
     busy = {k: sum(r.timings.get(k, 0.0) for r in done) for k in ("tools", "grade", "sandbox", "generate", "total")}
     turns = [len(r.trajectory.turns) for r in done if r.trajectory is not None]
     out = {
-        "rollouts": len(done), "accepted": len(run["accepted"]), "wall_s": round(wall, 1),
+        "rollouts": len(done), "accepted": len(run["accepted"]), "wall_s": round(wall, 2),
         "rollouts_per_hour": round(len(done) / wall * 3600, 1),
         "accepted_per_hour": round(len(run["accepted"]) / wall * 3600, 1),
         "sampled_tokens": sampled, "tokens_per_s": round(sampled / wall, 2),
@@ -182,7 +182,7 @@ def figures(run: dict, returned: list[tuple[float, Rollout]], workers: int) -> d
         | {"by_cause": run["stats"]["infra_by_cause"]},
         "staleness_histogram": run["stats"]["staleness_histogram"],
         "trained_token_fraction": round(run["stats"]["trained_token_fraction"], 4),
-        "batch_marks_s": [round(m, 1) for m in run["marks"]],  # train: when each batch was handed out
+        "batch_marks_s": [round(m, 2) for m in run["marks"]],  # train: when each batch was handed out
         "stopped_early": run["stopped_early"],  # --max-seconds ended the window before the last batch
     }
     out["engine_busy"] = round(run["forward_s"] / wall, 4)
