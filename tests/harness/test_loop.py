@@ -121,7 +121,7 @@ def test_parallel_terminal_calls_run_concurrently(workspace):
     first = traj.turns[0]
     assert first.parallel_width == 8
     assert [c.output.split("\n")[0] for c in first.calls] == [f"job{i}" for i in range(8)]  # call order
-    assert first.tools_seconds < 0.3 * 8 / 2
+    assert first.tools_seconds < 0.3 * 8 * 0.75  # one after another: 2.4 s; together ~0.35 s, room for a loaded machine
 
 
 def test_same_file_calls_run_in_call_order(repo, workspace):

@@ -79,3 +79,11 @@ class ScriptedTransport:
 
     async def close(self) -> None:
         self.closed = True
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 120.0) -> None:
+    """Poll `predicate` every 50 ms until it holds (what a test waits for, not a guess at how long it takes)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"still waiting after {timeout} s"
+        await asyncio.sleep(0.05)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from schedfakes import wait_until
 
 ray = pytest.importorskip("ray")
 
@@ -74,13 +75,6 @@ def evaluate(scheduler: Scheduler, tasks: list[str], samples: int, during=None, 
 
 def rollouts_of(results) -> list:
     return [r for group in results.values() for r in group]
-
-
-async def wait_until(predicate, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting for the rollouts to start"
-        await asyncio.sleep(0.05)
 
 
 def test_tiny_model_rollouts_and_weight_updates_on_a_ray_it_starts(taskset):

@@ -156,9 +156,10 @@ def test_rollout_time_budget_is_the_agents_wall_time_and_is_scored_not_masked():
 
 
 def test_group_time_budget_cancels_rollouts_that_have_not_started():
-    # one slot: the group's rollouts run one after another; 0.15 s each against a 0.25 s group budget
-    sched, transport = scheduler(lambda s: Outcome(reward=float(s.index % 2), turns=3, turn_seconds=0.05),
-                                 tasks=("a",), capacity=1, groups_per_step=1, group_time_budget=0.25,
+    # one slot: the group's rollouts run one after another; 0.6 s each against a 1 s group budget (0.4 s of slack
+    # either way: the first must finish, the second must not)
+    sched, transport = scheduler(lambda s: Outcome(reward=float(s.index % 2), turns=3, turn_seconds=0.2),
+                                 tasks=("a",), capacity=1, groups_per_step=1, group_time_budget=1.0,
                                  dynamic_sampling=False)
     [batch] = run(batches(sched, 1))
     outcomes = [(r.status, r.stop_reason) for r in batch.groups[0].rollouts]

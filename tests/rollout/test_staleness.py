@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from schedfakes import Outcome, ScriptedTransport, turn
+from schedfakes import Outcome, ScriptedTransport, turn, wait_until
 
 from shipyard.harness.trajectory import Trajectory
 from shipyard.rollout.record import Rollout
@@ -113,9 +113,19 @@ def test_max_staleness_zero_is_the_synchronous_algorithm():
 
 def test_async_generation_overlaps_training():
     sched, transport = make(lambda s: Outcome(reward=float(s.index % 2), turn_seconds=0.005), max_staleness=2)
-    asyncio.run(asyncio.wait_for(train(sched, 3, 0.1), timeout=30))
-    # while the trainer 'trained' on version 0's batch, the next (η = 2) batches' worth started at version 0
-    assert sum(v == 0 for _, v in transport.starts) == 3 * 2 * 2
+
+    async def go():
+        await sched.next_batch()
+        # while the trainer 'trains' on version 0's batch, the next (η = 2) batches' worth start at version 0 ...
+        await wait_until(lambda: len(transport.starts) >= 3 * 2 * 2, timeout=20)
+        await asyncio.sleep(0.1)  # ... and no more than that
+        started = list(transport.starts)
+        await sched.update_weights(1, {})
+        await sched.close()
+        return started
+
+    started = asyncio.run(asyncio.wait_for(go(), timeout=30))
+    assert len(started) == 3 * 2 * 2 and all(v == 0 for _, v in started)
 
 
 def straggler_scheduler(turns: int, turn_seconds: float, stale_tokens: str = "drop") -> Scheduler:
@@ -187,7 +197,7 @@ def test_a_group_doomed_by_an_update_is_cancelled_early_and_dropped():
             batch = await sched.next_batch()
             taken += [g.group_id for g in batch.groups]
             await sched.update_weights(v + 1, {})
-        await asyncio.sleep(0.1)  # the doomed episodes notice at their next turn
+        await wait_until(lambda: sched.stats()["cancelled"] >= 2, timeout=20)  # they notice at their next turn
         stats = sched.stats()
         await sched.close()
         return taken, stats
