@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -43,10 +44,12 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dicts as flat 'a/b' keys (TensorBoard's grouping); non-numeric leaves are kept for the JSON lines."""
+    """Nested dicts as flat 'a/b' keys (TensorBoard's grouping); non-numeric leaves are kept for the JSON lines. The
+    keys are interned: a run keeps its lines, and built anew each step they were two thirds of what it kept (~3.5 of
+    ~5 KiB a step, tracemalloc over 80 steps)."""
     out: dict[str, Any] = {}
     for key, value in metrics.items():
-        name = f"{prefix}{key}"
+        name = sys.intern(f"{prefix}{key}")
         if isinstance(value, Mapping):
             out.update(flatten(value, f"{name}/"))
         else:
