@@ -488,11 +488,11 @@ def train(ctx: typer.Context,
 
 
 @app.command()
-def bench(name: str = typer.Argument(..., help="Benchmark name: a file bench/NAME.py."),
+def bench(name: str = typer.Argument(..., help="Benchmark name: a module of shipyard/bench (see docs/benchmarks.md)."),
           args: list[str] | None = typer.Argument(None, help="Arguments passed to the benchmark.")) -> None:
-    """Run a benchmark from bench/: readable tables, then its figures as JSON on the last line."""
+    """Run a benchmark (shipyard.bench.NAME): readable tables, then its figures as JSON on the last line."""
     with user_errors():
-        run_bench(Path(__file__).resolve().parent.parent / "bench", name, args or [])
+        run_bench(name, args or [])
 
 
 if __name__ == "__main__":

@@ -116,19 +116,19 @@ def run_eval_shown(tasks: Path, task_ids: list[str], model: str, config, episode
                                                                    "engine": engine.name, "environment": env.name})
 
 
-def run_bench(bench_dir: Path, name: str, args: list[str]) -> None:
-    """Run bench/NAME.py as a script with `args` (benchmarks share bench/_common.py, so bench/ goes on the path)."""
+def run_bench(name: str, args: list[str]) -> None:
+    """Run the benchmark `shipyard.bench.NAME` as `python -m` would, with `args` as its command line."""
+    import pkgutil
     import runpy
     import sys
 
-    script = bench_dir / f"{name}.py"
-    if not script.is_file():
-        found = sorted(p.stem for p in bench_dir.glob("*.py") if not p.stem.startswith("_"))
-        raise UserError(f"no benchmark '{name}'" + (f"; available: {', '.join(found)}" if found else
-                                                     f" (no bench/ folder at {bench_dir}; use a source checkout)"))
-    sys.argv = [str(script), *args]
-    sys.path.insert(0, str(bench_dir))
-    runpy.run_path(str(script), run_name="__main__")
+    import shipyard.bench
+
+    found = sorted(m.name for m in pkgutil.iter_modules(shipyard.bench.__path__) if not m.name.startswith("_"))
+    if name not in found:
+        raise UserError(f"no benchmark '{name}'; available: {', '.join(found)}")
+    sys.argv = [name, *args]
+    runpy.run_module(f"shipyard.bench.{name}", run_name="__main__", alter_sys=True)
 
 
 def train_shown(cfg, argv: list[str]) -> list[dict]:

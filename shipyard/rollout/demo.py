@@ -1,7 +1,7 @@
 """The demo's data: the bundled example repository, the bug `shipyard demo` plants in a copy of it, and the task.
 
-Kept in the library, not in the CLI, so benchmarks (`bench/parse_rate.py`, `bench/harness.py`) and tests use the very
-same task and bug as the demo without importing `shipyard.cli` (nothing does).
+Kept in the library, not in the CLI, so benchmarks (`shipyard.bench.parse_rate`, `shipyard.bench.harness`) and tests
+use the very same task and bug as the demo without importing `shipyard.cli` (nothing does).
 """
 
 from __future__ import annotations

@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def test_the_probe_reports_each_context():
-    proc = subprocess.run([sys.executable, str(BENCH / "hint_probe.py"), "--model", "random:tiny", "--greedy-tokens",
-                           "4", "--samples", "2", "--sample-tokens", "3"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "shipyard.bench.hint_probe", "--model", "random:tiny",
+                           "--greedy-tokens", "4", "--samples", "2", "--sample-tokens", "3"],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(result["contexts"]) == {"student (no hint)", "generic hint", "exact-call hint"}

@@ -10,12 +10,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from bench_modules import BENCH, bench_module
 from tiny_run import CONFIG
 
+from shipyard.bench import learning
 from shipyard.sandbox.run import sandbox_problem
-
-learning = bench_module("learning")
 
 TINY = CONFIG + "\n[trainer.distill]\nmin_lift = -1e9  # every hint kept: the random model's lift has either sign\n"
 
@@ -47,7 +45,7 @@ def test_pass_change_bootstraps_over_tasks():
 def test_the_bench_trains_both_arms_and_reports_them(taskset, tmp_path):
     config = tmp_path / "tiny.toml"
     config.write_text(TINY.format(tasks=taskset[0]))
-    proc = subprocess.run([sys.executable, str(BENCH / "learning.py"), "--config", str(config), "--steps", "1",
+    proc = subprocess.run([sys.executable, "-m", "shipyard.bench.learning", "--config", str(config), "--steps", "1",
                            "--eval-every", "1", "--minutes", "8", "--tasks", str(taskset[0]), "--out",
                            str(tmp_path / "out"), "--bootstrap", "50"], capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

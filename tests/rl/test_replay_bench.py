@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from tiny_run import CONFIG
@@ -16,8 +15,6 @@ from shipyard.harness.trajectory import Trajectory, Turn
 from shipyard.harness.wire import ChatFormat
 from shipyard.models.resolve import load_hf
 from shipyard.rollout.record import Rollout
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def _rollout(fmt: ChatFormat, end: int, index: int, replies: list[str], reward: float | None,
@@ -50,7 +47,7 @@ def test_replay_reports_each_recorded_step(tmp_path):
             rows[0]["hints"] = [{"turn": 1, "kinds": ["serial_calls"], "text": "read both files at once",
                                  "evidence": ["cat"], "hint_ids": fmt.hint_ids("read both files at once")}]
         (run / "trajectories" / f"step-{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cmd = [sys.executable, str(BENCH / "replay.py"), "--run", str(run), "--hints.enabled", "true"]
+    cmd = [sys.executable, "-m", "shipyard.bench.replay", "--run", str(run), "--hints.enabled", "true"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -62,7 +59,7 @@ def test_replay_reports_each_recorded_step(tmp_path):
     assert out["forward_tokens"][2] == out["forward_tokens"][3], out["forward_tokens"]
 
     for steps, says in (("2-9", "not recorded"), ("3-1", "runs backwards"), ("a-b", "give steps and ranges")):
-        bad = subprocess.run([sys.executable, str(BENCH / "replay.py"), "--run", str(run), "--steps", steps],
+        bad = subprocess.run([sys.executable, "-m", "shipyard.bench.replay", "--run", str(run), "--steps", steps],
                              capture_output=True, text=True, timeout=120)
         assert bad.returncode != 0 and says in bad.stderr, (steps, bad.stderr[-500:])
     # recorded hints with hints off: replayed without them

@@ -6,9 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from bench_modules import bench_module
 
-step_flops = bench_module("trainer").step_flops
+from shipyard.bench.trainer import step_flops
 
 ONE = SimpleNamespace(hidden_size=2, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
                       intermediate_size=1, vocab_size=3)

@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from shipyard.sandbox.run import sandbox_problem
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "rollout_model.py"
 TINY_RUN = ["--model", "random:tiny", "--group-size", "2", "--groups", "1", "--workers", "2", "--max-turns", "2",
             "--max-new-tokens", "16"]
 _problem = sandbox_problem()
@@ -21,7 +19,8 @@ pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot 
 
 
 def bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "shipyard.bench.rollout_model", *args], capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def test_a_directory_that_is_not_a_task_set_is_one_line_before_any_model_loads(tmp_path):

@@ -346,10 +346,9 @@ def test_training_batch_through_in_process_episodes(taskset):
 
 
 def test_rollout_benchmark_runs_both_modes_and_ends_with_its_figures():
-    bench = Path(__file__).resolve().parents[2] / "bench" / "rollout.py"
-    proc = subprocess.run([sys.executable, str(bench), "--steps", "3", "--groups", "2", "--group-size", "2",
-                           "--engines", "2", "--max-batch", "2", "--workers", "8", "--scale", "0.05",
-                           "--max-steps", "20"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "shipyard.bench.rollout", "--steps", "3", "--groups", "2",
+                           "--group-size", "2", "--engines", "2", "--max-batch", "2", "--workers", "8",
+                           "--scale", "0.05", "--max-steps", "20"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert figures["bench"] == "rollout"

@@ -42,11 +42,9 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from _common import finish, table
-
+from shipyard.bench._common import finish, table
+from shipyard.rollout.demo import EXAMPLE_REPO
 from shipyard.rollout.record import EpisodeSpec, Rollout, append_jsonl
-
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pocketlib"
 
 
 class ForwardTimer:
@@ -100,13 +98,14 @@ def synthesize(out: Path, max_tasks: int) -> Path:
     from shipyard.tasks.synth import SynthConfig, Synthesizer
 
     repo = out / "src" / "pocketlib"
-    shutil.copytree(EXAMPLE, repo, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache", ".ruff_cache",
+    shutil.copytree(EXAMPLE_REPO, repo, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache", ".ruff_cache",
                                                                     ".benchmarks", ".venv"))
     tasks = out / "tasks"
     report = Synthesizer(repo, tasks, SynthConfig(max_tasks=max_tasks), log=lambda m: print(f"synth: {m}",
                                                                                             file=sys.stderr)).run()
     if not report.accepted:
-        raise SystemExit(f"synthesis from {EXAMPLE} accepted no task ({dict(report.rejections)}); pass --tasks DIR")
+        raise SystemExit(f"synthesis from {EXAMPLE_REPO} accepted no task ({dict(report.rejections)}); "
+                         "pass --tasks DIR")
     return tasks
 
 

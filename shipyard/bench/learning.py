@@ -44,10 +44,11 @@ import time
 import tomllib
 from pathlib import Path
 
-from _common import console, finish, table
 from rich.progress import Progress, TimeElapsedColumn
 
-ROOT = Path(__file__).resolve().parent.parent
+from shipyard.bench._common import console, finish, table
+from shipyard.rl.demo import DEMO_CONFIG
+
 ARMS = {"reward": [], "feedback": ["--hints.enabled", "true"], "effort": ["--shaping.effort", "{effort}"]}
 FORMAT_PROBLEMS = ("untagged_ran", "untagged", "truncated", "malformed", "unknown_tool", "bad_arguments")
 
@@ -214,7 +215,7 @@ def plot(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(prog="shipyard bench learning")
-    p.add_argument("--config", type=Path, default=ROOT / "configs" / "demo.toml")
+    p.add_argument("--config", type=Path, default=DEMO_CONFIG)
     p.add_argument("--arms", default="reward,feedback")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--minutes", type=float, default=60.0, help="wall-time budget of each arm")

@@ -36,14 +36,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import console, finish, table
 from rich.progress import Progress, TimeElapsedColumn
 
+from shipyard.bench._common import console, finish, table
+from shipyard.rollout.demo import EXAMPLE_REPO
 from shipyard.search.embed import SentenceEmbedder
 from shipyard.search.index import CodeIndex, code_words
 from shipyard.search.tree import LocalTree
 
-ROOT = Path(__file__).resolve().parent.parent
 STOP = frozenset([
     "the", "a", "an", "and", "or", "of", "to", "in", "for", "on", "is", "are", "be", "by", "with", "this",
     "that", "it", "its", "as", "at", "from", "if", "not", "return", "returns", "given", "into", "when",
@@ -188,7 +188,7 @@ def main() -> None:
     work = args.keep or Path(tempfile.mkdtemp(prefix="shipyard-bench-search-"))
     work.mkdir(parents=True, exist_ok=True)
     embedder = SentenceEmbedder(args.embedder)
-    sources = [ROOT / "examples" / "pocketlib"] + [download(name, work / "pypi") for name in
+    sources = [EXAMPLE_REPO] + [download(name, work / "pypi") for name in
                                                    filter(None, args.projects.split(","))]
     per_corpus, all_queries, small = {}, [], None
     for src in sources:

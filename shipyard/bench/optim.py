@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from _common import finish, table
 
+from shipyard.bench._common import finish, table
 from shipyard.models.bundled import DEFAULT_MODEL
 from shipyard.models.resolve import load_hf
 from shipyard.train.muon import Muon, _layout, muon_param_groups

@@ -58,8 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from _common import finish, table
-
+from shipyard.bench._common import finish, table
 from shipyard.harness.trajectory import Trajectory, Turn
 from shipyard.rollout.record import EpisodeSpec, Rollout
 from shipyard.rollout.scheduler import Scheduler, SchedulerConfig

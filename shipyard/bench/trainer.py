@@ -1,7 +1,7 @@
 """RL training throughput: shipyard's trainer vs TRL's GRPOTrainer on the same model, batches and lengths.
 
 TRL runs in its own venv (`~/.cache/shipyard/bench-trl`, made on first use with `--system-site-packages` and `pip
-install trl==1.16.0`, so the project's environment never gets TRL), through `bench/_trl_grpo.py`: GRPO on CPU
+install trl==1.16.0`, so the project's environment never gets TRL), through `shipyard/bench/_trl_grpo.py`: GRPO on CPU
 (float32, or `--dtype bfloat16` mixed precision for both trainers), `--prompts` chat requests × `--generations`
 completions per step that end where the model stops (at most `--completion` tokens; `--lengths fixed`: all exactly
 `--completion` tokens), AdamW, β = 0, token-level ("dapo") loss, one optimizer step per batch. TRL trains on the
@@ -39,8 +39,8 @@ import time
 from pathlib import Path
 
 import torch
-from _common import console, finish, table
 
+from shipyard.bench._common import console, finish, table
 from shipyard.models.bundled import DEFAULT_MODEL
 from shipyard.models.resolve import load_hf
 from shipyard.train.batch import Batch
@@ -78,7 +78,7 @@ def to_batch(b: dict, pad_id: int) -> Batch:
 
 def group_batch(tok, samples: int, prompt: int, sampled: int, seed: int = 0) -> Batch:
     """One GRPO group: `samples` rows of the same `prompt`-token prompt, completions of sampled ± 50 tokens."""
-    text = "\n".join(p.read_text() for p in sorted((Path(__file__).parents[1] / "shipyard").rglob("*.py")))
+    text = "\n".join(p.read_text() for p in sorted(Path(__file__).resolve().parents[1].rglob("*.py")))
     head = torch.tensor(tok(text)["input_ids"][:prompt])
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(sampled - 50, sampled + 51, (samples,), generator=g).tolist()
@@ -190,7 +190,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "trl.pt"
-        cmd = [str(trl_python()), str(Path(__file__).with_name("_trl_grpo.py")), "--model", args.model, "--out",
+        cmd = [str(trl_python()), "-m", "shipyard.bench._trl_grpo", "--model", args.model, "--out",
                str(out), "--prompts", str(args.prompts), "--generations", str(args.generations), "--completion",
                str(args.completion), "--steps", str(args.steps), "--lr", str(args.lr), "--dtype", args.dtype,
                "--lengths", args.lengths]

@@ -15,8 +15,8 @@ import argparse
 import time
 
 import torch
-from _common import finish, table
 
+from shipyard.bench._common import finish, table
 from shipyard.models.bundled import DEFAULT_MODEL
 from shipyard.models.resolve import load_hf
 from shipyard.train.sync import decode, encode, mx_weight_names

@@ -24,8 +24,8 @@ import json
 from pathlib import Path
 
 import torch
-from _common import console, finish, table
 
+from shipyard.bench._common import console, finish, table
 from shipyard.harness.parse import CLOSE, OPEN, ToolCallParser
 from shipyard.harness.tools import default_tools
 from shipyard.harness.wire import ChatFormat, tag_token_twins

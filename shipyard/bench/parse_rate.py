@@ -13,8 +13,7 @@ from __future__ import annotations
 import argparse
 import shutil
 
-from _common import finish, table
-
+from shipyard.bench._common import finish, table
 from shipyard.harness.parse import ToolCallParser
 from shipyard.harness.tools import default_tools
 from shipyard.models.bundled import DEFAULT_MODEL

@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 import torch
-from _common import console, finish, table
 from rich.progress import Progress, TimeElapsedColumn
 
+from shipyard.bench._common import console, finish, table
 from shipyard.harness.tools import default_tools
 from shipyard.harness.wire import ChatFormat
 from shipyard.models.resolve import load_hf

@@ -1,7 +1,7 @@
 """Reward integrity: the red-team corpus (`shipyard.tasks.redteam`) graded against real synthesized tasks.
 
 Tasks are synthesized, exactly as `shipyard synth` makes them, from the bundled example repo and from a real PyPI
-project fetched at run time (a pinned sdist checked against PyPI's sha256; see bench/synth.py). For every task the
+project fetched at run time (a pinned sdist checked against PyPI's sha256; see synth.py here). For every task the
 gold patch must score 1.0 and the empty patch 0 (otherwise the grader is broken the other way). Then every hack of
 the corpus is built for the task from what its sandbox shows, graded in a fresh sandbox, and run through the
 monitors as the final patch of a trajectory.
@@ -19,9 +19,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from _common import console, finish, table
 from synth import fetch_repos, repo_arguments
 
+from shipyard.bench._common import console, finish, table
 from shipyard.harness.trajectory import Trajectory
 from shipyard.sandbox.host import host
 from shipyard.sandbox.snapshot import snapshot_of

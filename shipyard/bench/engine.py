@@ -35,14 +35,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _common import finish, table
 
+from shipyard.bench._common import finish, table
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.local import LocalEngine
 from shipyard.models.resolve import load_hf
 from shipyard.train.memory import PeakRSS
 
-SOURCE = Path(__file__).resolve().parent.parent / "shipyard"  # text to tokenize: the package's own source
+SOURCE = Path(__file__).resolve().parents[1]  # text to tokenize: the package's own source
 
 
 @dataclass

@@ -6,7 +6,7 @@ masks, advantages) so that shipyard's trainer can be timed on the same batches. 
 (`TASKS`); completions end where the model stops (`--lengths natural`, at most `--completion` tokens) or are forced
 to exactly `--completion` tokens (`--lengths fixed`).
 
-    python bench/_trl_grpo.py --model M --out FILE.pt [--prompts 2 --generations 4 --completion 64 --steps 3]
+    python -m shipyard.bench._trl_grpo --model M --out FILE.pt [--prompts 2 --generations 4 --completion 64 --steps 3]
 """
 
 from __future__ import annotations

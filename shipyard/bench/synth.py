@@ -23,11 +23,11 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-from _common import console, finish, table
 
+from shipyard.bench._common import console, finish, table
+from shipyard.rollout.demo import EXAMPLE_REPO
 from shipyard.tasks.synth import SynthConfig, Synthesizer
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pocketlib"
 PROJECTS = ["cachetools==8.0.1", "parse==1.22.4"]
 
 
@@ -85,7 +85,7 @@ def repo_arguments(max_tasks: int) -> argparse.ArgumentParser:
 def fetch_repos(args: argparse.Namespace, default: list[str], work: Path) -> dict[str, Path]:
     """name → source tree: the example repo unless --no-example, then each --project (or `default`) sdist, all
     downloaded before any work so that a bad spec fails first."""
-    repos = {} if args.no_example else {"examples/pocketlib": EXAMPLE}
+    repos = {} if args.no_example else {"examples/pocketlib": EXAMPLE_REPO}
     for spec in args.project or default:
         (work / spec).mkdir()
         repos[spec] = fetch_sdist(spec, args.index, work / spec)

@@ -18,8 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import finish, table
-
+from shipyard.bench._common import finish, table
 from shipyard.harness.loop import Agent, LoopConfig, ToolExecutor
 from shipyard.harness.parse import ToolCallParser
 from shipyard.harness.tools import ToolContext, default_tools

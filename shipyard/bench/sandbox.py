@@ -27,8 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _common import finish, table
-
+from shipyard.bench._common import finish, table
 from shipyard.httpguard import new_token
 from shipyard.sandbox.client import EnvClient
 from shipyard.sandbox.host import host
