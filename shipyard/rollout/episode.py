@@ -53,7 +53,7 @@ from shipyard.sandbox.host import host
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import snapshot_of
 from shipyard.tasks.grade import read_gold
-from shipyard.tasks.monitors import monitor
+from shipyard.tasks.monitors import monitor, verdict_flags
 from shipyard.tasks.patchparse import parse_patch
 from shipyard.tasks.taskset import load_task
 
@@ -157,7 +157,8 @@ def run_episode(spec: EpisodeSpec, engine: Engine, env: Environment, config: Epi
         timings["tools"] = sum(t.tools_seconds for t in traj.turns)
         _conclude(rollout, traj, spec, env, config, cancelled)
         if config.monitors:
-            rollout.monitor_flags = [asdict(f) for f in monitor(traj, deleted_source(task_dir))]
+            flags = monitor(traj, deleted_source(task_dir)) + verdict_flags(rollout.verdict, len(traj.turns))
+            rollout.monitor_flags = [asdict(f) for f in flags]
     timings["total"] = time.monotonic() - start
     return rollout
 

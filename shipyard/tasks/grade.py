@@ -66,6 +66,8 @@ from shipyard.harness.workspace import MAX_DIR_ENTRIES
 from shipyard.sandbox.host import host
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import snapshot_of
+from shipyard.tasks import differential
+from shipyard.tasks.differential import Case
 from shipyard.tasks.patchparse import FileChange, parse_patch
 from shipyard.tasks.patchscan import change_problems, is_test_config, steering
 from shipyard.tasks.suite import Canary, NoReport, SuiteRun, canary_problems, printable, run_suite, top_level_configs
@@ -84,7 +86,8 @@ LINK_MODES = {b"120000", b"160000"}
 @dataclass
 class Verdict:
     task: str
-    status: str  # graded | patch_rejected | patch_failed | tampered | no_report | crashed | timeout | infra_error
+    status: str  # graded | patch_rejected | patch_failed | tampered | differential_failed | no_report | crashed |
+    #              timeout | infra_error
     reward: float | None
     passed_fraction: float = 0.0
     fail_to_pass: dict[str, int] = field(default_factory=dict)  # passed, total
@@ -93,7 +96,8 @@ class Verdict:
     failed: list[str] = field(default_factory=list)
     restored: list[str] = field(default_factory=list)  # canonical files the patch had left as something else
     collection_errors: list[str] = field(default_factory=list)
-    evidence: list[str] = field(default_factory=list)  # what the gate or the tamper checks found
+    evidence: list[str] = field(default_factory=list)  # what the gate, the tamper or differential checks found
+    differential: dict[str, int] = field(default_factory=dict)  # cases, failed: when the check ran
     detail: str = ""
     seconds: float = 0.0
 
@@ -277,6 +281,8 @@ def grade(task: Task, task_dir: Path, patch: str, timeout: float = 900, snapshot
     check_task(task, task_dir, str(task_dir / "task.json"))
     canonical = {rel: read_canonical(task_dir, rel) for rel in task.test_files}
     gold = read_gold(task_dir)
+    diff = differential.load(task_dir)
+    cases = diff.cases if diff is not None else []
     verdict = Verdict(task.id, "graded", 0.0)
     try:
         why = unreadable(patch)
@@ -287,7 +293,7 @@ def grade(task: Task, task_dir: Path, patch: str, timeout: float = 900, snapshot
         if problems:
             return verdict.conclude("patch_rejected", f"the patch may not be applied: {'; '.join(problems)}",
                                     evidence=problems)
-        _in_sandbox(verdict, task, task_dir, patch if changes else "", changes, canonical, timeout, snapshot)
+        _in_sandbox(verdict, task, task_dir, patch if changes else "", changes, canonical, timeout, snapshot, cases)
         return verdict
     finally:
         verdict.seconds = round(time.monotonic() - start, 2)
@@ -304,21 +310,22 @@ def unreadable(patch: str) -> str:
 
 
 def _in_sandbox(verdict: Verdict, task: Task, task_dir: Path, patch: str, changes: list[FileChange],
-                canonical: dict[str, bytes], timeout: float, snapshot: Path | None) -> None:
+                canonical: dict[str, bytes], timeout: float, snapshot: Path | None, cases: list[Case]) -> None:
     expected_files = {t.split("::", 1)[0] for t in [*task.fail_to_pass, *task.pass_to_pass]}
     canaries = [Canary.new(rel) for rel in sorted(expected_files & set(canonical)) if rel.endswith(".py")]
     configs = top_level_configs(list(canonical))
     try:
         with (contextlib.nullcontext(snapshot) if snapshot is not None
               else snapshot_of(task_dir / "snapshot", host())) as snapshot:
-            _run_and_score(verdict, task, patch, changes, canonical, timeout, snapshot, configs, canaries)
+            _run_and_score(verdict, task, patch, changes, canonical, timeout, snapshot, configs, canaries, cases)
     except (OSError, RuntimeError) as e:  # making the snapshot: before any patch reached a sandbox
         verdict.conclude("infra_error", f"the grading sandbox's snapshot could not be made ({type(e).__name__})",
                          reward=None)
 
 
 def _run_and_score(verdict: Verdict, task: Task, patch: str, changes: list[FileChange], canonical: dict[str, bytes],
-                   timeout: float, snapshot: Path, configs: list[str], canaries: list[Canary]) -> None:
+                   timeout: float, snapshot: Path, configs: list[str], canaries: list[Canary],
+                   cases: list[Case]) -> None:
     try:
         sb = Sandbox(snapshot)
     except (OSError, RuntimeError) as e:
@@ -330,6 +337,13 @@ def _run_and_score(verdict: Verdict, task: Task, patch: str, changes: list[FileC
             apply_patch(sb, patch, changes)
         verdict.restored = _restore(sb, canonical, canaries)
         run = run_suite(sb, timeout=timeout, configs=configs, canaries=canaries)
+        _score(verdict, task, run, canaries)
+        if cases and verdict.status == "graded" and verdict.reward == 1.0:
+            results = differential.check(sb, cases, min(timeout, differential.CHECK_SECONDS))
+            if results is None:
+                failure = "differential_failed:the differential check of the patched code left no readable result"
+            else:
+                _differential(verdict, cases, results)
     except Refused as r:
         verdict.conclude(r.status, r.detail)
         return
@@ -347,11 +361,23 @@ def _run_and_score(verdict: Verdict, task: Task, patch: str, changes: list[FileC
         if control_run(snapshot, configs, timeout):
             verdict.conclude(status, f"{what}; a control run over the pristine snapshot passed, so the "
                                      "failure is the patch's doing")
+            if status == "differential_failed":
+                verdict.differential = {"cases": len(cases), "failed": len(cases)}
         else:
             verdict.conclude("infra_error", f"{what}, and a control run over the pristine snapshot failed too: "
                                             "the infrastructure is broken", reward=None)
-        return
-    _score(verdict, task, run, canaries)
+
+
+def _differential(verdict: Verdict, cases: list[Case], results: list[dict]) -> None:
+    """Score the differential check: one case whose result differs from the original's scores 0."""
+    differ = differential.differences(cases, results)
+    verdict.differential = {"cases": len(cases), "failed": len(differ)}
+    if differ:
+        tests_own = sum(" (recorded) " in d for d in differ)
+        verdict.conclude("differential_failed", f"the tests pass, but the code differs from the original on "
+                                                f"{len(differ)} of {len(cases)} differential inputs ({tests_own} of "
+                                                "them the tests' own calls): it fits the tests, not the feature",
+                         evidence=differ)
 
 
 def _close(sb: Sandbox) -> None:

@@ -118,7 +118,8 @@ _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _sha256, _sorted, _len = hashlib.sha256, sorted, len
 _STREAMS = (sys.stdout, sys.stderr)
 
-if __name__ == "__main__":  # the launcher: its copy of testcode lies beside it (never imported by name from sys.path)
+if __name__ != "shipyard.tasks.pytest_plugin":  # a copy in a run directory (the launcher, or loaded by the
+    # differential probe): its copy of testcode lies beside it (never imported by name from sys.path)
     _spec = importlib.util.spec_from_file_location("shipyard_testcode",
                                                    os.path.join(os.path.dirname(os.path.abspath(__file__)), TESTCODE))
     testcode = importlib.util.module_from_spec(_spec)

@@ -206,12 +206,21 @@ def top_level_configs(paths: list[str]) -> list[str]:
     return [p for p in paths if p in CONFIG_NAMES]
 
 
-def run_suite(ws: Workspace, tests: list[str] | None = None, *, coverage: bool = False, timeout: float = 900,
-              python: str = PYTHON, configs: list[str] | None = None, canaries: list[Canary] = ()) -> SuiteRun:
-    """Run pytest (all of the suite, or the given node ids) in `ws`: outcomes, the seal, and coverage per test if
-    asked. `configs`: the root-level configuration files pytest may choose from (None: those in the workspace);
-    `canaries`: tests already appended to their modules, to collect. Raises TimeoutError past `timeout` and
-    `NoReport` when no readable report came back."""
+@dataclass(frozen=True)
+class Launch:
+    """A prepared test run: its run directory (relative to the workspace), nonce, settings file (the path the
+    sandbox sees) and the scrubbed environment to start the launcher with."""
+
+    run_dir: str
+    nonce: str
+    settings: str
+    env: dict[str, str]
+
+
+def prepare_launch(ws: Workspace, tests: list[str] | None = None, *, coverage: bool = False,
+                   configs: list[str] | None = None, canaries: list[Canary] = ()) -> Launch:
+    """Write the launcher, its test-code reader and its settings into a fresh run directory of `ws` (see
+    `run_suite` for the arguments); the launcher is then started as `python -I -B RUN_DIR/LAUNCHER SETTINGS`."""
     run_dir, nonce, root = f"{RUN_PREFIX}{secrets.token_hex(8)}", secrets.token_hex(16), ws.exec_root
     if configs is None:
         configs = [e.name for e in ws.listdir(".") if e.kind == "file" and e.name in CONFIG_NAMES]
@@ -225,8 +234,19 @@ def run_suite(ws: Workspace, tests: list[str] | None = None, *, coverage: bool =
     ws.write_bytes(f"{run_dir}/{TESTCODE}", Path(testcode.__file__).read_bytes())
     ws.write_bytes(f"{run_dir}/settings.json", json.dumps(settings).encode())
     env = {k: v for k, v in ws.environment().items() if not k.startswith(SCRUBBED)}
-    argv = [python, "-I", "-B", f"{root}/{run_dir}/{LAUNCHER}", f"{root}/{run_dir}/settings.json"]
-    result = ws.run(argv, timeout=timeout, cwd=root, env=env)
+    return Launch(run_dir, nonce, f"{root}/{run_dir}/settings.json", env)
+
+
+def run_suite(ws: Workspace, tests: list[str] | None = None, *, coverage: bool = False, timeout: float = 900,
+              python: str = PYTHON, configs: list[str] | None = None, canaries: list[Canary] = ()) -> SuiteRun:
+    """Run pytest (all of the suite, or the given node ids) in `ws`: outcomes, the seal, and coverage per test if
+    asked. `configs`: the root-level configuration files pytest may choose from (None: those in the workspace);
+    `canaries`: tests already appended to their modules, to collect. Raises TimeoutError past `timeout` and
+    `NoReport` when no readable report came back."""
+    launch = prepare_launch(ws, tests, coverage=coverage, configs=configs, canaries=canaries)
+    run_dir, nonce, root = launch.run_dir, launch.nonce, ws.exec_root
+    argv = [python, "-I", "-B", f"{root}/{run_dir}/{LAUNCHER}", launch.settings]
+    result = ws.run(argv, timeout=timeout, cwd=root, env=launch.env)
     output = result.output.decode(errors="replace")
     if result.timed_out:
         raise TimeoutError(f"the test suite did not finish in {timeout:g} s:\n{output[-2000:]}")

@@ -35,6 +35,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from shipyard.harness.confined import PathError, Tree
 from shipyard.harness.workspace import tree_diff
@@ -42,10 +43,12 @@ from shipyard.sandbox.bwrap import sandbox_cpu
 from shipyard.sandbox.host import host
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import snapshot_of
+from shipyard.tasks import differential
 from shipyard.tasks.deletion import DeletionError, delete_feature
 from shipyard.tasks.environment import VENV, prepare, project_requirements, regular_files
 from shipyard.tasks.features import Feature, candidates, reach, source_files, symbols_of
-from shipyard.tasks.grade import grade
+from shipyard.tasks.grade import Refused, apply_patch, grade
+from shipyard.tasks.patchparse import parse_patch
 from shipyard.tasks.patchscan import is_test_config
 from shipyard.tasks.scrub import fingerprints, fresh_commit, scan, scrub, third_party_files
 from shipyard.tasks.statement import statement, stub_source
@@ -66,6 +69,7 @@ class SynthConfig:
     wheel_cache: Path | None = None  # where downloaded wheels are kept (default ~/.cache/shipyard/wheels)
     index_url: str | None = None  # the package index for downloads (default: pip's configured one, else PyPI)
     search_index: bool = True  # give each task its codebase_search index (shipyard.search.service.index_tasks)
+    differential: bool = True  # record differential cases from the original code (shipyard.tasks.differential)
     embedder: str = "minilm"  # the index's embedding model
 
     def __post_init__(self) -> None:
@@ -96,6 +100,19 @@ class SynthReport:
     seconds: float = 0.0
     cpu_seconds: float = 0.0
     unmeasured_sandboxes: int = 0  # sandboxes whose CPU time the host could not count (no cgroup cpu accounting)
+    differential: dict[str, Any] = field(default_factory=dict)  # coverage of the differential check (see `cover`)
+
+    def cover(self, task: Task) -> None:
+        """Count an accepted task in the differential coverage: tasks with cases, cases, why the others have none."""
+        d = self.differential or {"tasks": 0, "with_cases": 0, "cases": 0, "why_none": {}}
+        d["tasks"] += 1
+        cases = task.differential.get("cases", 0)
+        d["with_cases"] += cases > 0
+        d["cases"] += cases
+        if not cases:
+            why = task.differential.get("why_none", "not recorded")
+            d["why_none"][why] = d["why_none"].get(why, 0) + 1
+        self.differential = d
 
     @property
     def yield_(self) -> float:
@@ -271,6 +288,7 @@ class Synthesizer:
             used[tier] |= set(feature.symbols)
             per_tier[tier] += 1
             self.report.accepted.append(task.id)
+            self.report.cover(task)
             index.append({"id": task.id, "tier": task.tier, "fail_to_pass": len(task.fail_to_pass),
                           "lines_deleted": task.lines_deleted})
             self.log(f"  accepted {task.id} ({len(task.fail_to_pass)} FAIL_TO_PASS)")
@@ -364,6 +382,12 @@ class Synthesizer:
         step("p2p_pass", empty.pass_to_pass["passed"] == empty.pass_to_pass["total"], t0, "p2p_broken",
              ", ".join(t for t in empty.failed if t in set(task.pass_to_pass))[:500])
         (stage / "gold.patch").write_text(gold)
+        if self.config.differential:  # before the oracle runs: the gold patch must pass its own cases too
+            t0 = time.monotonic()
+            diff = self._record(task, stage, gold, snap)
+            differential.save(stage, diff)
+            task.differential = {**diff.summary(), "why_none": diff.why_none()}
+            step("differential", True, t0, "", cases=len(diff.cases), why_none=diff.why_none())
         for i in range(self.config.oracle_runs):
             t0 = time.monotonic()
             v = grade(task, stage, gold, self.config.timeout, snap)
@@ -372,6 +396,19 @@ class Synthesizer:
         t0 = time.monotonic()
         v = grade(task, stage, stub, self.config.timeout, snap)
         step("stub_fails", v.reward == 0.0, t0, "stub_passes", v.status)
+
+    def _record(self, task: Task, stage: Path, gold: str, snap: Path) -> differential.Differential:
+        """The task's differential cases, recorded from the original code: a sandbox over the task's snapshot with
+        the gold patch applied and the canonical tests in place."""
+        try:
+            with Sandbox(snap) as sb:
+                apply_patch(sb, gold, parse_patch(gold))
+                for rel in task.test_files:
+                    sb.write_bytes(rel, (stage / "tests" / rel).read_bytes())
+                seed = int.from_bytes(hashlib.sha256(task.id.encode()).digest()[:4], "big")
+                return differential.record(sb, task, self.config.timeout, seed)
+        except (OSError, RuntimeError, ValueError, Refused) as e:  # the task stays valid, without cases
+            return differential.Differential(reasons={f"the recording sandbox failed ({type(e).__name__})": 1})
 
     def _stub_patch(self, tree: Path, feature: Feature, stage: Path) -> str:
         """The deleted functions implemented as `return None` (T3: stub definitions appended to the module)."""

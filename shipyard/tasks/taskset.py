@@ -77,6 +77,7 @@ class Task:
     test_files: list[str] = field(default_factory=list)  # repo paths restored from tests/ before grading
     fingerprints: int = 0  # how many unique fingerprints of the deleted code the leak scan searched for
     validation: list[dict[str, Any]] = field(default_factory=list)  # each step: name, ok, seconds, details
+    differential: dict[str, Any] = field(default_factory=dict)  # `differential.Differential.summary()`
     version: int = TASK_VERSION
 
     @property
@@ -105,7 +106,7 @@ TASK = TypeAdapter(Task)
 INDEX_ENTRY = TypeAdapter(IndexEntry)
 
 
-def _schema_problem(e: ValidationError) -> str:
+def schema_problem(e: ValidationError) -> str:
     """The first of pydantic's errors as 'field X: problem' (and how many more there are)."""
     errors = e.errors(include_url=False)
     first = errors[0]
@@ -296,7 +297,7 @@ def load_task(tasks_dir: Path, task_id: str) -> tuple[Task, Path]:
     try:
         task = TASK.validate_json(data)
     except ValidationError as e:
-        raise TaskFormatError(f"{path} is not a valid task file: {_schema_problem(e)}; {RECREATE}") from None
+        raise TaskFormatError(f"{path} is not a valid task file: {schema_problem(e)}; {RECREATE}") from None
     check_task(task, task_dir, str(path))
     _real_dir(task_dir, "snapshot")
     return task, task_dir
@@ -314,7 +315,7 @@ def list_tasks(tasks_dir: Path) -> list[str]:
             entry = INDEX_ENTRY.validate_json(line)
             check_name(entry.id, "task id")
         except ValidationError as e:
-            raise TaskFormatError(f"{index} line {number}: {_schema_problem(e)}; {RECREATE}") from None
+            raise TaskFormatError(f"{index} line {number}: {schema_problem(e)}; {RECREATE}") from None
         except ValueError as e:
             raise TaskFormatError(f"{index} line {number}: {e}; {RECREATE}") from None
         ids.append(entry.id)
