@@ -13,7 +13,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-EXAMPLE_REPO = Path(__file__).resolve().parent.parent.parent / "examples" / "pocketlib"
+# The example repository ships in the package: in a source checkout shipyard/examples links to the top-level
+# examples/ (resolved here, so a checkout names the real folder); an installed wheel holds a copy.
+EXAMPLE_REPO = (Path(__file__).resolve().parent.parent / "examples" / "pocketlib").resolve()
 DEMO_TASK = ("The test suite of this repository fails. Run the tests with `python -m pytest -q`, find the bug in "
              "the library code (not in the tests) and fix it with search_replace. Then run the tests again.")
 DEMO_BUG = ("pocketlib/roman.py", "        while number >= value:", "        while number > value:")  # path, good, bad
@@ -23,7 +25,7 @@ DEMO_REPLAY = EXAMPLE_REPO.parent / "replays" / "demo_fix.jsonl"  # a scripted e
 def copy_example(dest: Path | None = None) -> Path:
     """A fresh copy of the example repository (in a new temporary directory unless `dest` is given); its path."""
     if not EXAMPLE_REPO.is_dir():
-        raise FileNotFoundError(f"the example repository is missing at {EXAMPLE_REPO}; run from a source checkout")
+        raise FileNotFoundError(f"the example repository is missing at {EXAMPLE_REPO}")
     dest = dest or Path(tempfile.mkdtemp(prefix="shipyard-demo-")) / "pocketlib"
     shutil.copytree(EXAMPLE_REPO, dest, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
     return dest

@@ -218,7 +218,9 @@ def shipyard_source(h: Host) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
     tmp = dest.with_name(f"{digest}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        shutil.copytree(package, tmp / "shipyard", ignore=shutil.ignore_patterns("__pycache__"))
+        # symlinks=True: a checkout's shipyard/examples links to the example repository (data no session imports,
+        # and rglob above does not follow the link); copied as the link, so the copy is what the digest names.
+        shutil.copytree(package, tmp / "shipyard", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
         compileall.compile_dir(tmp / "shipyard", quiet=1, ddir=f"{SOURCE_MOUNT}/shipyard")
         subprocess.run(["chmod", "-R", "a+rX", str(tmp)], check=True)
         os.rename(tmp, dest)  # fails once another build is in place (a non-empty directory)
