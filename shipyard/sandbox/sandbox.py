@@ -366,7 +366,9 @@ class Sandbox(SessionWorkspace):
             if not isinstance(e, SessionRestarted):
                 problem = f"{type(e).__name__}: {e}"
             else:
-                problem = "it exited before answering" if proc.poll() is not None else "it did not answer in 30 s"
+                # its reply pipe closed (RESTARTED) as it exited, which may be before it is reaped
+                exited = str(e) == RESTARTED or proc.poll() is not None
+                problem = "it exited before answering" if exited else "it did not answer in 30 s"
             kill_group(proc.pid)
             proc.wait()
             channel.close()

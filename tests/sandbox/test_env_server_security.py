@@ -27,7 +27,7 @@ from shipyard.sandbox.bwrap import Limits
 from shipyard.sandbox.client import EnvClient, EnvServerError
 from shipyard.sandbox.host import host
 from shipyard.sandbox.layout import mounted_under, shipyard_cgroups
-from shipyard.sandbox.sandbox import Sandbox
+from shipyard.sandbox.sandbox import Sandbox, SandboxFailed
 from shipyard.sandbox.server import ServerConfig, create_app
 from shipyard.sandbox.snapshot import CopyBounds, SnapshotRefused, make_snapshot, remove_snapshot
 
@@ -121,9 +121,13 @@ def test_health_needs_no_token_and_a_wrong_token_is_a_clear_client_error(server)
 def test_snapshots_outside_the_allowed_roots_are_refused(http, server, root, path):
     name = unique("outside")
     resp = http.post("/snapshots", json={"path": path, "name": name})
-    assert resp.status_code in (403, 422), resp.text
-    if resp.status_code == 403:
-        assert str(root) in error(resp)  # the reason names what is allowed
+    if path.startswith("/"):
+        assert resp.status_code == 403, resp.text
+        assert error(resp).startswith(f"{path} is outside the directories this server may snapshot (allowed roots: "
+                                      f"{root},")  # the reason names what is allowed
+    else:  # a relative path is refused before it is judged against the roots
+        assert resp.status_code == 422, resp.text
+        assert error(resp) == f"path {path!r} must be absolute (a directory on the server's host)"
     assert leftovers(name) == [] and name not in server[1].snapshots
 
 
@@ -378,7 +382,7 @@ def test_a_create_that_fails_after_its_layout_exists_leaves_nothing(root):
     sandbox_id = unique("failed")
     own_cgroups = lambda: {g for g in shipyard_cgroups() if g.name.startswith(f"shipyard-{os.getpid()}-")}  # noqa: E731
     before = own_cgroups()
-    with pytest.raises(Exception):  # noqa: B017 (whatever the failure, the cleanup is the point)
+    with pytest.raises(SandboxFailed, match=rf"^the exec session of sandbox {sandbox_id} did not start \("):
         Sandbox(root / "no-such-snapshot", Limits(memory_mb=256), sandbox_id=sandbox_id)
     d = host().state_dir / "sandboxes" / sandbox_id
     assert not d.exists() and not mounted_under(d.parent / sandbox_id)
