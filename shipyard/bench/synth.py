@@ -69,7 +69,7 @@ def synthesize(name: str, repo: Path, out: Path, config: SynthConfig) -> dict:
             "tried": report.tried, "accepted": len(report.accepted), "yield": round(report.yield_, 3),
             "tiers": {f"T{t}": tiers[t] for t in sorted(tiers)}, "rejections": dict(report.rejections),
             "seconds": report.seconds, "cpu_seconds": report.cpu_seconds,
-            "tasks_per_cpu_hour": round(report.tasks_per_cpu_hour, 1)}
+            "tasks_per_cpu_hour": round(report.tasks_per_cpu_hour, 1), "differential": report.differential}
 
 
 def repo_arguments(max_tasks: int) -> argparse.ArgumentParser:
@@ -107,8 +107,16 @@ def main() -> None:
             r["cpu_seconds"], r["tasks_per_cpu_hour"]] for r in results])
     table("rejection reasons", ["project", "reason", "count"],
           [[r["project"], reason, n] for r in results for reason, n in sorted(r["rejections"].items())])
-    finish("synth", {"max_tasks": args.max_tasks, "projects": results,
-                     "targets_met": all(r["yield"] >= 0.4 and r["tasks_per_cpu_hour"] >= 30 for r in results)})
+    coverage = [[r["project"], tier, d["tasks"], d["with_cases"], d["cases"],
+                 "; ".join(f"{why} ({n})" for why, n in d["why_none"].items()) or "-"]
+                for r in results for tier, d in sorted(r["differential"].items())]
+    table("differential checks (issue 28: cases on >= 70 % of T1 tasks)",
+          ["project", "tier", "tasks", "with cases", "cases", "why none"], coverage)
+    t1 = [r["differential"]["T1"] for r in results if "T1" in r["differential"]]
+    t1_share = round(sum(d["with_cases"] for d in t1) / max(1, sum(d["tasks"] for d in t1)), 3)
+    finish("synth", {"max_tasks": args.max_tasks, "projects": results, "differential_t1_share": t1_share,
+                     "targets_met": all(r["yield"] >= 0.4 and r["tasks_per_cpu_hour"] >= 30 for r in results),
+                     "differential_target_met": t1_share >= 0.7})
 
 
 if __name__ == "__main__":

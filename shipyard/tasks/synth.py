@@ -35,7 +35,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from shipyard.harness.confined import PathError, Tree
 from shipyard.harness.workspace import tree_diff
@@ -100,19 +99,19 @@ class SynthReport:
     seconds: float = 0.0
     cpu_seconds: float = 0.0
     unmeasured_sandboxes: int = 0  # sandboxes whose CPU time the host could not count (no cgroup cpu accounting)
-    differential: dict[str, Any] = field(default_factory=dict)  # coverage of the differential check (see `cover`)
+    differential: dict[str, dict] = field(default_factory=dict)  # per tier ("T1"…): the differential check's reach
 
     def cover(self, task: Task) -> None:
-        """Count an accepted task in the differential coverage: tasks with cases, cases, why the others have none."""
-        d = self.differential or {"tasks": 0, "with_cases": 0, "cases": 0, "why_none": {}}
-        d["tasks"] += 1
+        """Count an accepted task in its tier's differential coverage: tasks, tasks with cases, cases, and why the
+        others have none."""
+        d = self.differential.setdefault(f"T{task.tier}", {"tasks": 0, "with_cases": 0, "cases": 0, "why_none": {}})
         cases = task.differential.get("cases", 0)
+        d["tasks"] += 1
         d["with_cases"] += cases > 0
         d["cases"] += cases
         if not cases:
-            why = task.differential.get("why_none", "not recorded")
+            why = task.differential.get("why_none") or "synthesized without differential cases"
             d["why_none"][why] = d["why_none"].get(why, 0) + 1
-        self.differential = d
 
     @property
     def yield_(self) -> float:
@@ -131,7 +130,8 @@ class SynthReport:
     def headline(self) -> dict:
         """The figures `shipyard synth` prints: yield, rate, tries, rejections by reason, seconds."""
         summary = self.to_json()
-        return {k: summary[k] for k in ("yield", "tasks_per_cpu_hour", "tried", "rejections", "seconds")}
+        return {k: summary[k] for k in ("yield", "tasks_per_cpu_hour", "tried", "rejections", "differential",
+                                        "seconds")}
 
 
 class Rejected(Exception):

@@ -37,7 +37,7 @@ def test_synth_makes_validated_tasks_of_every_tier(taskset):
     for task in tasks:
         names = [s["name"] for s in task.validation]
         assert names == ["delete", "scrub", "leak_scan", "collects", "tests_present", "f2p_fail", "p2p_pass",
-                         "oracle_1", "oracle_2", "oracle_3", "stub_fails"]
+                         "differential", "oracle_1", "oracle_2", "oracle_3", "stub_fails"]
         assert all(s["ok"] for s in task.validation)
         assert task.fail_to_pass and task.pass_to_pass and task.source["repo"] == str(repo)
         snapshot = out / task.id / "snapshot"
