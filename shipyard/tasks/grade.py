@@ -30,7 +30,11 @@ test run could be talked into saying. In order:
    evidence of tampering, which scores 0 whatever the tests said, status `tampered`: a must-fail canary passed
    (outcomes were forced), canaries missing or wrong in a run that would have scored 1, a report that does not
    match the launcher's seal, or changes to pytest's machinery during the run.
-7. **Failures are the patch's unless proven otherwise.** A suite past its timeout → `timeout`, 0. No readable
+7. **Differential check** (`shipyard.tasks.differential`), when the tests said 1 and the task has cases: the
+   candidate is called in the same sandbox on inputs recorded from the tests and perturbed, and compared with the
+   original's results kept beside the task. One that differs → `differential_failed`, 0: code that fits the tests
+   (a lookup table of their inputs) is not the feature. A probe that left no result goes to the control run below.
+8. **Failures are the patch's unless proven otherwise.** A suite past its timeout → `timeout`, 0. No readable
    report, or a sandbox session that died once the patch was in it → a **control run**: a fresh sandbox over the
    same pristine snapshot runs a module of canaries the same way. If it works, the infrastructure works, and the
    failure was the patch's doing → `no_report` or `crashed`, reward 0. Only if the control fails too →
