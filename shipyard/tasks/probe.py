@@ -56,10 +56,12 @@ MAX_ITEMS = 10_000  # items taken from a generator
 MAX_NODES = 20_000  # values in one canonical form
 MAX_DEPTH = 24
 MAX_INPUT = 64 << 10  # bytes of one pickled input
+MAX_OUTPUT = 256 << 10  # characters of one recorded result's JSON (the task's file stays far under its cap)
 MAX_REPR = 4096
 RECORDED = 12  # distinct recorded inputs kept per function
 PERTURBED = 16  # perturbed inputs kept per function
 ATTEMPTS = 64  # perturbations tried per function
+MAX_CASES = 48  # per task (a deleted class has many methods): its check stays within the grader's time for it
 CO_VARARGS, CO_VARKEYWORDS, CO_GENERATOR, CO_COROUTINE, CO_ASYNC_GENERATOR = 0x04, 0x08, 0x20, 0x80, 0x200
 
 
@@ -343,6 +345,10 @@ def record(settings: dict) -> dict:
                 first, again = call_case(func, blob), call_case(func, blob)
                 if first != again:
                     recorder.note("the function's result differs between two calls (randomness or state)")
+                elif len(json.dumps(first)) > MAX_OUTPUT:
+                    recorder.note("the result is too large to keep")
+                elif len(cases) >= MAX_CASES:
+                    recorder.note("past the task's number of cases")
                 elif "raises" in first and (origin == "perturbed" or first["raises"][0] in ("timeout", "too_large")):
                     recorder.note("a perturbed input the original refuses" if origin == "perturbed"
                                   else f"a recorded call {first['raises'][0]}")
