@@ -166,7 +166,8 @@ def test_trajectories_saved_before_error_kind_still_load(workspace, tmp_path):
     path = tmp_path / "old.json"
     path.write_text(json.dumps(data))
     old = Trajectory.load(path)
-    assert old.turns[0].calls[0].error is not None and old.turns[0].calls[0].error_kind is None
+    assert old.turns[0].calls[0].error == traj.turns[0].calls[0].error and old.turns[0].calls[0].error_kind is None
+    assert old.turns[0].calls[0].error.startswith("tool call #1 (nope): unknown tool 'nope'. Available tools: ")
     assert old.token_ids() == traj.token_ids()
     assert Trajectory.from_dict(traj.to_dict()).turns[0].calls[0].error_kind == "unknown_tool"
 

@@ -30,11 +30,14 @@ from shipyard.harness.tools.edit import delete_file, search_replace, write_file
 from shipyard.harness.tools.files import glob, grep, list_dir, read_file
 from shipyard.harness.tools.lint import read_lints
 from shipyard.harness.tools.terminal import run_terminal
-from shipyard.harness.trajectory import Trajectory
+from shipyard.harness.trajectory import ERROR_KINDS, Trajectory
 from shipyard.harness.workspace import MAX_FILE_BYTES, LocalWorkspace, PathError
 from shipyard.models.replay import ReplayEngine
 
 REFUSED = (ToolError, PathError)
+NUL_PATH = "the path contains a NUL byte, which no file name can hold."
+SURROGATE_PATH = ("the path contains '\\ud800', a lone surrogate that no file name can hold; write the name in "
+                  "plain UTF-8.")
 
 
 @pytest.fixture
@@ -78,6 +81,7 @@ def bounded(fn, *args, seconds: float = 15, **kwargs):
 def refused(fn, *args, match: str | None = None, seconds: float = 15, **kwargs) -> str:
     """The call must fail with a message for the model (ToolError/PathError), in time; returns the message."""
     outcome = bounded(fn, *args, seconds=seconds, **kwargs)
+    # either class is the contract (what the model is told); `match` checks the message itself
     assert isinstance(outcome, REFUSED), f"{fn.__name__}{args!r:.100} gave {type(outcome).__name__}: {outcome!r:.300}"
     if match is not None:
         assert match.lower() in str(outcome).lower(), str(outcome)
@@ -85,7 +89,7 @@ def refused(fn, *args, match: str | None = None, seconds: float = 15, **kwargs) 
 
 
 def answered(fn, *args, seconds: float = 15, **kwargs) -> str:
-    """The call must succeed (return text), in time."""
+    """The call must succeed (return text), in time; callers check the text."""
     outcome = bounded(fn, *args, seconds=seconds, **kwargs)
     assert isinstance(outcome, str), f"{fn.__name__}{args!r:.100} gave {type(outcome).__name__}: {outcome!r:.300}"
     return outcome
@@ -95,15 +99,15 @@ def answered(fn, *args, seconds: float = 15, **kwargs) -> str:
 def test_nul_bytes_in_any_argument_are_tool_errors(ctx):
     refused(grep, ctx, "a\x00b", match="NUL")
     refused(grep, ctx, "x", glob="*\x00.py", match="NUL")
-    refused(grep, ctx, "x", path="po\x00cketlib")
+    refused(grep, ctx, "x", path="po\x00cketlib", match=NUL_PATH)
     refused(run_terminal, ctx, "echo a\x00b", match="NUL")
     refused(run_terminal, ctx, "echo a\x00b", background=True, match="NUL")
     refused(glob, ctx, "*\x00.py", match="NUL")
-    refused(glob, ctx, "*.py", path="a\x00")
+    refused(glob, ctx, "*.py", path="a\x00", match=NUL_PATH)
     for tool, extra in ((read_file, {}), (list_dir, {}), (write_file, {"content": "x"}), (delete_file, {}),
                         (search_replace, {"old_string": "a", "new_string": "b"})):
-        refused(tool, ctx, "README.md\x00", **extra)
-    refused(read_lints, ctx, ["pocketlib\x00"])
+        refused(tool, ctx, "README.md\x00", match=NUL_PATH, **extra)
+    refused(read_lints, ctx, ["pocketlib\x00"], match=NUL_PATH)
     assert "[exit code 0]" in answered(run_terminal, ctx, "true")  # the session survived
 
 
@@ -111,19 +115,22 @@ def test_unencodable_strings_are_tool_errors(ctx):
     """A JSON string may hold a lone surrogate ("\\ud800"); no file name or argv can carry it."""
     for tool, extra in ((read_file, {}), (list_dir, {}), (write_file, {"content": "x"}), (delete_file, {}),
                         (search_replace, {"old_string": "a", "new_string": "b"})):
-        refused(tool, ctx, "a\ud800.py", **extra)
-    refused(grep, ctx, "\ud800")
-    refused(run_terminal, ctx, "echo \ud800")
-    refused(write_file, ctx, "ok.txt", "text \ud800")
-    refused(read_lints, ctx, ["\ud800"])
-    refused(glob, ctx, "*\ud800")
+        refused(tool, ctx, "a\ud800.py", match=SURROGATE_PATH, **extra)
+    text = "a lone surrogate that is not valid UTF-8; write plain UTF-8 text."
+    refused(grep, ctx, "\ud800", match="the pattern contains '\\ud800', " + text)
+    refused(run_terminal, ctx, "echo \ud800", match="the command contains '\\ud800', " + text)
+    refused(write_file, ctx, "ok.txt", "text \ud800",
+            match="the new text for 'ok.txt' contains '\\ud800', a lone surrogate that is not valid UTF-8; nothing was "
+                  "written.")
+    refused(read_lints, ctx, ["\ud800"], match=SURROGATE_PATH)
+    refused(glob, ctx, "*\ud800", match="the pattern contains '\\ud800', " + text)
 
 
 @pytest.mark.parametrize("path", ["a" * 5000, "x/" * 3000 + "f.py", "n" * 300 + ".py", "d/" + "n" * 300 + "/f.py"])
 def test_overlong_paths_are_tool_errors(ctx, path):
     refused(read_file, ctx, path, match="too long")
     refused(write_file, ctx, path, "x", match="too long")
-    refused(glob, ctx, "*", path=path)
+    refused(glob, ctx, "*", path=path, match="too long")
 
 
 def test_paths_with_newlines_and_undecodable_bytes_work(ctx, ws):
@@ -136,11 +143,27 @@ def test_paths_with_newlines_and_undecodable_bytes_work(ctx, ws):
     answered(glob, ctx, "*")
 
 
-@pytest.mark.parametrize("pattern", ["**a", "a**", "***", "**/**", "**/", "./**/*.py", "a//b", "[", "[!", "[]",
-                                     "]", "*" * 5000, " ", "\\", "pocketlib/**/**/*.py", "**" * 500, "*/" * 2000])
-def test_any_glob_pattern_is_an_answer_or_a_tool_error(ctx, pattern):
+NO_MATCH = "no paths match '{}' under '.'."
+
+
+@pytest.mark.parametrize(("pattern", "expected"), [
+    *((p, NO_MATCH) for p in ("**a", "a**", "a//b", "[", "[!", "[]", "]", "\\")),
+    ("***", "*"), ("**/**", "**/"), ("./**/*.py", "**/*.py"), ("pocketlib/**/**/*.py", "pocketlib/**/*.py"),
+    ("*" * 5000, PathError("the pattern is too long (5000 bytes; a path is at most 4095 bytes).")),
+    (" ", ToolError("the pattern is empty; e.g. '**/*.py' or 'tests/test_*.py'.")),
+    ("**" * 500, PathError("the pattern has a name that is too long (1000 bytes; one file or directory name is at "
+                           "most 255 bytes).")),
+    ("*/" * 2000, PathError("the pattern has 2000 path segments; at most 64.")),
+], ids=lambda v: repr(v)[:20] if isinstance(v, str) else type(v).__name__)
+def test_any_glob_pattern_is_an_answer_or_a_tool_error(ctx, pattern, expected):
     outcome = bounded(glob, ctx, pattern, seconds=10)
-    assert isinstance(outcome, str | ToolError | PathError), repr(outcome)
+    if isinstance(expected, Exception):
+        assert (type(outcome), str(outcome)) == (type(expected), str(expected))
+    elif expected == NO_MATCH:
+        assert outcome == NO_MATCH.format(pattern)
+    else:  # the answer of the plain pattern it means
+        same = answered(glob, ctx, expected)
+        assert outcome == same and not same.startswith("no paths match"), (outcome, same)
 
 
 def test_glob_semantics_are_kept(ctx):
@@ -184,6 +207,7 @@ def test_glob_stops_at_its_entry_budget_with_a_message(workspace, monkeypatch):
 
 def test_deep_trees(ctx, ws):
     """1100 levels (deeper than Python's recursion limit), and 2100 levels (longer than PATH_MAX)."""
+    shallow = ws.files(50)  # the example's 15 files
     for name, depth, file in (("d", 1100, "deep.py"), ("dd", 2100, "deeper.py")):  # one process: forks are slow
         sh(ws, f"python -c 'import os\nfor _ in range({depth}): os.mkdir(\"{name}\"); os.chdir(\"{name}\")\n"
                f"open(\"{file}\", \"w\").write(\"x = 1\")'")
@@ -194,8 +218,8 @@ def test_deep_trees(ctx, ws):
         assert "x = 1" in answered(read_file, ctx, deep)
         refused(read_file, ctx, "dd/" * 2100 + "deeper.py", match="too long")
         assert "d/" in answered(list_dir, ctx, "d/" * 1000)
-        files = bounded(ws.files, 50)
-        assert isinstance(files, list) and len(files) <= 51
+        files = bounded(ws.files, 50)  # deeper.py, past PATH_MAX, is left out
+        assert len(shallow) == 15 and files == shallow + ["d/" * 1100 + "deep.py"]  # breadth first
     finally:
         sh(ws, "rm -rf d dd")
 
@@ -218,7 +242,9 @@ def test_search_replace_work_is_bounded(ctx, ws):
                                                ("deep.toml", "x = " + "[" * 100_000 + "]" * 100_000)])
 def test_syntax_gate_survives_pathological_sources(ctx, ws, name, content):
     put(ws, name, "[]" if name.endswith(".json") else "")  # parses, so an edit that breaks it is refused
-    refused(write_file, ctx, name, content, seconds=30)
+    refused(write_file, ctx, name, content, seconds=30,
+            match=f"edit rejected: it would leave {name!r} with a syntax error — the parser gave up: the code is "
+                  "nested too deeply (or is too long a chain of operators). The file was not changed;")
     put(ws, name, content)  # already broken: editing it is allowed, with a warning
     out = answered(search_replace, ctx, name, content[:5], content[:5] + " ", replace_all=True, seconds=30)
     assert "does not parse" in out
@@ -238,7 +264,7 @@ def test_fifos_and_sockets_never_hang_a_tool(ctx, ws):
         refused(search_replace, ctx, name, "a", "b", match="not a regular file")
         refused(write_file, ctx, name, "x", match="not a regular file")
         refused(grep, ctx, "x", path=name, match="not a regular file")
-        assert isinstance(bounded(read_lints, ctx, [name], seconds=70), str | ToolError | PathError)
+        assert answered(read_lints, ctx, [name], seconds=70) == f"no Python files to lint in {name}."
     assert "fifo.txt" in answered(list_dir, ctx)
     assert "fifo.txt" in answered(glob, ctx, "fifo*")
     answered(grep, ctx, "to_roman", seconds=40)
@@ -266,11 +292,12 @@ def test_files_over_the_limit_are_refused_without_reading_them(ctx, ws):
 def test_symlink_loops(ctx, ws):
     sh(ws, "ln -s loop loop && ln -s b a && ln -s a b && mkdir up && ln -s .. up/root")
     for path in ("loop", "a/x.py", "loop/x"):
-        refused(read_file, ctx, path)
-        refused(write_file, ctx, path, "x")
-        refused(delete_file, ctx, path)
-        refused(list_dir, ctx, path)
-        refused(glob, ctx, "*", path=path)
+        loop = f"path {path!r} runs into a loop of symbolic links; use a path without them (`ls -l` in run_terminal"
+        refused(read_file, ctx, path, match=loop)
+        refused(write_file, ctx, path, "x", match=loop)
+        refused(delete_file, ctx, path, match=loop)
+        refused(list_dir, ctx, path, match=loop)
+        refused(glob, ctx, "*", path=path, match=loop)
     out = answered(glob, ctx, "**/*.py")
     assert "up/root" not in out and "pocketlib/roman.py" in out
     assert "loop" in answered(list_dir, ctx)
@@ -279,13 +306,13 @@ def test_symlink_loops(ctx, ws):
 
 def test_directory_where_a_file_is_expected(ctx, ws):
     refused(write_file, ctx, "pocketlib", "x", match="directory")
-    refused(write_file, ctx, "README.md/x.py", "x")
-    refused(read_file, ctx, "README.md/x.py")
+    refused(write_file, ctx, "README.md/x.py", "x", match="a part of 'README.md/x.py' is not a directory.")
+    refused(read_file, ctx, "README.md/x.py", match="'README.md/x.py' does not exist.")
     refused(search_replace, ctx, "tests", "a", "b", match="directory")
-    refused(ws.read_bytes, "pocketlib")
-    refused(ws.write_bytes, "pocketlib", b"x")
-    refused(ws.write_bytes, "README.md/x", b"x")
-    refused(ws.delete, "pocketlib")
+    refused(ws.read_bytes, "pocketlib", match="'pocketlib' is a directory.")
+    refused(ws.write_bytes, "pocketlib", b"x", match="'pocketlib' is a directory.")
+    refused(ws.write_bytes, "README.md/x", b"x", match="a part of 'README.md/x' is not a directory.")
+    refused(ws.delete, "pocketlib", match="'pocketlib' is a directory.")
 
 
 def test_permission_denied_is_a_tool_error(ctx, ws):
@@ -309,7 +336,7 @@ def test_swapped_for_a_symlink_after_resolve(ws, outside):
     for rel in (in_dir, top):
         refused(ws.read_bytes, rel, match="symbolic link")
         refused(ws.write_bytes, rel, b"pwned", match="symbolic link")
-    refused(ws.delete, in_dir)
+    refused(ws.delete, in_dir, match="symbolic link")
     refused(ws.listdir, "sub", match="symbolic link")
     assert sh(ws, f"cat {outside}/f.txt") == "SECRET\n"
     sh(ws, "rm g.txt && mkfifo g.txt")  # ... or with a FIFO
@@ -386,7 +413,8 @@ def test_hostile_episode_completes_with_tool_errors(ws, outside, tmp_path):
     assert errors >= {0, 1, 3, 10, 11, 12, 13, 21, 22, 23, 30, 41}, [c.error for c in calls]
     read, limited = traj.turns[2].calls[:2]
     assert read.error is None and "2\t" in read.output  # integral floats are integers
-    assert limited.error is not None
+    assert limited.error_kind == "malformed" and limited.error.startswith(
+        "tool call #2: a value in the JSON cannot be used (Exceeds the limit (4300 digits)")
     listing, txt, lints = traj.turns[3].calls[1:]
     assert listing.error is None and "odd" in listing.output and txt.error is None
     assert lints.error is None and "secret_token_xyz" not in lints.output and "SECRETLINE" not in lints.output
@@ -487,4 +515,10 @@ def test_parser_reports_json_python_will_not_decode():
     max_size=12).map("".join))
 def test_parser_never_raises(text):
     for parser in (ToolCallParser(default_tools()), ToolCallParser(default_tools(), "accept")):
-        parser.parse(text)
+        turn = parser.parse(text)
+        assert [c.index for c in turn.calls] == list(range(len(turn.calls)))
+        for c in turn.calls:
+            if c.error is None:
+                assert c.name in parser.tools and type(c.arguments) is dict and c.error_kind is None
+            else:
+                assert c.error.startswith(f"tool call #{c.index + 1}") and c.error_kind in ERROR_KINDS, c

@@ -172,7 +172,8 @@ def test_random_model_episode_ends_normally(workspace):
     engine = LocalEngine(model, tok)
     start = time.monotonic()
     traj = Agent(engine, workspace, LoopConfig(max_turns=2, max_new_tokens=64, seed=0)).run("fix it")
-    assert traj.stop_reason in ("finished", "max_turns", "repeated_failures")
+    # which normal end depends on a random model's text; never max_tokens, wall_time, infra_error or cancelled
+    assert traj.stop_reason in ("finished", "max_turns", "repeated_failures") and 1 <= len(traj.turns) <= 2
     assert time.monotonic() - start < 60
     assert all(len(t.logprobs) == len(t.completion_ids) for t in traj.turns)
 
