@@ -25,6 +25,7 @@ def test_template_shows_tools_and_stops_on_im_end(engine):
 def test_agent_episode_on_example_repo(engine, workspace):
     traj = Agent(engine, workspace, LoopConfig(max_turns=2, max_new_tokens=160, seed=0, temperature=0.3,
                                                untagged_calls="accept")).run("Run the tests and report the result.")
-    assert traj.stop_reason in ("finished", "max_turns", "repeated_failures")
+    # which normal end depends on a sampled model's text; never max_tokens, wall_time, infra_error or cancelled
+    assert traj.stop_reason in ("finished", "max_turns", "repeated_failures") and 1 <= len(traj.turns) <= 2
     assert all(len(t.completion_ids) == len(t.logprobs) > 0 for t in traj.turns)
     assert all(lp <= 0 for t in traj.turns for lp in t.logprobs)

@@ -258,9 +258,9 @@ def test_close_fails_what_is_running(tiny):
     while engine.stats["decode_steps"] < 2:
         time.sleep(0.01)
     engine.close()
-    with pytest.raises(EngineClosed):
+    with pytest.raises(EngineClosed, match=f"^engine {engine.name} was closed before this request finished$"):
         running.result(WAIT)
-    with pytest.raises(EngineClosed):
+    with pytest.raises(EngineClosed, match=f"^engine {engine.name} is closed$"):
         engine.submit(GenerationRequest(ids("late"), SamplingParams()))
 
 

@@ -126,7 +126,7 @@ def test_a_weight_push_changes_nothing_and_the_samples_stay_off_policy():
     engine = ReplayEngine(["hello"])
     engine.update_weights(1, {})
     engine.update_weights(2, {})
-    with pytest.raises(VersionConflict):
+    with pytest.raises(VersionConflict, match="^weights of version 2 pushed after version 2$"):
         engine.update_weights(2, {})
     assert engine.policy_version == -1
 

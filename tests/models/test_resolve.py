@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shipyard.errors import InputNotFound
 from shipyard.models.bundled import BundledModel, gguf_path
 from shipyard.models.local import LocalEngine
 from shipyard.models.replay import ReplayEngine
@@ -15,7 +16,7 @@ def test_local_directory_round_trip(tmp_path):
     model.save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
     engine = make_engine(str(tmp_path / "m"))
-    assert isinstance(engine, LocalEngine)
+    assert type(engine) is LocalEngine  # a local directory runs in-process
     loaded = engine.model.state_dict()
     for k, v in model.state_dict().items():
         torch.testing.assert_close(loaded[k].float(), v.to(torch.bfloat16).float())
@@ -45,7 +46,7 @@ def test_replay_engine_from_name(tmp_path):
     f.write_text("not json\n")
     with pytest.raises(ValueError, match=r"r.jsonl:1: not valid JSON"):
         make_engine(f"replay:{f}")
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(InputNotFound, match=f"^replay file {tmp_path / 'none.jsonl'} does not exist$"):
         make_engine(f"replay:{tmp_path / 'none.jsonl'}")
 
 
