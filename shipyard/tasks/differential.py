@@ -10,7 +10,9 @@ Solved Correctly?", 2025, found 7.8 % of plausible patches wrong under different
 
 At synthesis (`record`, in a sandbox holding the original code): `probe.py` records the arguments of every call of
 the deleted code while the FAIL_TO_PASS tests run, derives perturbed inputs from them (same types, other values),
-and keeps the original's result for each input; a second process then checks every case again and the cases whose
+and keeps the original's result for each input; for functions whose parameters all have type hints of plain data,
+`hypothesis` draws more inputs from the hints (`typed_calls`, run on the original by `probe.extend`); a second
+process then checks every case again and the cases whose
 result differs (randomness, state that leaks between calls, hash order) are dropped. The cases go to
 `TASK_DIR/differential.json`, beside `gold.patch`, never into the snapshot. Why calls could not become cases
 (unpicklable arguments, nested functions, randomness, …) is counted there too: `shipyard bench synth` reports the
@@ -33,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -60,7 +63,7 @@ CHECK_SECONDS = 120.0  # the probe's whole run at grading: cases × `probe.CALL_
 class Case:
     module: str
     qualname: str
-    origin: str  # recorded | perturbed
+    origin: str  # recorded | perturbed | typed
     input: str  # base64 of the pickled (args, kwargs): loaded only inside a sandbox
     output: dict[str, Any]  # the original's result in `probe.canonical` form
 
@@ -76,7 +79,8 @@ class Differential:
     def summary(self) -> dict[str, Any]:
         """What task.json keeps: case counts by origin, and the reasons (for coverage reports)."""
         return {"cases": len(self.cases), "recorded": sum(c.origin == "recorded" for c in self.cases),
-                "perturbed": sum(c.origin == "perturbed" for c in self.cases), "reasons": dict(self.reasons)}
+                "perturbed": sum(c.origin == "perturbed" for c in self.cases),
+                "typed": sum(c.origin == "typed" for c in self.cases), "reasons": dict(self.reasons)}
 
     def why_none(self) -> str:
         """Why this task has no cases ('' when it has some)."""
@@ -93,8 +97,29 @@ class Checked:
     results: list[dict[str, Any]]
 
 
+@with_config(STRICT)
+@dataclass
+class Recorded:
+    """What the probe's record mode writes: `Differential`'s fields and the plain-data hints of the functions."""
+
+    cases: list[Case]
+    reasons: dict[str, int]
+    calls: dict[str, int]
+    hints: dict[str, list[list[Any]]]
+
+
+@with_config(STRICT)
+@dataclass
+class Extended:
+    cases: list[Case]
+    reasons: dict[str, int]
+
+
 DIFFERENTIAL = TypeAdapter(Differential)
 CHECKED = TypeAdapter(Checked)
+RECORDED = TypeAdapter(Recorded)
+EXTENDED = TypeAdapter(Extended)
+TYPED = 8  # inputs drawn from type hints per function
 
 
 def load(task_dir: Path) -> Differential | None:
@@ -154,9 +179,11 @@ def record(ws: Workspace, task: Task, timeout: float, seed: int = 0) -> Differen
                 "targets": [{"file": d.file, "start": d.start, "end": d.end} for d in task.deleted]}
     out = _run_probe(ws, settings, timeout, env=launch.env, run_dir=launch.run_dir)
     try:
-        diff = DIFFERENTIAL.validate_json(out if out is not None else b"")
+        recorded = RECORDED.validate_json(out if out is not None else b"")
     except ValidationError:
         return Differential(reasons={"the recording run left no readable result": 1})
+    diff = Differential(recorded.cases, recorded.reasons, recorded.calls)
+    _extend(ws, diff, recorded.hints, seed, timeout)
     if not diff.cases:
         return diff
     again = check(ws, diff.cases)
@@ -168,6 +195,79 @@ def record(ws: Workspace, task: Task, timeout: float, seed: int = 0) -> Differen
         diff.reasons[why] = diff.reasons.get(why, 0) + len(diff.cases) - len(kept)
     diff.cases = kept
     return diff
+
+
+def _extend(ws: Workspace, diff: Differential, hints: dict[str, list[list[Any]]], seed: int, timeout: float) -> None:
+    """Add cases from inputs drawn from the functions' type hints (`typed_calls`), run on the original in `ws`."""
+    calls = typed_calls(hints, seed)
+    if not calls:
+        return
+    out = _run_probe(ws, {"mode": "extend", "calls": calls}, timeout)
+    try:
+        extended = EXTENDED.validate_json(out if out is not None else b"")
+    except ValidationError:
+        diff.reasons["the typed inputs' run left no readable result"] = 1
+        return
+    diff.cases += extended.cases[:max(0, probe.MAX_CASES - len(diff.cases))]
+    for why, n in extended.reasons.items():
+        diff.reasons[why] = diff.reasons.get(why, 0) + n
+
+
+def typed_calls(hints: dict[str, list[list[Any]]], seed: int, per_function: int = TYPED) -> list[dict[str, Any]]:
+    """Calls of each hinted function ("module:qualname" → `probe.parameters`) on inputs `hypothesis` draws from
+    the hints — reproducibly (derandomized, `seed` mixed into the order), small (sizes ≤ 8, numbers of moderate
+    size, no NaN): the arguments as canonical forms for `probe.extend`."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    calls = []
+    for key, params in sorted(hints.items()):
+        module, _, qualname = key.partition(":")
+        try:
+            strategy = st.fixed_dictionaries({name: _strategy(spec) for name, _, spec in params})
+        except (ValueError, TypeError, KeyError, IndexError):
+            continue
+        drawn: list[dict] = []
+
+        @settings(derandomize=True, max_examples=per_function * 3, database=None, deadline=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(strategy)
+        def draw(values: dict) -> None:
+            drawn.append(values)  # noqa: B023 — one list per function, filled before the next is made
+
+        draw()
+        unique = list({repr(d): d for d in drawn}.values())
+        random.Random(seed).shuffle(unique)
+        for values in unique[:per_function]:
+            args = [values[n] for n, kind, _ in params if kind == "positional"]
+            kwargs = {n: values[n] for n, kind, _ in params if kind == "keyword"}
+            calls.append({"module": module, "qualname": qualname, "args": probe.canonical(args),
+                          "kwargs": probe.canonical(kwargs)})
+    return calls
+
+
+def _strategy(spec: Any):
+    """The hypothesis strategy of a `probe.hint_spec`."""
+    from hypothesis import strategies as st
+
+    if isinstance(spec, str):
+        return {"int": st.integers(-1000, 1000), "bool": st.booleans(), "NoneType": st.none(),
+                "float": st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False),
+                "str": st.text(max_size=12), "bytes": st.binary(max_size=12)}[spec]
+    tag = spec[0]
+    if tag in ("list", "tuple_of"):
+        items = st.lists(_strategy(spec[1]), max_size=8)
+        return items if tag == "list" else items.map(tuple)
+    if tag == "tuple":
+        return st.tuples(*[_strategy(s) for s in spec[1]])
+    if tag == "dict":
+        return st.dictionaries(_strategy(spec[1]), _strategy(spec[2]), max_size=6)
+    if tag in ("set", "frozenset"):
+        return st.sets(_strategy(spec[1]), max_size=8) if tag == "set" else st.frozensets(_strategy(spec[1]),
+                                                                                           max_size=8)
+    if tag == "union":
+        return st.one_of(*[_strategy(s) for s in spec[1]])
+    raise ValueError(f"no strategy for {spec!r}")
 
 
 def compare(expected: Any, got: Any) -> str | None:
@@ -225,19 +325,3 @@ def differences(cases: list[Case], results: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-
-def literal(value: Any) -> Any:
-    """The Python value a canonical form of plain data stands for (ValueError for objects, exceptions, references):
-    what a reader of the tests can write down as a literal."""
-    if value is None or isinstance(value, bool):
-        return value
-    tag, *rest = value
-    items = rest[0] if rest else None
-    plain = {"int": lambda: int(items, 16), "float": lambda: float(items), "str": lambda: str(items),
-             "bytes": lambda: bytes.fromhex(items), "list": lambda: [literal(v) for v in items],
-             "tuple": lambda: tuple(literal(v) for v in items), "set": lambda: {literal(v) for v in items},
-             "frozenset": lambda: frozenset(literal(v) for v in items),
-             "dict": lambda: {literal(k): literal(v) for k, v in items}}
-    if tag not in plain:
-        raise ValueError(f"a {tag} is not plain data")
-    return plain[tag]()

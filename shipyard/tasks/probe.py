@@ -10,7 +10,7 @@ sandbox's half of that; `shipyard.tasks.differential` is the host's half and the
 started as `python -I -B probe.py settings.json`; it needs only the standard library (and, to record, pytest
 through the launcher).
 
-Two modes:
+Three modes:
 
 - **record** (at synthesis, over the *original* code): a profile hook (`sys.setprofile`, every thread) sees each
   call of a function whose code lies in a deleted symbol's lines while the launcher runs the FAIL_TO_PASS tests, and
@@ -20,6 +20,9 @@ Two modes:
   perturbed input, twice (a result that differs between two calls is random, and dropped). It writes the cases: the
   pickled input, the canonical form of what came back (the return value and the arguments afterwards, or the
   exception's type names) and why calls could not become cases (unpicklable arguments, nested functions, …).
+  For each function whose every parameter has a type hint of plain data it also reports the hints (`hint_spec`).
+- **extend** (at synthesis, over the original): calls the original on inputs the host drew from those hints with
+  `hypothesis` strategies, and keeps them as cases as above (origin `typed`).
 - **check** (at grading, over the candidate): calls the function each case names on each case's input and writes
   the canonical results, in order. The host compares them with the recorded ones.
 
@@ -39,6 +42,8 @@ file the host cannot read or in results that differ: either way the patch's doin
 from __future__ import annotations
 
 import base64
+import collections.abc
+import contextlib
 import importlib
 import importlib.util
 import itertools
@@ -50,6 +55,7 @@ import signal
 import sys
 import threading
 import types
+import typing
 
 CALL_SECONDS = 2.0
 MAX_ITEMS = 10_000  # items taken from a generator
@@ -119,6 +125,59 @@ def canonical(value, nodes: list[int] | None = None, depth: int = 0, path: froze
         if isinstance(slot, str) and hasattr(value, slot):
             state[slot] = getattr(value, slot)
     return ["object", name, "state", c(state)]
+
+
+def literal(value):
+    """The value a canonical form of plain data stands for (ValueError for objects, exceptions, references): what
+    a reader of the tests can write down, and how the host's typed inputs travel in."""
+    if value is None or isinstance(value, bool):
+        return value
+    tag, *rest = value
+    items = rest[0] if rest else None
+    plain = {"int": lambda: int(items, 16), "float": lambda: float(items), "str": lambda: str(items),
+             "bytes": lambda: bytes.fromhex(items), "list": lambda: [literal(v) for v in items],
+             "tuple": lambda: tuple(literal(v) for v in items), "set": lambda: {literal(v) for v in items},
+             "frozenset": lambda: frozenset(literal(v) for v in items),
+             "dict": lambda: {literal(k): literal(v) for k, v in items}}
+    if tag not in plain:
+        raise ValueError(f"a {tag} is not plain data")
+    return plain[tag]()
+
+
+SEQUENCES = (list, collections.abc.Sequence, collections.abc.MutableSequence, collections.abc.Iterable,
+             collections.abc.Collection)
+
+
+def hint_spec(hint):
+    """A type hint of plain data as JSON (`"int"`, `["list", "float"]`, `["union", [...]]`, …) for the host to
+    draw values from; ValueError for anything else."""
+    if hint in (int, float, str, bool, bytes, type(None)):
+        return hint.__name__
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in SEQUENCES and len(args) == 1:
+        return ["list", hint_spec(args[0])]
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return ["tuple_of", hint_spec(args[0])]
+    if origin is tuple and args:
+        return ["tuple", [hint_spec(a) for a in args]]
+    if origin in (dict, collections.abc.Mapping, collections.abc.MutableMapping) and len(args) == 2:
+        return ["dict", hint_spec(args[0]), hint_spec(args[1])]
+    if origin in (set, frozenset, collections.abc.Set) and len(args) == 1:
+        return ["set" if origin is set else "frozenset", hint_spec(args[0])]
+    if origin in (typing.Union, types.UnionType):
+        return ["union", [hint_spec(a) for a in args]]
+    raise ValueError(f"no plain-data strategy for {hint!r}")
+
+
+def parameters(func) -> list[list]:
+    """[[name, "positional" | "keyword", spec]] of a plain function whose every parameter has a plain-data hint;
+    ValueError otherwise (methods, *args, **kwargs, objects)."""
+    code = func.__code__
+    if code.co_flags & (CO_VARARGS | CO_VARKEYWORDS) or "." in func.__qualname__:
+        raise ValueError("not a plain function of named parameters")
+    hints = typing.get_type_hints(func)
+    names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+    return [[n, "positional" if i < code.co_argcount else "keyword", hint_spec(hints[n])] for i, n in enumerate(names)]
 
 
 def _raised(error: BaseException) -> dict:
@@ -333,30 +392,57 @@ def record(settings: dict) -> dict:
         sys.setprofile(None)
         threading.setprofile(None)
     rng = random.Random(settings["seed"])
-    cases = []
+    cases, hints = [], {}
     for (module, qualname), recorded in recorder.calls.items():
         try:
             func = resolve(module, qualname)
         except Exception:
             recorder.note("the function is not reachable by its qualified name")
             continue
+        with contextlib.suppress(Exception):  # no hints, or not plain data: no typed inputs for this function
+            hints[f"{module}:{qualname}"] = parameters(func)
         for origin, blobs in (("recorded", recorded), ("perturbed", perturbations(recorded, rng))):
-            for blob in blobs:
-                first, again = call_case(func, blob), call_case(func, blob)
-                if first != again:
-                    recorder.note("the function's result differs between two calls (randomness or state)")
-                elif len(json.dumps(first)) > MAX_OUTPUT:
-                    recorder.note("the result is too large to keep")
-                elif len(cases) >= MAX_CASES:
-                    recorder.note("past the task's number of cases")
-                elif "raises" in first and (origin == "perturbed" or first["raises"][0] in ("timeout", "too_large")):
-                    recorder.note("a perturbed input the original refuses" if origin == "perturbed"
-                                  else f"a recorded call {first['raises'][0]}")
-                else:
-                    cases.append({"module": module, "qualname": qualname, "origin": origin,
-                                  "input": base64.b64encode(blob).decode(), "output": first})
-    return {"cases": cases, "reasons": recorder.reasons,
+            keep(func, module, qualname, origin, blobs, cases, recorder.note)
+    return {"cases": cases, "reasons": recorder.reasons, "hints": hints,
             "calls": {f"{m}:{q}": len(b) for (m, q), b in recorder.calls.items()}}
+
+
+def keep(func, module: str, qualname: str, origin: str, blobs: list[bytes], cases: list[dict], note) -> None:
+    """Call the original on each input twice; add the inputs that make cases to `cases` (see the module
+    docstring) and `note` why the others do not."""
+    for blob in blobs:
+        first, again = call_case(func, blob), call_case(func, blob)
+        if first != again:
+            note("the function's result differs between two calls (randomness or state)")
+        elif len(json.dumps(first)) > MAX_OUTPUT:
+            note("the result is too large to keep")
+        elif len(cases) >= MAX_CASES:
+            note("past the task's number of cases")
+        elif "raises" in first and (origin != "recorded" or first["raises"][0] in ("timeout", "too_large")):
+            note(f"a {origin} input the original refuses" if origin != "recorded"
+                 else f"a recorded call {first['raises'][0]}")
+        else:
+            cases.append({"module": module, "qualname": qualname, "origin": origin,
+                          "input": base64.b64encode(blob).decode(), "output": first})
+
+
+def extend(settings: dict) -> dict:
+    """Cases from inputs the host drew from type hints (`hypothesis`): each call's arguments as canonical forms."""
+    sys.path.append(settings["rootdir"])
+    cases, reasons = [], {}
+
+    def note(reason: str) -> None:
+        reasons[reason] = reasons.get(reason, 0) + 1
+
+    for call in settings["calls"]:
+        try:
+            func = resolve(call["module"], call["qualname"])
+            blob = pickle.dumps((tuple(literal(call["args"])), literal(call["kwargs"])), protocol=4)
+        except Exception:
+            note("a typed input could not be made")
+            continue
+        keep(func, call["module"], call["qualname"], "typed", [blob], cases, note)
+    return {"cases": cases, "reasons": reasons}
 
 
 def check(settings: dict) -> dict:
@@ -377,7 +463,7 @@ def main(settings_file: str) -> int:
     with open(settings_file, "rb") as f:
         settings = json.load(f)
     os.unlink(settings_file)
-    out = record(settings) if settings["mode"] == "record" else check(settings)
+    out = {"record": record, "extend": extend, "check": check}[settings["mode"]](settings)
     with open(settings["out"], "w", encoding="utf-8") as f:
         json.dump(out, f)
     return 0

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from shipyard.harness.diff import tree_diff
-from shipyard.tasks import differential
+from shipyard.tasks import differential, probe
 from shipyard.tasks.taskset import Task
 
 FORCE_HOOK = '''
@@ -324,9 +324,9 @@ def fitted_calls(task_dir: Path, qualname: str) -> tuple[tuple[str, str, str], .
                     continue
                 kind, value = "raise", name
             else:
-                kind, value = "return", repr(differential.literal(out_["return"]))
-            args = differential.literal(out_["args"])
-            kwargs = differential.literal(out_["kwargs"])
+                kind, value = "return", repr(probe.literal(out_["return"]))
+            args = probe.literal(out_["args"])
+            kwargs = probe.literal(out_["kwargs"])
         except (ValueError, TypeError, KeyError, IndexError):
             continue
         if "." in qualname:

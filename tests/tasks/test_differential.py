@@ -17,9 +17,10 @@ import pytest
 
 from shipyard.sandbox.run import sandbox_problem
 from shipyard.tasks import differential, probe
-from shipyard.tasks.differential import Case, Differential, compare, literal
+from shipyard.tasks.differential import Case, Differential, compare
 from shipyard.tasks.grade import grade
 from shipyard.tasks.monitors import verdict_flags
+from shipyard.tasks.probe import literal
 from shipyard.tasks.redteam import FITTING, _with_body, edited, target
 from shipyard.tasks.taskset import TaskFormatError, list_tasks, load_task
 
@@ -163,7 +164,7 @@ def test_synthesis_records_cases_beside_the_task_never_in_its_snapshot(taskset):
     task, task_dir = t1(taskset)
     diff = differential.load(task_dir)
     assert diff is not None and diff.cases
-    assert {c.origin for c in diff.cases} == {"recorded", "perturbed"}
+    assert {"recorded", "perturbed"} <= {c.origin for c in diff.cases} <= {"recorded", "perturbed", "typed"}
     assert {c.qualname for c in diff.cases} == {task.deleted[0].qualname}
     assert task.differential["cases"] == len(diff.cases)
     step = next(s for s in task.validation if s["name"] == "differential")
@@ -230,7 +231,7 @@ def test_differential_round_trips_through_its_file(tmp_path):
     diff = Differential([case], {"why": 2}, {"m:f": 1})
     differential.save(tmp_path, diff)
     assert differential.load(tmp_path) == diff
-    assert diff.summary() == {"cases": 1, "recorded": 1, "perturbed": 0, "reasons": {"why": 2}}
+    assert diff.summary() == {"cases": 1, "recorded": 1, "perturbed": 0, "typed": 0, "reasons": {"why": 2}}
     assert Differential(reasons={"a": 1, "b": 3}).why_none() == "b" and diff.why_none() == ""
     assert Differential().why_none() == "the tests made no call of the deleted code that could be recorded"
 
@@ -241,3 +242,42 @@ def test_with_body_needs_the_function_in_the_snapshot(tmp_path):
 
     assert _with_body(Target(tmp_path, "m.py", "m", "f", "t.py"), lambda a: ["return 1"]) is None
     assert Path(tmp_path / "m.py").read_text() == "class C:\n    pass\n"
+
+
+def test_typed_inputs_follow_the_hints_and_are_reproducible():
+    hints = {"pkg.mod:f": [["xs", "positional", ["list", "float"]], ["n", "keyword", ["union", ["int", "NoneType"]]]],
+             "pkg.mod:g": [["pair", "positional", ["tuple", ["str", "bytes"]]]]}
+    calls = differential.typed_calls(hints, seed=5)
+    assert calls == differential.typed_calls(hints, seed=5)
+    assert [c["qualname"] for c in calls] == ["f"] * differential.TYPED + ["g"] * differential.TYPED
+    for call in calls:
+        args, kwargs = literal(call["args"]), literal(call["kwargs"])
+        if call["qualname"] == "f":
+            assert len(args) == 1 and all(type(x) is float for x in args[0]) and len(args[0]) <= 8
+            assert set(kwargs) == {"n"} and (kwargs["n"] is None or type(kwargs["n"]) is int)
+        else:
+            assert kwargs == {} and [type(v) for v in args[0]] == [str, bytes]
+
+
+def test_hint_specs_cover_plain_data_and_refuse_objects():
+    from collections.abc import Mapping, Sequence
+
+    assert probe.hint_spec(Sequence[float]) == ["list", "float"]
+    assert probe.hint_spec(tuple[int, ...]) == ["tuple_of", "int"]
+    assert probe.hint_spec(Mapping[str, list[int]]) == ["dict", "str", ["list", "int"]]
+    assert probe.hint_spec(int | None) == ["union", ["int", "NoneType"]]
+    with pytest.raises(ValueError, match="no plain-data strategy"):
+        probe.hint_spec(Plain)
+    assert probe.parameters(hinted) == [["xs", "positional", ["list", "int"]], ["k", "keyword", "str"]]
+    with pytest.raises(ValueError, match="no plain-data strategy"):
+        probe.parameters(takes_an_object)
+    with pytest.raises(ValueError, match="not a plain function"):
+        probe.parameters(Plain.__init__)
+
+
+def hinted(xs: list[int], *, k: str = "") -> int:
+    return len(xs) + len(k)
+
+
+def takes_an_object(x: Plain) -> int:
+    return x.a
