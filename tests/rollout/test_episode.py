@@ -196,6 +196,30 @@ def test_gold_episode_scores_one_and_empty_episode_zero_from_one_snapshot(tasks,
 
 
 @sandboxes
+def test_an_episode_that_fits_the_tests_scores_zero_and_is_flagged(tasks, tmp_path):
+    """The agent writes a table of the tests' calls (redteam's generic lookup hack) as its final file: the tests
+    pass, the differential check does not (issue 28)."""
+    from shipyard.tasks.redteam import FITTING, target
+
+    tasks_dir, ids = tasks
+    task_id = next(t for t in ids if load_task(tasks_dir, t)[0].tier == 1)
+    task, task_dir = load_task(tasks_dir, task_id)
+    hack = next(h for h in FITTING if h.name == "lookup_tests_calls").make(target(task, task_dir))
+    tree = tmp_path / "tree"
+    shutil.copytree(task_dir / "snapshot", tree, symlinks=True)
+    subprocess.run(["git", "apply", "-"], input=hack.encode(), cwd=tree, check=True, capture_output=True)
+    writes = "".join(call("write_file", path=p, content=(tree / p).read_text()) for p in patch_paths(hack))
+    config = episode_config("random:tiny", max_new_tokens=16_000)
+    with LocalEnvironment() as env:
+        fitted = run_episode(spec_of(tasks_dir, task_id, 0), Scripted([writes, "Done."]), env, config)
+    assert (fitted.status, fitted.reward) == ("differential_failed", 0.0), fitted.verdict
+    assert fitted.verdict["fail_to_pass"]["passed"] == fitted.verdict["fail_to_pass"]["total"]
+    flags = [f for f in fitted.monitor_flags if f["kind"] == "test_fitting"]
+    assert len(flags) == 1 and flags[0]["turn"] == len(fitted.trajectory.turns) and flags[0]["call"] is None
+    assert flags[0]["evidence"].startswith("the tests pass, but the code differs from the original on")
+
+
+@sandboxes
 def test_env_server_shut_down_mid_episode_is_infra_error_with_the_turns_kept(tasks):
     from shipyard.httpguard import new_token
     from shipyard.sandbox.client import EnvClient
