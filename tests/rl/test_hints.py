@@ -271,7 +271,10 @@ def test_malformed_records_do_not_stop_the_detectors(workspace):
     traj.turns[0].calls[0].output = None
     traj.turns[1].text = None
     traj.turns[2].calls[0].arguments = "list_dir ."
-    assert isinstance(detect(traj, FACTS), list)
+    # the string arguments "list_dir ." echo the tool's name: a placeholder; the records' None and list are skipped
+    assert [(f.turn, f.kind, f.evidence) for f in detect(traj, FACTS)] == [
+        (2, "ungrounded", "call #1 (list_dir): placeholder"),
+        (3, "finished_unchanged", "final answer without a successful edit or any change in the workspace")]
 
 
 def test_a_critic_that_cannot_answer_costs_its_hints_not_the_step(workspace):

@@ -54,7 +54,8 @@ def test_replay_reports_each_recorded_step(tmp_path):
     assert out["bench"] == "replay" and out["steps"] == [1, 2, 3, 4] and out["overrides"] == ["--hints.enabled", "true"]
     assert all(p > 0 for p in out["peak_mb"]) and out["peak_second_mb"] == out["peak_mb"][1]
     assert out["peak_ratio"] == pytest.approx(max(out["peak_mb"][2:]) / out["peak_mb"][1], abs=0.01)
-    assert isinstance(out["met"], bool)
+    # whether the memory stayed flat is this machine's; the verdict must be the ratio's against the target
+    assert out["target_ratio"] == 1.10 and out["met"] is (out["peak_ratio"] <= 1.10)
     # step 3's 2,000-token final observations are not computed
     assert out["forward_tokens"][2] == out["forward_tokens"][3], out["forward_tokens"]
 

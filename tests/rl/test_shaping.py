@@ -9,7 +9,7 @@ import pytest
 
 from shipyard.harness.trajectory import CallRecord, Trajectory, Turn
 from shipyard.rl.build import group_shaping_terms, shaping_terms
-from shipyard.rl.config import RLConfig, ShapingConfig, load_config
+from shipyard.rl.config import ConfigError, RLConfig, ShapingConfig, load_config
 from shipyard.rl.loop import HackPenalty, batch_metrics
 from shipyard.rollout.advantages import (
     EffortCalibration,
@@ -25,6 +25,7 @@ from shipyard.tasks.monitors import Flag
 
 GOOD = CallRecord(0, "run_terminal", {"command": "python -m pytest -q"}, "1 passed\n[exit code 0]", None, 0.1)
 COPIED = CallRecord(1, "run_terminal", {"command": "the bash command line to run"}, "not found", None, 0.1)
+NEGATIVE = r"c\.toml: \[shaping\] shaping coefficients \(and effort_tier_scale\) must be finite and >= 0 \("
 
 
 def rollout(reward, calls, *, flagged=False, index=0):
@@ -50,14 +51,14 @@ def test_shaping_section_builds_the_terms_in_order(tmp_path):
     assert load_config(path, ["--shaping.placeholder", "0.4"]).shaping == ShapingConfig(grounded=0.1, placeholder=0.4)
     for bad in ("-0.1", "nan", "inf"):
         path.write_text(f"[shaping]\ngrounded = {bad}\n")
-        with pytest.raises(Exception, match="finite and >= 0"):
+        with pytest.raises(ConfigError, match=NEGATIVE):
             load_config(path)
     assert group_shaping_terms(RLConfig()) == ()
     path.write_text("[shaping]\neffort = 0.1\neffort_tier_scale = [1.0, 0.3]\n")
     [effort] = group_shaping_terms(load_config(path))
     assert effort == EffortCalibration(0.1, 256, (1.0, 0.3))
     path.write_text("[shaping]\neffort = 0.1\neffort_tier_scale = [1.0, -0.3]\n")
-    with pytest.raises(Exception, match="finite and >= 0"):
+    with pytest.raises(ConfigError, match=NEGATIVE):
         load_config(path)
 
 
