@@ -2,16 +2,15 @@
 forwarded on its own, unpacked); micro-batches count unique tokens; a step's forward cost follows them."""
 
 import gc
-import sys
-import time
+from pathlib import Path
 
 import pytest
 import torch
+from own_memory import in_child
 
 from shipyard.models.resolve import tiny_model
 from shipyard.train.batch import Batch
 from shipyard.train.distill import DistillConfig, HintTarget
-from shipyard.train.memory import PeakRSS, resident_mb
 from shipyard.train.packing import pack
 from shipyard.train.prefix import cascade, forward_cascade, groups, micro_batches, supports_cascade
 from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer
@@ -199,55 +198,90 @@ def test_memory_is_flat_across_steps(optim):
     assert max(sizes[2:]) <= sizes[1] + batch_slack, sizes
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+# The resident set is what glibc's heap rule is about, and only a process's resident set shows it: so each test below
+# runs its steps in a child process that does nothing else (tests/own_memory.py), never in this one, whose resident
+# set holds what other tests and their threads allocated, and arenas they freed.
+HERE = Path(__file__).resolve().parent
+CHILD = f"""
+import json, sys
+sys.path.insert(0, {str(HERE)!r})
+import torch
+from test_prefix import PAD, _group_batch, _rows
+from shipyard.models.resolve import tiny_model
+from shipyard.train.batch import Batch
+from shipyard.train.memory import PeakRSS, resident_mb
+from shipyard.train.trainer import TrainConfig, Trainer
+"""
+
+FLAT = CHILD + """
+trainer = Trainer(tiny_model(seed=1, hidden=256, layers=4)[0], TrainConfig(), pad_id=PAD)
+g = torch.Generator().manual_seed(0)
+rss = []
+for step in range(12):
+    prompt = 200 + int(torch.randint(0, 1200, (1,), generator=g))
+    trainer.step(_group_batch(_rows(seed=step, prompt=prompt), prompt=prompt))
+    rss.append(resident_mb())
+print(json.dumps(rss))
+"""
+
+
 def test_resident_memory_is_flat_across_steps():
-    """Batches of other shapes every step: without handing freed heap pages back (malloc_trim), this process's
-    resident memory grew from 451 to 977 MiB over 16 steps with no tensor alive; with it, it stays within 10 %."""
-    trainer = Trainer(tiny_model(seed=1, hidden=256, layers=4)[0], TrainConfig(), pad_id=PAD)
-    g = torch.Generator().manual_seed(0)
-    rss = []
-    for step in range(12):
-        prompt = 200 + int(torch.randint(0, 1200, (1,), generator=g))
-        trainer.step(_group_batch(_rows(seed=step, prompt=prompt), prompt=prompt))
-        rss.append(resident_mb())
+    """Batches of other shapes every step: without handing freed heap pages back (malloc_trim), the resident memory
+    grew from 451 to 977 MiB over 16 steps with no tensor alive; with it, it stays within 10 %."""
+    rss = in_child(FLAT)
     assert max(rss[2:]) <= 1.1 * rss[1] + 16, [round(r) for r in rss]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+STEP_PEAKS = CHILD + """
+from own_memory import peak_mb, reset_peak
+model, _ = tiny_model(seed=1, hidden=256, layers=4)
+trainer = Trainer(model.float(), TrainConfig(activation_checkpointing=True), pad_id=PAD)
+
+def peak(length):
+    ids = torch.randint(3, 200, (1, length), generator=torch.Generator().manual_seed(length))
+    loss = torch.zeros(1, length)
+    loss[:, length - 50:] = 1.0
+    batch = Batch(ids, torch.ones_like(ids), loss, torch.full(ids.shape, -1.0), torch.full(ids.shape, 0.5),
+                  torch.zeros_like(ids), torch.ones(1), pad_id=PAD)
+    base = reset_peak()  # the kernel's high-water mark from here: the step's exact peak, not a sampled one
+    trainer.step(batch)
+    return peak_mb() - base
+
+print(json.dumps([peak(length) for length in map(int, sys.argv[1:])]))
+"""
+
+
 def test_a_steps_peak_follows_its_live_tensors_not_the_heap():
     """glibc's mmap threshold rises with every large block freed, so without `memory.step_heap` a step's activations
     come from the heap and its resident peak outgrows its live tensors. One row of L tokens, activation
-    checkpointing, tiny model (hidden 256, 4 layers), peak above the resident set before the step: with the rule
-    189 MiB at L = 4,000 and 522 at 8,000 (three runs, ±1); with only `malloc_trim` after each step (the rule before)
-    390 and 1,001 — as on the 0.5B, where it was +1.2 MB per token."""
-    model, _ = tiny_model(seed=1, hidden=256, layers=4)
-    trainer = Trainer(model.float(), TrainConfig(activation_checkpointing=True), pad_id=PAD)
+    checkpointing, tiny model (hidden 256, 4 layers), peak above the resident set before the step, in a process that
+    does only these steps: with the rule 190 MiB at L = 4,000 and 522 at 8,000; with only `malloc_trim` after each
+    step (the rule before) 448 and 1,011 — as on the 0.5B, where it was +1.2 MB per token."""
+    # the first step makes the optimizer's state
+    _, short, long, short_after = in_child(STEP_PEAKS, "500", "500", "4000", "500")
+    assert long < 290, "a 4,000-token step's peak outgrew its live tensors (heap)"
+    assert short_after <= short * 1.2 + 8, "a short step after a long one peaked higher than before it"
 
-    def peak(length: int) -> float:
-        ids = torch.randint(3, 200, (1, length), generator=torch.Generator().manual_seed(length))
-        loss = torch.zeros(1, length)
-        loss[:, length - 50:] = 1.0
-        batch = Batch(ids, torch.ones_like(ids), loss, torch.full(ids.shape, -1.0), torch.full(ids.shape, 0.5),
-                      torch.zeros_like(ids), torch.ones(1), pad_id=PAD)
-        base = resident_mb()
-        with PeakRSS(period=0.001) as p:
-            trainer.step(batch)
-        return p.peak - base
 
-    short = [peak(500), peak(500)][1]  # the first step makes the optimizer's state
-    assert peak(4000) < 290, "a 4,000-token step's peak outgrew its live tensors (heap)"
-    assert peak(500) <= short * 1.2 + 8, "a short step after a long one peaked higher than before it"
+PEAK_RSS = CHILD + """
+import time
+with PeakRSS(period=0.001) as p:
+    before = resident_mb()
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    deadline = time.monotonic() + 60
+    while p.peak < before + 48 and time.monotonic() < deadline:  # the sampler may be starved on a busy machine
+        time.sleep(0.01)
+    del block
+seen = p.peak
+with p:  # reusable
+    pass
+print(json.dumps({"before": before, "seen": seen, "again": p.peak}))
+"""
 
 
 def test_peak_rss_sees_memory_freed_within_the_block():
-    with PeakRSS(period=0.001) as p:
-        before = resident_mb()
-        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-        deadline = time.monotonic() + 5
-        while p.peak < before + 48 and time.monotonic() < deadline:  # the sampler may be starved on a busy machine
-            time.sleep(0.01)
-        del block
-    assert p.peak >= before + 48
-    with p:  # reusable
-        pass
-    assert p.peak < before + 48
+    """`PeakRSS` (the library's sampler) in a process that does only this: it sees a 64 MiB block freed before the
+    block ends, and a second use starts from the resident set then, not from the first use's peak."""
+    figures = in_child(PEAK_RSS)
+    assert figures["seen"] >= figures["before"] + 48, figures
+    assert figures["again"] < figures["before"] + 48, figures
