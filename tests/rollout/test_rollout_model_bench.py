@@ -75,6 +75,10 @@ def test_max_seconds_ends_the_window_with_the_figures_of_what_came_back(taskset)
     assert proc.returncode == 0, proc.stderr[-3000:]
     fig = json.loads(proc.stdout.strip().splitlines()[-1])
     assert fig["stopped_early"] is True and "--max-seconds 8" in proc.stderr
-    assert 8 <= fig["wall_s"] < 12 and fig["accepted"] < 2000
-    assert fig["accepted"] == 2 * len(fig["batch_marks_s"]) and all(m <= fig["wall_s"] for m in fig["batch_marks_s"])
+    assert fig["wall_s"] >= 8 and fig["accepted"] < 2000  # the window ran its 8 s, and ended before the 1000 batches
+    assert fig["wall_s"] < 80  # a loose guard (10x the window): when the timer fires past 8 s is the machine's load
+    marks = fig["batch_marks_s"]  # the figures are of the window: what came back in it, over its length
+    assert fig["accepted"] == 2 * len(marks) and marks == sorted(marks) and all(m <= fig["wall_s"] for m in marks)
+    assert fig["rollouts"] >= fig["accepted"] and sum(fig["statuses"].values()) == fig["rollouts"]
     assert fig["rollouts_per_hour"] == pytest.approx(fig["rollouts"] / fig["wall_s"] * 3600, rel=0.02)
+    assert fig["accepted_per_hour"] == pytest.approx(fig["accepted"] / fig["wall_s"] * 3600, rel=0.02)
