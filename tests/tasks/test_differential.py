@@ -281,3 +281,50 @@ def hinted(xs: list[int], *, k: str = "") -> int:
 
 def takes_an_object(x: Plain) -> int:
     return x.a
+
+
+class Owner:
+    def __hidden(self, x):
+        return x + 1
+
+    def visible(self, x):
+        return self.__hidden(x)
+
+
+def recorded_target(values, guard=None):
+    return sorted(values)
+
+
+def test_the_recorder_keeps_picklable_calls_and_counts_the_others():
+    import inspect
+    import sys
+    import threading
+
+    lines, start = inspect.getsourcelines(recorded_target)
+    recorder = probe.Recorder([{"file": Path(__file__).name, "start": start, "end": start + len(lines) - 1}],
+                              str(Path(__file__).parent))
+    sys.setprofile(recorder.hook)
+    try:
+        recorded_target([3, 1, 2])
+        recorded_target([3, 1, 2])  # the same input twice is one recorded input
+        recorded_target([1], guard=threading.Lock())  # a lock cannot be pickled
+        sorted([5, 4])  # not the target
+    finally:
+        sys.setprofile(None)
+    key = (__name__, "recorded_target")
+    assert list(recorder.calls) == [key]
+    assert [pickle.loads(b) for b in recorder.calls[key]] == [(([3, 1, 2], None), {})]
+    assert recorder.reasons == {"an argument cannot be pickled (TypeError)": 1}
+    assert probe.perturbations([], random.Random(0)) == []
+
+
+def test_private_methods_resolve_by_their_stored_name():
+    assert probe.resolve(__name__, "Owner.__hidden")(Owner(), 1) == 2
+    assert probe.resolve(__name__, "Owner.visible") is Owner.visible
+
+
+def test_addresses_in_a_repr_are_not_part_of_the_value():
+    import threading
+
+    assert probe.canonical(threading.Lock()) == probe.canonical(threading.Lock())
+    assert probe.canonical(threading.Lock())[3] == "<unlocked _thread.lock object at 0x?>"
