@@ -85,7 +85,7 @@ def test_effort_penalty_is_soft_and_bounded():
     assert pen(rollout(1.0, tokens=50, widths=(1, 1))) == 0.0  # 100 tokens: free
     assert pen(rollout(1.0, tokens=100, widths=(1, 1))) == pytest.approx(-0.1)  # 200: halfway
     assert pen(rollout(1.0, tokens=1000)) == pytest.approx(-0.2)  # capped
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^EffortPenalty needs 0 <= free < limit, got free=10, limit=10$"):
         EffortPenalty(free=10, limit=10)
 
 

@@ -106,9 +106,11 @@ def test_untagged_default_is_the_bundled_models():
     assert {episode_config(m).loop.untagged_calls for m in BUNDLED} == {"accept"}  # was "reject" in a bare LoopConfig
     assert episode_config("random:tiny").loop.untagged_calls == "reject"
     assert episode_config("qwen2.5-coder-0.5b", untagged_calls="reject").loop.untagged_calls == "reject"
-    for bad in ({"untagged_calls": "maybe"}, {"nonsense": 1}, {"loop": None}):
-        with pytest.raises(ValueError):
+    for bad, says in (({"untagged_calls": "maybe"}, "untagged_calls must be one of ('reject', 'accept'), not 'maybe'"),
+                      ({"nonsense": 1}, "fields by name, not ['nonsense']"), ({"loop": None}, "not ['loop']")):
+        with pytest.raises(ValueError) as refused:  # UsageError (a ValueError) for a bad value
             episode_config("random:tiny", **bad)
+        assert says in str(refused.value)
 
 
 def test_the_tags_follow_the_model_and_a_trained_export_keeps_its_own(tmp_path):

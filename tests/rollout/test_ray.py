@@ -114,12 +114,13 @@ def test_tiny_model_rollouts_and_weight_updates_on_a_ray_it_starts(taskset):
         stopped = rollouts_of(evaluate(budget, [task], samples=1, close=False))
         assert [(r.reward, r.stop_reason) for r in stopped] == [(0.0, "wall_time")], \
             [(r.status, r.infra_cause, r.timings) for r in stopped]
-        assert stopped[0].trajectory is not None and stopped[0].timings["total"] < 60
+        assert stopped[0].trajectory.stop_reason == "wall_time" and stopped[0].timings["total"] < 60
 
         rollouts = rollouts_of(evaluate(Scheduler(SchedulerConfig(), t, tasks_dir), [task], samples=2))
         assert len(rollouts) == 2 and rollouts[0].seed != rollouts[1].seed
         for r in rollouts:
-            assert r.status != "infra_error" and r.reward is not None, (r.status, r.infra_cause)
+            # 24 tokens of the tiny random model fix nothing: graded, and scored 0
+            assert (r.status, r.reward) == ("graded", 0.0), (r.status, r.infra_cause)
             assert r.trajectory.turns and set(r.versions) == {1}  # sampled by the pushed weights
             assert r.engine == f"router[{TINY}@ray-engine-0]" and r.worker == "ray-worker-0"
         assert ray.is_initialized() != started  # Scheduler.close closed the transport, which stopped the Ray it started
@@ -192,7 +193,7 @@ def test_killed_engines_fail_over_then_come_back_infra_error(local_ray, taskset,
         assert len(rollouts) == 2
         for r in rollouts:
             assert (r.status, r.reward, r.stop_reason) == ("infra_error", None, "infra_error") and r.masked
-            assert "ActorDiedError" in r.infra_cause and r.trajectory is not None, r.infra_cause
+            assert "ActorDiedError" in r.infra_cause and r.trajectory.stop_reason == "infra_error", r.infra_cause
         stats = second.stats()
         assert stats["masked_infra"] == 2 and stats["infra_retries"] == 2, stats
         assert sum(stats["infra_by_cause"].values()) == 4, stats

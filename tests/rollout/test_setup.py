@@ -4,6 +4,7 @@ benchmarks and `shipyard train` share, tested without the command line — hosti
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -40,8 +41,8 @@ def test_select_tasks_refuses_what_is_not_a_task_set_or_holds_no_task(tmp_path):
     with pytest.raises(ValueError, match="holds no tasks"):
         select_tasks(tmp_path)
     for hostile in ("../etc", "/etc", "a/../../b", ""):
-        with pytest.raises(TaskFormatError):  # before any episode; never a path used
-            select_tasks(tmp_path, [hostile])
+        with pytest.raises(TaskFormatError, match=f"^task id '{re.escape(hostile)}' is invalid: use 1-64 letters"):
+            select_tasks(tmp_path, [hostile])  # before any episode; never a path used
 
 
 @needs_sandbox

@@ -55,7 +55,7 @@ def test_gate_quota():
     assert gate.quota() == 9 and gate.may_start()
     with pytest.raises(ValueError, match="must grow"):
         gate.advance(1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^max_staleness must be >= 0, got -1$"):
         StalenessGate(max_staleness=-1, groups_per_step=1)
     with pytest.raises(ValueError, match="stale_tokens must be one of"):
         StalenessGate(max_staleness=1, groups_per_step=1, stale_tokens="keep")
