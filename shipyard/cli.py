@@ -1,7 +1,8 @@
 """The `shipyard` command line (typer). See DESIGN.md's CLI contract; every long job shows progress.
 
-Errors a user can fix (a bad path, an unknown model, an unreachable server, a malformed replay file) are
-printed as one clear line and exit with status 2, not as a traceback.
+Errors a user can fix (a bad path, an unknown model, an unreachable server, a malformed replay file: the
+`shipyard.errors.UserError` types) are printed as one clear line and exit with status 2, not as a traceback. Any
+other exception is a bug: its traceback is printed and the status is 1.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from shipyard.console import (
     SEARCH_HELP,
     TAGS_HELP,
     UNTAGGED_HELP,
-    UserError,
     console,
     out,
     print_hits,
@@ -31,6 +31,7 @@ from shipyard.console import (
     train_shown,
     user_errors,
 )
+from shipyard.errors import UserError
 from shipyard.models.bundled import DEFAULT_MODEL
 from shipyard.search import Mode
 
@@ -389,7 +390,7 @@ def grade(
     from shipyard.tasks.grade import grade as grade_patch
     from shipyard.tasks.taskset import load_task
 
-    with user_errors():  # a malformed task set or task is a TaskFormatError, a ValueError: one line, exit 2
+    with user_errors():  # a malformed task set or task is a TaskFormatError (a UserError): one line, exit 2
         if not patch.is_file():
             raise UserError(f"--patch {patch} is not a file")
         loaded, task_dir = load_task(tasks, task)

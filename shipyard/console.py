@@ -1,4 +1,5 @@
-"""What the commands of the `shipyard` command line share: one-line errors for what a user can fix, status lines,
+"""What the commands of the `shipyard` command line share: one-line errors for what a user can fix (a
+`shipyard.errors.UserError`; any other exception is a bug and keeps its traceback), status lines,
 progress bars, the help texts of options several commands take, and the two long jobs shown with progress (an eval,
 a training run). Only `shipyard/cli.py` imports this; the library never prints.
 """
@@ -12,6 +13,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from shipyard.errors import UserError
 from shipyard.models.bundled import BUNDLED
 
 console = Console(stderr=True)
@@ -21,21 +23,13 @@ MODEL_HELP = (f"Model: a bundled name ({', '.join(BUNDLED)}), a local directory,
               "random:tiny, replay:FILE.jsonl or openai:BASE_URL.")
 
 
-class UserError(Exception):
-    """An error whose message tells the user what to do; printed without a traceback."""
-
-
 @contextmanager
 def user_errors():
-    from shipyard.httpguard import TokenError
-    from shipyard.models.errors import ModelNotFound, ReplayExhausted, ServerUnreachable
-    from shipyard.rl.rundir import RunDirError
-    from shipyard.rollout.setup import SandboxesUnavailable
-
+    """A user's mistake (`UserError`) becomes one line, `error: …`, and exit status 2. Anything else passes through:
+    a bug, printed with its traceback (status 1)."""
     try:
         yield
-    except (UserError, ModelNotFound, ServerUnreachable, ReplayExhausted, TokenError, FileNotFoundError,
-            ValueError, SandboxesUnavailable, RunDirError) as e:
+    except UserError as e:
         console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
         raise typer.Exit(2) from None
 

@@ -31,10 +31,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from shipyard.errors import UserError
+
 TOKEN_BYTES = 32
 
 
-class TokenError(RuntimeError):
+class TokenError(UserError, RuntimeError):
     """No usable token where the operator said one would be."""
 
 

@@ -155,3 +155,22 @@ def test_dashboard_refuses_a_short_token(tmp_path, monkeypatch):
     monkeypatch.setenv("SHIPYARD_DASHBOARD_TOKEN", "short")
     r = CliRunner().invoke(app, ["dashboard", "--runs", str(tmp_path)])
     assert r.exit_code == 2 and "at least 16 characters" in r.output and "Traceback" not in r.output
+
+
+def test_a_bug_is_not_reported_as_a_mistake(tmp_path, monkeypatch):
+    """Only the user-error types become one "error:" line with status 2; a ValueError from inside a command is a bug:
+    it passes through (the process prints its traceback) and the status is 1."""
+    from shipyard.rollout import eval as evaluation
+    from shipyard.rollout.eval import results
+
+    doc = results({}, [1], config={"model": "m"}, wall_seconds=1.0)
+    for name in ("a.json", "b.json"):
+        (tmp_path / name).write_text(json.dumps(doc))
+
+    def planted(a, b):
+        raise ValueError("a planted bug in compare")
+
+    monkeypatch.setattr(evaluation, "compare", planted)
+    r = CliRunner().invoke(app, ["eval", "--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert r.exit_code == 1 and isinstance(r.exception, ValueError) and str(r.exception) == "a planted bug in compare"
+    assert "error:" not in r.output

@@ -75,7 +75,7 @@ def create_app(runs_dir: Path, *, token: str, env_server: str | None = None, hos
     """The dashboard over the runs under `runs_dir` (module docstring); `env_server`: the fleet to show; `host`: the
     interface it is served on (with the loopback names, the Host headers it answers; a wildcard answers any)."""
     if len(token) < 16:
-        raise ValueError(f"the dashboard needs a token of at least 16 characters (${TOKEN_ENV}): unset it for a "
+        raise TokenError(f"the dashboard needs a token of at least 16 characters (${TOKEN_ENV}): unset it for a "
                          "fresh one")
     runs = Runs(runs_dir)
     app = FastAPI(title="shipyard dashboard", docs_url=None, redoc_url=None, openapi_url=None)

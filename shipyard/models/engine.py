@@ -20,14 +20,16 @@ from typing import Literal, Protocol
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from shipyard.errors import UsageError
+
 MIN_TEMPERATURE = 1e-4  # below this (but 0, greedy) logits / temperature overflows float32 to inf
 MAX_SEED = 2**63 - 1  # seeds are in [0, MAX_SEED]; torch.Generator.manual_seed takes up to 2**64 - 1, so seed + k fits
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one completion. Invalid values raise ValueError here, at construction, so that no engine starts a
-    batch with a request that would fail halfway (and take its batch-mates down with it)."""
+    """How to sample one completion. Invalid values raise `UsageError` (a ValueError) here, at construction, so that no
+    engine starts a batch with a request that would fail halfway (and take its batch-mates down with it)."""
 
     max_tokens: int = 1024
     temperature: float = 1.0
@@ -38,14 +40,14 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise UsageError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
-            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+            raise UsageError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
                              f"got {self.temperature}")
         if not 0 < self.top_p <= 1:  # also false for NaN
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
+            raise UsageError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
 
 
 @dataclass

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from shipyard.errors import FileFormatError, InputNotFound
 from shipyard.models.engine import Completion, GenerationRequest, VersionConflict
 from shipyard.models.errors import ReplayExhausted
 from shipyard.models.tokenizer import byte_tokenizer
@@ -58,13 +59,14 @@ def session_task(session: str, keys: Mapping[str, object] | set[str]) -> str | N
 def _keyed(path: Path, number: int, obj: dict) -> tuple[str, list[str]]:
     where = f"{path}:{number}"
     if set(obj) != {"task", "messages"}:
-        raise ValueError(f'{where}: expected a JSON string (an assistant message) or a keyed script {{"task": ID, '
-                         f'"messages": [...]}}; this object has the keys {", ".join(map(repr, sorted(obj))) or "none"}')
+        keys = ", ".join(map(repr, sorted(obj))) or "none"
+        raise FileFormatError(f'{where}: expected a JSON string (an assistant message) or a keyed script '
+                              f'{{"task": ID, "messages": [...]}}; this object has the keys {keys}')
     task, messages = obj["task"], obj["messages"]
     if not isinstance(task, str) or not task:
-        raise ValueError(f"{where}: 'task' must be a non-empty string")
+        raise FileFormatError(f"{where}: 'task' must be a non-empty string")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, str) for m in messages):
-        raise ValueError(f"{where}: 'messages' must be a non-empty list of strings (assistant turns)")
+        raise FileFormatError(f"{where}: 'messages' must be a non-empty list of strings (assistant turns)")
     return task, messages
 
 
@@ -72,7 +74,7 @@ def load_scripts(path: str | Path) -> tuple[list[str], dict[str, list[str]]]:
     """(default script, keyed scripts by task id) of a replay file, with line-numbered errors."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"replay file {path} does not exist")
+        raise InputNotFound(f"replay file {path} does not exist")
     default: list[str] = []
     keyed: dict[str, list[str]] = {}
     for number, line in enumerate(path.read_text().splitlines(), start=1):
@@ -82,20 +84,21 @@ def load_scripts(path: str | Path) -> tuple[list[str], dict[str, list[str]]]:
             item = json.loads(line)
         except (json.JSONDecodeError, RecursionError) as e:
             why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
-            raise ValueError(f"{path}:{number}: not valid JSON ({why}); each line must be one JSON string holding an "
-                             f'assistant message, e.g. {EXAMPLE_LINE}, or {{"task": ID, "messages": [...]}}') from e
+            raise FileFormatError(f"{path}:{number}: not valid JSON ({why}); each line must be one JSON string "
+                                  f"holding an assistant message, e.g. {EXAMPLE_LINE}, or "
+                                  '{"task": ID, "messages": [...]}') from e
         if isinstance(item, str):
             default.append(item)
         elif isinstance(item, dict):
             task, messages = _keyed(path, number, item)
             if task in keyed:
-                raise ValueError(f"{path}:{number}: a second script for task {task!r}")
+                raise FileFormatError(f"{path}:{number}: a second script for task {task!r}")
             keyed[task] = messages
         else:
-            raise ValueError(f"{path}:{number}: expected a JSON string (an assistant message) or an object "
-                             f'{{"task": ID, "messages": [...]}}, got {type(item).__name__}')
+            raise FileFormatError(f"{path}:{number}: expected a JSON string (an assistant message) or an object "
+                                  f'{{"task": ID, "messages": [...]}}, got {type(item).__name__}')
     if not default and not keyed:
-        raise ValueError(f"{path} holds no messages")
+        raise FileFormatError(f"{path} holds no messages")
     return default, keyed
 
 

@@ -6,7 +6,8 @@ scheduler, the trainer and the run directory.
 (the engine's thread, the sandboxes' task snapshots, Ray actors through the transport) whatever happened. The
 held-out tasks are chosen once, with `run.seed`, and recorded in the run's config: they are evaluated, never trained
 on. A resumed run (`run.resume`) reopens the run directory and continues from its latest checkpoint; a new run
-refuses a directory in use.
+refuses a directory in use. Whatever ends a run once its directory exists — a mistake or a bug, while building or in
+the loop — marks it failed there, with the traceback in RUN/error.txt (`RunDir.fail`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 
+from shipyard.errors import UserError
 from shipyard.harness.tools import default_tools
 from shipyard.harness.wire import ChatFormat, tag_token_twins
 from shipyard.models.resolve import load_tokenizer, make_engine
@@ -60,8 +62,8 @@ def task_set(config: RLConfig, status: Status) -> Path:
     report = Synthesizer(config.run.synth_from, tasks, config.synth, log=lambda m: status(f"· {m}")).run()
     if not report.accepted:
         rejections = report.to_json()["rejections"]
-        raise RuntimeError(f"no task could be synthesized from {config.run.synth_from} (rejections: {rejections}): "
-                           f"see docs/tasks.md for what a repository needs")
+        raise UserError(f"no task could be synthesized from {config.run.synth_from} (rejections: {rejections}): "
+                        f"see docs/tasks.md for what a repository needs")
     return tasks
 
 
@@ -120,6 +122,60 @@ def trainer_config(config: RLConfig) -> TrainConfig:
     return replace(config.trainer, distill=replace(config.trainer.distill, enabled=config.hints.enabled))
 
 
+def _wired_loop(config: RLConfig, run: RunDir, tasks_dir: Path, evals: list[str], curriculum: Curriculum,
+                stack: ExitStack, status: Status, argv: list[str] | None) -> RLLoop:
+    """The engine, transport, trainer ranks, scheduler and hint writer of a run whose directory is open, wired into
+    its `RLLoop`; what must be closed goes on `stack`."""
+    save_config(config, run.config_path, note="shipyard train " + " ".join(argv or []))
+
+    status(f"loading {config.model.name}")
+    name, kwargs = engine_spec(config)
+    if config.ray is not None:  # the engines are Ray actors, made by the transport
+        from shipyard.rollout.ray_transport import RayTransport
+
+        tokenizer = load_tokenizer(config.model.tokenizer or config.model.name, status)
+        transport = RayTransport(name, config.episode, config.ray)
+    else:
+        engine = make_engine(name, **kwargs, status=status)
+        stack.callback(engine.close)
+        tokenizer = engine.tokenizer or load_tokenizer(config.model.tokenizer or config.model.name, status)
+        env = LocalEnvironment()
+        stack.callback(env.close)
+        workers = config.rollout.max_in_flight or config.rollout.group_size * config.rollout.groups_per_step
+        transport = InProcessTransport(engine, env, config.episode, workers)
+    loop = config.episode.loop
+    chat = ChatFormat(tokenizer, default_tools(), tags=loop.tags)  # the hints: as the episodes write the tags
+    header = tuple(chat.assistant_header_ids())
+    spec = RankSpec(config.model.name, config.run.device, config.trainer, tokenizer.pad_token_id, header,
+                    config.run.world_size)
+    group = stack.enter_context(trainer_ranks(spec, status))
+    twins = tag_token_twins(group.model, tokenizer)
+    if loop.tags == "token" and twins is not None and len(twins) >= 2:
+        status(f"warning: {config.model.name}'s output row of <tool_call> equals those of {', '.join(twins[:3])}, "
+               f"…: never trained, the policy cannot write the tag token; set episode.loop.tags = \"spelled\"")
+    trainer = Trainer(group.model, config.trainer, pad_id=tokenizer.pad_token_id, header_ids=header,
+                      device=group.device)
+    shaping = shaping_terms(config)
+    scheduler = Scheduler(copy.deepcopy(config.rollout), transport, tasks_dir, curriculum, shaping=shaping,
+                          group_shaping=group_shaping_terms(config))
+    hints = None
+    if config.hints.enabled:
+        critic = None
+        if config.hints.critic:
+            status(f"loading the critic {config.hints.critic}")
+            critic_engine = make_engine(config.hints.critic, device=config.engine.device,
+                                        tokenizer=config.hints.critic_tokenizer, status=status)
+            stack.callback(critic_engine.close)
+            critic = Critic(critic_engine, max_hints=config.hints.critic_max_hints,
+                            tags=wire_defaults(config.hints.critic).tags).review
+        hints = HintWriter(tasks_dir, chat, max_turns=config.hints.max_turns,
+                           verbose_words=config.hints.verbose_words, detectors=config.hints.detectors,
+                           critic=critic)
+    wire = WireSettings(loop.untagged_calls, loop.tags)
+    return RLLoop(scheduler, trainer, run, config.run, eval_tasks=evals, hints=hints,
+                  export=lambda t, full, d: export_policy(t, full, tokenizer, d, wire), ranks=group.ranks(trainer))
+
+
 @contextmanager
 def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[str] | None = None) -> Iterator[RLLoop]:
     """Everything the configuration describes, built and wired (module docstring); closed on exit."""
@@ -135,54 +191,12 @@ def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[st
 
         run = _run_dir(config)
         stack.callback(run.close)
-        save_config(config, run.config_path, note="shipyard train " + " ".join(argv or []))
-
-        status(f"loading {config.model.name}")
-        name, kwargs = engine_spec(config)
-        if config.ray is not None:  # the engines are Ray actors, made by the transport
-            from shipyard.rollout.ray_transport import RayTransport
-
-            tokenizer = load_tokenizer(config.model.tokenizer or config.model.name, status)
-            transport = RayTransport(name, config.episode, config.ray)
-        else:
-            engine = make_engine(name, **kwargs, status=status)
-            stack.callback(engine.close)
-            tokenizer = engine.tokenizer or load_tokenizer(config.model.tokenizer or config.model.name, status)
-            env = LocalEnvironment()
-            stack.callback(env.close)
-            workers = config.rollout.max_in_flight or config.rollout.group_size * config.rollout.groups_per_step
-            transport = InProcessTransport(engine, env, config.episode, workers)
-        loop = config.episode.loop
-        chat = ChatFormat(tokenizer, default_tools(), tags=loop.tags)  # the hints: as the episodes write the tags
-        header = tuple(chat.assistant_header_ids())
-        spec = RankSpec(config.model.name, config.run.device, config.trainer, tokenizer.pad_token_id, header,
-                        config.run.world_size)
-        group = stack.enter_context(trainer_ranks(spec, status))
-        twins = tag_token_twins(group.model, tokenizer)
-        if loop.tags == "token" and twins is not None and len(twins) >= 2:
-            status(f"warning: {config.model.name}'s output row of <tool_call> equals those of {', '.join(twins[:3])}, "
-                   f"…: never trained, the policy cannot write the tag token; set episode.loop.tags = \"spelled\"")
-        trainer = Trainer(group.model, config.trainer, pad_id=tokenizer.pad_token_id, header_ids=header,
-                          device=group.device)
-        shaping = shaping_terms(config)
-        scheduler = Scheduler(copy.deepcopy(config.rollout), transport, tasks_dir, curriculum, shaping=shaping,
-                              group_shaping=group_shaping_terms(config))
-        hints = None
-        if config.hints.enabled:
-            critic = None
-            if config.hints.critic:
-                status(f"loading the critic {config.hints.critic}")
-                critic_engine = make_engine(config.hints.critic, device=config.engine.device,
-                                            tokenizer=config.hints.critic_tokenizer, status=status)
-                stack.callback(critic_engine.close)
-                critic = Critic(critic_engine, max_hints=config.hints.critic_max_hints,
-                                tags=wire_defaults(config.hints.critic).tags).review
-            hints = HintWriter(tasks_dir, chat, max_turns=config.hints.max_turns,
-                               verbose_words=config.hints.verbose_words, detectors=config.hints.detectors,
-                               critic=critic)
-        wire = WireSettings(loop.untagged_calls, loop.tags)
-        yield RLLoop(scheduler, trainer, run, config.run, eval_tasks=evals, hints=hints,
-                     export=lambda t, full, d: export_policy(t, full, tokenizer, d, wire), ranks=group.ranks(trainer))
+        try:
+            loop = _wired_loop(config, run, tasks_dir, evals, curriculum, stack, status, argv)
+        except BaseException as e:  # the loop records its own failures; these came before it started
+            run.fail(e)
+            raise
+        yield loop
 
 
 def train(config: RLConfig, *, argv: list[str] | None = None, status: Status = lambda _: None,

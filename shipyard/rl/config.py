@@ -70,6 +70,7 @@ import torch  # imported by shipyard.train.trainer anyway
 import tyro
 from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
 
+from shipyard.errors import UsageError
 from shipyard.models.bundled import DEFAULT_MODEL
 from shipyard.rollout.episode import EpisodeConfig, episode_config, wire_defaults
 from shipyard.rollout.scheduler import SchedulerConfig
@@ -81,7 +82,7 @@ PROG = "shipyard train CONFIG.toml"
 MAX_ROUNDS = 5  # of the derived-defaults fixed point; the longest dependency chain needs 3
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A configuration the user must fix: the message says where (the file or the command line), which key, and what
     is allowed."""
 

@@ -42,6 +42,7 @@ from typing import Any
 
 from rich.table import Table
 
+from shipyard.errors import InputNotFound
 from shipyard.models.bundled import shipyard_home
 from shipyard.rl.config import RLConfig, load_config
 
@@ -52,7 +53,7 @@ DEMO_CONFIG = REPO / "configs" / "demo.toml"
 def demo_config(overrides: Sequence[str] = ()) -> RLConfig:
     """configs/demo.toml in a new run directory under $SHIPYARD_HOME/runs (unless `--run.dir` is given)."""
     if not DEMO_CONFIG.is_file():
-        raise FileNotFoundError(f"the demo's configuration is missing at {DEMO_CONFIG}; run from a source checkout")
+        raise InputNotFound(f"the demo's configuration is missing at {DEMO_CONFIG}; run from a source checkout")
     run_dir = shipyard_home() / "runs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     return load_config(DEMO_CONFIG, ["--run.dir", str(run_dir), *overrides])
 

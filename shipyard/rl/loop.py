@@ -288,7 +288,7 @@ class RLLoop:
                 if out_of_time:
                     break
         except BaseException as e:
-            self.run.set_status("failed", step=self.step, error=f"{type(e).__name__}: {e}"[:2000])
+            self.run.fail(e, step=self.step)
             raise
         finally:
             await self.scheduler.close()

@@ -4,6 +4,7 @@ served and resumed.
     RUN/
       config.toml                     the resolved configuration (after command-line overrides)
       run.json                        status: running | finished | failed (with the error), last step, times
+      error.txt                       a failed run's traceback: what ended it, bug or mistake (`RunDir.fail`)
       metrics.jsonl                   one JSON object per trainer step or evaluation (flat keys: "reward/mean")
       tb/                             TensorBoard event files with the same scalars (`tensorboard --logdir RUN/tb`)
       rollouts.jsonl                  one line per rollout of every batch (`RolloutBatch.metrics`)
@@ -26,14 +27,17 @@ import math
 import os
 import sys
 import time
+import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from shipyard.errors import UserError
+
 STATUS = ("running", "finished", "failed")
 
 
-class RunDirError(RuntimeError):
+class RunDirError(UserError, RuntimeError):
     """The run directory cannot be used as asked (exists without --resume, or is not a run directory)."""
 
 
@@ -71,6 +75,7 @@ class RunDir:
         self.root = Path(root)
         self.config_path = self.root / "config.toml"
         self.status_path = self.root / "run.json"
+        self.error_path = self.root / "error.txt"
         self.metrics_path = self.root / "metrics.jsonl"
         self.rollouts_path = self.root / "rollouts.jsonl"
         self.trajectories_dir = self.root / "trajectories"
@@ -134,6 +139,11 @@ class RunDir:
         old = json.loads(self.status_path.read_text()) if self.status_path.exists() else {"started": time.time()}
         _atomic_write(self.status_path, json.dumps({**old, **fields, "status": status, "updated": time.time()},
                                                    indent=1) + "\n")
+
+    def fail(self, error: BaseException, **fields: Any) -> None:
+        """Mark the run failed by `error`: its traceback to error.txt, its one line to run.json's "error"."""
+        _atomic_write(self.error_path, "".join(traceback.format_exception(error)))
+        self.set_status("failed", **fields, error=f"{type(error).__name__}: {error}"[:2000])
 
     # Logs -----------------------------------------------------------------------------------------------------
     @property

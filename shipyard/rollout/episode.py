@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from shipyard.errors import FileFormatError, InputNotFound, UsageError
 from shipyard.harness.loop import Agent, LoopConfig, TurnCallback
 from shipyard.harness.tools import Searcher
 from shipyard.harness.trajectory import Trajectory
@@ -81,7 +82,7 @@ class WireSettings:
 def wire_defaults(model: str) -> WireSettings:
     """The wire settings of `model` when none are given: a bundled model's recorded ones; a policy exported by
     `shipyard train` (a directory whose shipyard.json has a "wire" table) the ones it was trained with — a policy
-    trained on spelled tags must be evaluated and served with them; else 'reject' and 'token'. ValueError for a
+    trained on spelled tags must be evaluated and served with them; else 'reject' and 'token'. FileFormatError for a
     shipyard.json that cannot be read as one."""
     if model in BUNDLED:
         return WireSettings(BUNDLED[model].untagged_calls, BUNDLED[model].tags)
@@ -92,17 +93,18 @@ def wire_defaults(model: str) -> WireSettings:
         wire = json.loads(record.read_text()).get("wire", {})
         settings = WireSettings(**wire)
     except (OSError, ValueError, TypeError, AttributeError) as e:
-        raise ValueError(f"{record}: not a shipyard export record ({type(e).__name__}: {e}); remove it or write "
-                         f'{{"wire": {{"untagged_calls": "reject", "tags": "token"}}}}') from None
+        raise FileFormatError(f"{record}: not a shipyard export record ({type(e).__name__}: {e}); remove it or "
+                              f'write {{"wire": {{"untagged_calls": "reject", "tags": "token"}}}}') from None
     if settings.untagged_calls not in UNTAGGED or settings.tags not in TAGS:
-        raise ValueError(f"{record}: wire settings {asdict(settings)} must have untagged_calls in {UNTAGGED} and "
-                         f"tags in {TAGS}")
+        raise FileFormatError(f"{record}: wire settings {asdict(settings)} must have untagged_calls in {UNTAGGED} "
+                              f"and tags in {TAGS}")
     return settings
 
 
 def episode_config(model: str, **overrides: Any) -> EpisodeConfig:
     """THE configuration of an episode of `model`: `LoopConfig` and `EpisodeConfig` fields by name (untagged_calls
-    or tags None or absent: `wire_defaults(model)`'s). ValueError for an unknown field or setting."""
+    or tags None or absent: `wire_defaults(model)`'s). ValueError for an unknown field, UsageError for a setting not
+    allowed."""
     unknown = set(overrides) - _LOOP_FIELDS - {f.name for f in fields(EpisodeConfig)} | ({"loop"} & set(overrides))
     if unknown:
         raise ValueError(f"episode_config takes LoopConfig and EpisodeConfig fields by name, not {sorted(unknown)}")
@@ -112,7 +114,7 @@ def episode_config(model: str, **overrides: Any) -> EpisodeConfig:
         if loop.get(name) is None:
             loop[name] = getattr(defaults, name)
         elif loop[name] not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, not {loop[name]!r}")
+            raise UsageError(f"{name} must be one of {allowed}, not {loop[name]!r}")
     return EpisodeConfig(LoopConfig(**loop), **{k: v for k, v in overrides.items() if k not in _LOOP_FIELDS})
 
 
@@ -214,7 +216,7 @@ def run_on_repo(task: str, repo: Path, engine: Engine, config: EpisodeConfig, *,
     modified; the trajectory's `patch` is the result). The trajectory is saved to `out` after every turn;
     `on_workspace` is called with the workspace before the first turn (to say where the agent works)."""
     if not Path(repo).is_dir():
-        raise FileNotFoundError(f"{repo} is not a directory")
+        raise InputNotFound(f"{repo} is not a directory")
     agent_out = str(out) if out is not None else None
     session = f"agent-{uuid.uuid4().hex[:12]}"  # one conversation: an engine keeps its KV cache between turns
     if not sandbox:

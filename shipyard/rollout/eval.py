@@ -46,6 +46,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from shipyard.errors import FileFormatError, UsageError
 from shipyard.harness.validity import ValidityChecker, ValidityStats
 from shipyard.rollout.record import Rollout
 
@@ -61,7 +62,7 @@ class EvalFailed(RuntimeError):
     """The eval itself failed: no rollout could be scored (every one hit an infrastructure failure or its budget)."""
 
 
-class ResultsFileError(ValueError):
+class ResultsFileError(FileFormatError):
     """A file given to `--compare` is not an eval result; the message names the file and the problem."""
 
 
@@ -410,11 +411,11 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         if self.samples < 1 or self.concurrency < 1:
-            raise ValueError(f"samples and concurrency must be at least 1, got {self.samples} and {self.concurrency}")
+            raise UsageError(f"samples and concurrency must be at least 1, got {self.samples} and {self.concurrency}")
         ks = self.ks if self.ks is not None else default_ks(self.samples)
         bad = [k for k in ks if not 1 <= k <= self.samples]
         if bad:
-            raise ValueError(f"pass@k needs 1 <= k <= samples ({self.samples}); got k = {bad[0]}")
+            raise UsageError(f"pass@k needs 1 <= k <= samples ({self.samples}); got k = {bad[0]}")
         self.ks = sorted(set(ks))
 
 

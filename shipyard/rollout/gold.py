@@ -27,6 +27,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from shipyard.errors import FileFormatError
 from shipyard.harness.confined import Tree
 from shipyard.harness.workspace import MAX_FILE_BYTES, PathError
 from shipyard.models.replay import ReplayEngine
@@ -39,7 +40,7 @@ APPLY_TIMEOUT = 60.0
 FINAL_MESSAGE = "The deleted code is restored: this is the task's gold patch, written with the harness's tools."
 
 
-class GoldError(ValueError):
+class GoldError(FileFormatError):
     """A task has no gold trajectory (no gold patch, or one `write_file` cannot reproduce); the message says why."""
 
 

@@ -54,6 +54,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from shipyard.errors import UsageError
 from shipyard.models.errors import InfraError
 from shipyard.rollout.advantages import GroupShapingTerm, ShapingTerm, group_advantages, no_signal, shaped_rewards
 from shipyard.rollout.batches import RolloutBatch, RolloutGroup
@@ -141,7 +142,7 @@ class Scheduler:
         if self._closing:
             raise RuntimeError("the scheduler is closed")
         if self.config.group_size < 2:  # no baseline: every advantage would be 0 (evaluate may run single samples)
-            raise ValueError(f"training needs group_size >= 2 (got {self.config.group_size}): group-relative "
+            raise UsageError(f"training needs group_size >= 2 (got {self.config.group_size}): group-relative "
                              "advantages compare the rollouts of a group, and one rollout has nothing to compare with")
         if self._producer is None:
             self._producer = asyncio.create_task(self._produce())

@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shipyard.errors import UsageError, UserError
+
 if TYPE_CHECKING:
     from shipyard.harness.loop import LoopConfig
     from shipyard.models.engine import Engine
@@ -37,21 +39,21 @@ if TYPE_CHECKING:
 GOLD = "replay:gold"
 
 
-class SandboxesUnavailable(RuntimeError):
+class SandboxesUnavailable(UserError, RuntimeError):
     """This host cannot start bubblewrap sandboxes; the message says why. Run episodes on an environment server."""
 
 
 def select_tasks(tasks_dir: Path, only: Iterable[str] | None = None) -> list[str]:
     """The ids of the tasks to evaluate: `only` (duplicates dropped, order kept), else every task in the set. Each is
     loaded now, so that an unknown or malformed task is one `TaskFormatError` before the run, not a failure mid-run;
-    ValueError when there is none."""
+    UsageError when there is none."""
     from shipyard.tasks.taskset import list_tasks, load_task
 
     task_ids = list(dict.fromkeys(only)) if only else list_tasks(tasks_dir)
     for task_id in task_ids:
         load_task(tasks_dir, task_id)
     if not task_ids:
-        raise ValueError(f"{tasks_dir} holds no tasks")
+        raise UsageError(f"{tasks_dir} holds no tasks")
     return task_ids
 
 
@@ -67,7 +69,7 @@ def open_engine(model: str, *, tasks_dir: Path | None = None, task_ids: list[str
         from shipyard.rollout.gold import gold_engine
 
         if tasks_dir is None:
-            raise ValueError(f"{GOLD} replays the gold patches of a task set: give the tasks directory")
+            raise UsageError(f"{GOLD} replays the gold patches of a task set: give the tasks directory")
         engine = gold_engine(tasks_dir, task_ids, load_tokenizer(tokenizer) if tokenizer else None)
     else:
         from shipyard.models.resolve import make_engine

@@ -21,6 +21,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, create_model
 
+from shipyard.errors import UsageError
 from shipyard.harness.diff import MAX_DIFF_BYTES
 from shipyard.sandbox.bwrap import Limits
 from shipyard.sandbox.host import host
@@ -61,18 +62,18 @@ class ServerConfig:
 
 
 def check_config(config: ServerConfig) -> tuple[Path, ...]:
-    """The allowed roots as real paths; ValueError for a config the server must not run with."""
+    """The allowed roots as real paths; UsageError for a config the server must not run with."""
     if len(config.token or "") < 16:
-        raise ValueError("the environment server needs a bearer token of at least 16 characters "
+        raise UsageError("the environment server needs a bearer token of at least 16 characters "
                          "(ServerConfig.token; shipyard.httpguard.new_token() makes one)")
     roots = []
     for root in config.allowed_roots:
         real = Path(os.path.realpath(root))
         if not real.is_dir():
-            raise ValueError(f"allowed root {root} is not a directory")
+            raise UsageError(f"allowed root {root} is not a directory")
         for own, what in ((host().state_dir, "the sandbox state directory"), (config.token_file, "its token file")):
             if own is not None and Path(os.path.realpath(own)).is_relative_to(real):
-                raise ValueError(f"allowed root {root} contains {what} ({own}): clients could snapshot the server's "
+                raise UsageError(f"allowed root {root} contains {what} ({own}): clients could snapshot the server's "
                                  "own secrets and other clients' sandboxes; allow a narrower directory")
         roots.append(real)
     return tuple(roots)

@@ -47,6 +47,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from shipyard.errors import InputNotFound, UsageError, UserError
 from shipyard.sandbox.host import Host, private_dir
 from shipyard.sandbox.layout import owner_alive, write_owner
 
@@ -57,13 +58,14 @@ CHUNK = 1 << 22
 
 
 def check_name(name: str, what: str = "snapshot name") -> str:
-    """`name` if it is a valid snapshot or sandbox id (one path component), else ValueError saying what is."""
+    """`name` if it is a valid snapshot or sandbox id (one path component), else UsageError (a ValueError) saying what
+    is."""
     if not isinstance(name, str) or not NAME_RE.fullmatch(name) or ".." in name:
-        raise ValueError(f"{what} {name!r} is invalid: use {NAME_RULE}")
+        raise UsageError(f"{what} {name!r} is invalid: use {NAME_RULE}")
     return name
 
 
-class SnapshotRefused(ValueError):
+class SnapshotRefused(UserError, ValueError):
     """The tree cannot become a snapshot (over a bound, a special file, a link out of it); nothing was left."""
 
 
@@ -233,7 +235,7 @@ def _open_root(source: Path, within: Sequence[Path]) -> tuple[int, str]:
             raise PermissionError(f"{source} goes through a symbolic link ({e.where} -> {e.target}); snapshot "
                                   "sources are not followed through links: give the directory's real path") from None
         if e.kind == "missing":
-            raise FileNotFoundError(f"{source} is not a directory ({e.where}: {e.strerror})") from None
+            raise InputNotFound(f"{source} is not a directory ({e.where}: {e.strerror})") from None
         raise OSError(e.errno, e.strerror, e.where) from None
 
 
@@ -377,7 +379,7 @@ def copy_tree(source: Path, dest_fd: int, bounds: CopyBounds, owner: tuple[int, 
     try:
         src, real = _open_root(Path(source), within)
     except NotADirectoryError:
-        raise FileNotFoundError(f"{source} is not a directory") from None
+        raise InputNotFound(f"{source} is not a directory") from None
     copy = Copier(bounds, owner, real, str(source))
     try:
         copy.tree(src, dest_fd, "", 0)
@@ -396,7 +398,7 @@ def make_snapshot(source: str | Path, h: Host, name: str | None = None, *, bound
     if not within:  # the operator's own path: resolved here; a client's path is walked from its root instead
         source = Path(source).resolve()
         if not source.is_dir():
-            raise FileNotFoundError(f"{source} is not a directory")
+            raise InputNotFound(f"{source} is not a directory")
     return _build(h, name, lambda fd: copy_tree(Path(source), fd, bounds or TRUSTED, _owner(h), within))
 
 

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from shipyard.errors import UserError
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -37,7 +39,7 @@ class Embedder(Protocol):
         ...
 
 
-class EmbedderNotFound(ValueError):
+class EmbedderNotFound(UserError, ValueError):
     """The model an embedder names is neither bundled, a directory, nor a reachable hub id."""
 
 

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from shipyard.errors import FileFormatError, UsageError
 from shipyard.harness.trajectory import Trajectory
 from shipyard.search.chunks import Chunk, chunk_file
 from shipyard.search.embed import Embedder, SentenceEmbedder
@@ -111,8 +112,8 @@ def pairs_from_rollouts(files: Iterable[Path], tasks_dir: Path, embedder: Embedd
                     record = json.loads(line)
                     reward, task_id, traj = record.get("reward"), record["task_id"], record.get("trajectory")
                 except (json.JSONDecodeError, KeyError, AttributeError) as e:
-                    raise ValueError(f"{file} line {number} is not a saved rollout ({e}): give a run's "
-                                     "trajectories/step-*.jsonl or a `shipyard eval --rollouts` file") from None
+                    raise FileFormatError(f"{file} line {number} is not a saved rollout ({e}): give a run's "
+                                          "trajectories/step-*.jsonl or a `shipyard eval --rollouts` file") from None
                 snapshot = Path(tasks_dir) / task_id / "snapshot"
                 if not reward or reward <= 0 or traj is None or not snapshot.is_dir():
                     continue
@@ -178,7 +179,7 @@ def train(base: str, pairs: Sequence[Pair], out: Path, *, epochs: int = 2, batch
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
     if not pairs:
-        raise ValueError("no training pairs: the rollouts hold no rewarded session of a task in the task set")
+        raise UsageError("no training pairs: the rollouts hold no rewarded session of a task in the task set")
     torch.manual_seed(seed)
     model = SentenceEmbedder(base, device=device).model
     model.train()
@@ -211,7 +212,7 @@ def train_embedder(rollouts: Sequence[Path], tasks_dir: Path, out: Path, *, base
     pairs = pairs_from_rollouts(rollouts, tasks_dir, embedder)
     train_pairs, test_pairs = split_by_task(pairs, held_out, seed)
     if not train_pairs or not test_pairs:
-        raise ValueError(f"{len(pairs)} pairs from {len({p.task_id for p in pairs})} tasks: training and evaluation "
+        raise UsageError(f"{len(pairs)} pairs from {len({p.task_id for p in pairs})} tasks: training and evaluation "
                          "each need rewarded sessions of at least one task (more rollouts, or `shipyard eval "
                          "--model replay:gold --rollouts FILE` for the task set's gold sessions)")
     before = recall_at(embedder, test_pairs, tasks_dir)

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from shipyard.errors import UsageError
 from shipyard.harness.confined import PathError, Tree
 from shipyard.harness.workspace import tree_diff
 from shipyard.sandbox.bwrap import sandbox_cpu
@@ -79,7 +80,7 @@ class SynthConfig:
                 Requirement(req)
             except InvalidRequirement as e:
                 why = str(e).splitlines()[0]
-                raise ValueError(f"--with / requirements: {req!r} is not a requirement ({why}); write it as pip does: "
+                raise UsageError(f"--with / requirements: {req!r} is not a requirement ({why}); write it as pip does: "
                                  f"'hypothesis>=6'") from None
 
 

@@ -39,6 +39,7 @@ from typing import Any
 from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
 from pydantic_core import from_json
 
+from shipyard.errors import FileFormatError
 from shipyard.harness.confined import Tree
 from shipyard.sandbox.snapshot import check_name
 
@@ -50,7 +51,7 @@ RECREATE = "re-create it with `shipyard synth`"
 STRICT = ConfigDict(extra="forbid", strict=True)
 
 
-class TaskFormatError(ValueError):
+class TaskFormatError(FileFormatError):
     """A task directory or task.json is malformed; the message names the file and the problem."""
 
 

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from shipyard.errors import InputNotFound, UsageError
 from shipyard.train.trainer import Trainer
 
 
@@ -143,13 +144,13 @@ def load_checkpoint(trainer: Trainer, path: str | Path) -> None:
     path = Path(path)
     meta = json.loads((path / "trainer.json").read_text()) if (path / "trainer.json").exists() else None
     if meta is None:
-        raise FileNotFoundError(f"{path} is not a shipyard checkpoint (no trainer.json); pick a step-* directory")
+        raise InputNotFound(f"{path} is not a shipyard checkpoint (no trainer.json); pick a step-* directory")
     if not (path / "dcp" / ".metadata").exists():
-        raise FileNotFoundError(f"{path} has no dcp/ shards (written by an older shipyard, or incomplete): start "
+        raise InputNotFound(f"{path} has no dcp/ shards (written by an older shipyard, or incomplete): start "
                                 "from its model.safetensors")
     modules = sorted(_modules(trainer))
     if meta.get("modules") != modules:
-        raise ValueError(f"{path} holds {meta.get('modules')} but this trainer has {modules}: the distillation "
+        raise UsageError(f"{path} holds {meta.get('modules')} but this trainer has {modules}: the distillation "
                          "teacher or KL reference settings differ from the checkpointed run's")
     state, wrapped = _state(trainer)
     dcp.load(state, checkpoint_id=path / "dcp")

@@ -84,3 +84,20 @@ def test_flatten_and_status_validation(tmp_path):
     run = RunDir.create(tmp_path / "run")
     with pytest.raises(ValueError, match="status must be one of"):
         run.set_status("paused")
+
+
+def test_a_failed_run_keeps_its_traceback_and_says_failed(tmp_path):
+    run = RunDir.create(tmp_path / "run")
+
+    def deep() -> None:
+        raise KeyError("where the bug is")
+
+    try:
+        deep()
+    except KeyError as e:
+        run.fail(e, step=4)
+    text = run.error_path.read_text()
+    assert text.startswith("Traceback (most recent call last)") and "in deep" in text
+    assert text.rstrip().endswith("KeyError: 'where the bug is'")
+    status = run.status()
+    assert status["status"] == "failed" and status["step"] == 4 and status["error"] == "KeyError: 'where the bug is'"

@@ -146,3 +146,50 @@ def test_train_with_hints_writes_them_and_distils_on_the_hinted_turns(taskset, t
     hinted = [h for r in records for h in r["hints"]]
     assert hinted and all(h["text"] and h["kinds"] and h["evidence"] for h in hinted)
     assert "finished_unchanged" in hinted[0]["kinds"] and "nothing was changed" in hinted[0]["text"]
+
+
+# A bug planted in the trainer's step (the one library function replaced; everything else is the real command).
+PLANTED = """
+import sys
+
+from shipyard.cli import app
+from shipyard.train.trainer import Trainer
+
+
+def planted(self, batch):
+    raise ValueError("a planted bug in the trainer step")
+
+
+Trainer.step = planted
+app(prog_name="shipyard")
+"""
+
+
+def test_a_bug_in_a_training_step_is_a_traceback_and_a_failed_run(taskset, tmp_path):
+    """A ValueError deep in a run is a bug, not a user mistake: printed with its traceback (not as one "error:"
+    line), written to RUN/error.txt, the run marked failed in run.json, and an exit status other than 2."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(CONFIG.format(tasks=taskset[0]))
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", PLANTED, "train", str(config), "--run.dir", str(run),
+                           "--run.steps", "1"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode not in (0, 2), (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback (most recent call last)" in proc.stderr, proc.stderr[-3000:]
+    assert "ValueError: a planted bug in the trainer step" in proc.stderr
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("error:")], proc.stderr[-3000:]
+    error = (run / "error.txt").read_text()
+    assert error.startswith("Traceback (most recent call last)") and "in planted" in error
+    assert error.rstrip().endswith("ValueError: a planted bug in the trainer step")
+    status = json.loads((run / "run.json").read_text())
+    assert status["status"] == "failed" and status["error"] == "ValueError: a planted bug in the trainer step"
+
+
+def test_a_bad_configuration_value_is_one_line_and_exit_2(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text(CONFIG.format(tasks=tmp_path / "tasks").replace("steps = 3", "steps = 0"))
+    proc = shipyard("train", str(config), "--run.dir", str(tmp_path / "run"))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "steps" in lines[0] and "at least 1" in lines[0]
+    assert not (tmp_path / "run").exists()  # refused before anything was made
