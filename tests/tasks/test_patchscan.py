@@ -308,7 +308,9 @@ def test_format_patch_mail_and_crlf_patches(history):
     plain = git(history, "diff", "-M", "before", "after").stdout.decode(errors="surrogateescape")
     assert paths(agree(history, mail)) == paths(parse_patch(plain))
     crlf = diff_of(history, "default").replace("\n", "\r\n")
-    assert agree(history, crlf, summary=False)[-1].problem  # an empty new file's name is only on the CRLF git line
+    # an empty new file's name is only on the CRLF git line: refused, in git's words
+    assert agree(history, crlf, summary=False)[-1].problem.startswith(
+        "git diff header lacks filename information at line ")
     sections = re.split(r"(?=^diff --git )", diff_of(history, "default"), flags=re.M)
     crlf = "".join(s for s in sections if "\n@@ -" in s).replace("\n", "\r\n")
     changes = agree(history, crlf, summary=False)
@@ -504,8 +506,10 @@ def random_patch(rng) -> str:
 
 def test_random_patches_read_as_git_reads_them(history):
     rng = random.Random(13)
-    for _ in range(300):
-        agree(history, random_patch(rng), summary=False)
+    read = [agree(history, random_patch(rng), summary=False) for _ in range(300)]
+    refused = sum(not changes or bool(changes[-1].problem) for changes in read)
+    # both sides are exercised (194 refused, 106 read with this seed and git 2.x; the split is git's to decide)
+    assert refused >= 50 and len(read) - refused >= 50, refused
 
 
 # ---- the allow-list --------------------------------------------------------------------------------------------

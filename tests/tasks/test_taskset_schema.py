@@ -116,13 +116,23 @@ def test_other_format_versions_say_to_recreate(tmp_path):
     refused(tmp_path, "t1-pkg-f", "format version 1", f"reads {TASK_VERSION}", "re-create it with `shipyard synth`")
 
 
-@pytest.mark.parametrize("body", [b"[" * 100_000 + b"]" * 100_000,
-                                  b'{"validation": [' + b"{\"a\": " * 50_000 + b"1" + b"}" * 50_000 + b"]}",
-                                  b"{", b"\xff\xfe", b"[]", b'"text"', b"null"])
-def test_unreadable_json_is_an_error_not_a_traceback(tmp_path, body):
+UNREADABLE = "it is not JSON that can be read ("
+DEEP = UNREADABLE + "recursion limit exceeded"
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    (b"[" * 100_000 + b"]" * 100_000, DEEP),
+    (b'{"validation": [' + b"{\"a\": " * 50_000 + b"1" + b"}" * 50_000 + b"]}", DEEP),
+    (b"{", UNREADABLE + "EOF while parsing an object"), (b"\xff\xfe", UNREADABLE + "expected value"),
+    (b"[]", "the file is not a JSON object"), (b'"text"', "the file is not a JSON object"),
+    (b"null", "the file is not a JSON object"),
+], ids=["deep-list", "deep-object", "cut", "not-utf8", "list", "string", "null"])
+def test_unreadable_json_is_an_error_not_a_traceback(tmp_path, body, why):
     task_dir = make_task(tmp_path)
     (task_dir / "task.json").write_bytes(body)
-    refused(tmp_path, "t1-pkg-f", "task.json")
+    message = refused(tmp_path, "t1-pkg-f", why)
+    assert message.startswith(f"{task_dir / 'task.json'} is not a valid task file: ")
+    assert message.endswith("; re-create it with `shipyard synth`")
 
 
 def test_huge_task_file_is_refused_unread(tmp_path):
@@ -135,7 +145,9 @@ def test_huge_task_file_is_refused_unread(tmp_path):
 def test_task_ids_are_names_not_paths(tmp_path):
     make_task(tmp_path)
     for bad in ("../t1-pkg-f", "/etc", "t1-pkg-f/../t1-pkg-f", "", ".hidden", "a" * 65):
-        refused(tmp_path, bad, "task id")
+        assert refused(tmp_path, bad) == (
+            f"task id {bad!r} is invalid: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit, "
+            f"with no '..' (a task id is a directory name in the task set {tmp_path})")
 
 
 def test_test_files_must_be_regular_files_in_the_tasks_own_tests_dir(tmp_path):
