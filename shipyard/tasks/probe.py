@@ -44,6 +44,7 @@ from __future__ import annotations
 import base64
 import collections.abc
 import contextlib
+import copyreg
 import importlib
 import importlib.util
 import itertools
@@ -233,6 +234,22 @@ def resolve(module: str, qualname: str):
     return found
 
 
+def rebuild_match(pattern: re.Pattern, string, pos: int, endpos: int, how: str) -> re.Match:
+    """A regular-expression match found again: how `re.Match` arguments travel (parsers' converters take them)."""
+    return getattr(pattern, how)(string, pos, endpos)
+
+
+def _reduce_match(m: re.Match):
+    for how in ("search", "match", "fullmatch"):
+        again = getattr(m.re, how)(m.string, m.pos, m.endpos)
+        if again is not None and again.span() == m.span() and again.groups() == m.groups():
+            return rebuild_match, (m.re, m.string, m.pos, m.endpos, how)
+    raise pickle.PicklingError("a match that cannot be found again")
+
+
+copyreg.pickle(re.Match, _reduce_match)
+
+
 def bound_arguments(frame, code) -> tuple[tuple, dict]:
     """The call's arguments as they arrived: positional parameters and *args in order, keyword-only and **kwargs."""
     names = code.co_varnames
@@ -281,8 +298,9 @@ class Recorder:
             return self.note("a coroutine")
         try:
             blob = pickle.dumps(bound_arguments(frame, code), protocol=4)
+            pickle.loads(blob)  # a class whose pickle does not load again (tzinfo without __getinitargs__)
         except Exception as e:
-            return self.note(f"an argument cannot be pickled ({type(e).__name__})")
+            return self.note(f"an argument cannot be pickled and loaded again ({type(e).__name__})")
         if len(blob) > MAX_INPUT:
             return self.note("an argument is too large")
         seen = self.calls.setdefault((module, qualname), [])

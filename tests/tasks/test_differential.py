@@ -314,7 +314,7 @@ def test_the_recorder_keeps_picklable_calls_and_counts_the_others():
     key = (__name__, "recorded_target")
     assert list(recorder.calls) == [key]
     assert [pickle.loads(b) for b in recorder.calls[key]] == [(([3, 1, 2], None), {})]
-    assert recorder.reasons == {"an argument cannot be pickled (TypeError)": 1}
+    assert recorder.reasons == {"an argument cannot be pickled and loaded again (TypeError)": 1}
     assert probe.perturbations([], random.Random(0)) == []
 
 
@@ -328,3 +328,12 @@ def test_addresses_in_a_repr_are_not_part_of_the_value():
 
     assert probe.canonical(threading.Lock()) == probe.canonical(threading.Lock())
     assert probe.canonical(threading.Lock())[3] == "<unlocked _thread.lock object at 0x?>"
+
+
+def test_a_regular_expression_match_travels_as_the_search_that_found_it():
+    import re
+
+    pattern = re.compile(r"(\d+)-(\w+)")
+    for m in (pattern.search("xx 12-ab yy", 2), pattern.match("7-z"), pattern.fullmatch("ab 3-c", 3)):
+        again = pickle.loads(pickle.dumps(m))
+        assert (again.re, again.string, again.span(), again.groups()) == (m.re, m.string, m.span(), m.groups())
