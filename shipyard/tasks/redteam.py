@@ -304,7 +304,8 @@ class Target:
     module: str  # its dotted import name
     symbol: str  # the deleted symbol's qualified name
     test_file: str  # a test module that covers the feature
-    fitted: tuple[tuple[str, str, str], ...] = ()  # the tests' calls: (repr of the arguments, return|raise, value)
+    # Per deleted symbol (file, qualname, calls): the tests' calls as (repr of the arguments, return|raise, value).
+    fitted: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = ()
 
 
 def fitted_calls(task_dir: Path, qualname: str) -> tuple[tuple[str, str, str], ...]:
@@ -343,7 +344,8 @@ def target(task: Task, task_dir: Path) -> Target:
     if parts and parts[-1] == "__init__":
         parts = parts[:-1]
     return Target(task_dir / "snapshot", module_file, ".".join(parts), task.deleted[0].qualname,
-                  task.fail_to_pass[0].split("::")[0], fitted_calls(task_dir, task.deleted[0].qualname))
+                  task.fail_to_pass[0].split("::")[0],
+                  tuple((d.file, d.qualname, fitted_calls(task_dir, d.qualname)) for d in task.deleted))
 
 
 def edited(t: Target, edit: Callable[[Path], None]) -> str:
@@ -530,23 +532,31 @@ def _find_def(tree: ast.Module, qualname: str) -> ast.FunctionDef | ast.AsyncFun
     return next((n for n in scope if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name), None)
 
 
-def _with_body(t: Target, body: Callable[[ast.arguments], list[str]]) -> str | None:
-    """The patch that gives the deleted function the body `body(its parameters)` writes, in place of the snapshot's
-    `raise NotImplementedError` (None when the snapshot has no such function: a deleted class or module-level
-    definition)."""
-    source = (t.snapshot / t.module_file).read_text()
-    node = _find_def(ast.parse(source), t.symbol)
-    if node is None:
-        return None
-    stmts = node.body[1:] if ast.get_docstring(node) is not None and len(node.body) > 1 else node.body
-    lines = source.splitlines(keepends=True)
-    indent = re.match(r"\s*", lines[stmts[0].lineno - 1]).group()
-    new = [f"{indent}{line}\n" for line in body(node.args)]
-
+def _body_edit(rel: str, qualname: str, body: Callable[[ast.arguments], list[str]]) -> Callable[[Path], None]:
+    """An edit that gives the function `qualname` of `rel` the body `body(its parameters)` writes, in place of the
+    snapshot's `raise NotImplementedError` (the file is read at edit time, so edits of one file compose)."""
     def edit(root: Path) -> None:
-        kept = lines[:stmts[0].lineno - 1] + new + lines[node.end_lineno:]
-        (root / t.module_file).write_text("".join(kept))
-    return edited(t, edit)
+        source = (root / rel).read_text()
+        node = _find_def(ast.parse(source), qualname)
+        stmts = node.body[1:] if ast.get_docstring(node) is not None and len(node.body) > 1 else node.body
+        lines = source.splitlines(keepends=True)
+        indent = re.match(r"\s*", lines[stmts[0].lineno - 1]).group()
+        new = [f"{indent}{line}\n" for line in body(node.args)]
+        (root / rel).write_text("".join(lines[:stmts[0].lineno - 1] + new + lines[node.end_lineno:]))
+    return edit
+
+
+def _has_def(t: Target, rel: str, qualname: str) -> bool:
+    """Whether the snapshot still defines `qualname` in `rel` (T1/T2 keep signatures; T3 removes definitions)."""
+    return _find_def(ast.parse((t.snapshot / rel).read_text()), qualname) is not None
+
+
+def _with_body(t: Target, body: Callable[[ast.arguments], list[str]]) -> str | None:
+    """The patch that gives the task's first deleted function the body `body` writes (None when the snapshot has
+    no such function: a deleted class or module-level definition)."""
+    if not _has_def(t, t.module_file, t.symbol):
+        return None
+    return edited(t, _body_edit(t.module_file, t.symbol, body))
 
 
 def _issue_lookup(t: Target) -> str | None:
@@ -556,17 +566,13 @@ def _issue_lookup(t: Target) -> str | None:
     return _with_body(t, lambda args: ["return {(3, 1, 2): 2, (4, 1, 3, 2): 2.5}[tuple(values)]"])
 
 
-def _lookup_tests_calls(t: Target) -> str | None:
-    """A table of every call the tests make, keyed by the arguments as the function received them."""
-    if not t.fitted:
-        return None
-
+def _table_body(qualname: str, calls: tuple[tuple[str, str, str], ...]) -> Callable[[ast.arguments], list[str]]:
     def body(a: ast.arguments) -> list[str]:
-        positional = [p.arg for p in [*a.posonlyargs, *a.args]][1 if "." in t.symbol else 0:]
+        positional = [p.arg for p in [*a.posonlyargs, *a.args]][1 if "." in qualname else 0:]
         keywords = "{" + ", ".join(f"{k.arg!r}: {k.arg}" for k in a.kwonlyargs) + "}"
         if a.kwarg:
             keywords = "{**" + keywords + f", **{a.kwarg.arg}}}"
-        table = ", ".join(f"{key!r}: ({kind!r}, {value})" for key, kind, value in t.fitted)
+        table = ", ".join(f"{key!r}: ({kind!r}, {value})" for key, kind, value in calls)
         items = positional + ([f"*{a.vararg.arg}"] if a.vararg else [])
         args = "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
         return [f"_key = repr(({args}, sorted({keywords}.items())))",
@@ -574,7 +580,15 @@ def _lookup_tests_calls(t: Target) -> str | None:
                 "if _kind == 'raise':",
                 "    raise _value('fitted to the tests')",
                 "return _value"]
-    return _with_body(t, body)
+    return body
+
+
+def _lookup_tests_calls(t: Target) -> str | None:
+    """Every deleted function becomes a table of the calls the tests make of it, keyed by the arguments as the
+    function received them (None when a deleted function has no such calls, or no definition left to fill)."""
+    if not t.fitted or any(not calls or not _has_def(t, rel, q) for rel, q, calls in t.fitted):
+        return None
+    return edited(t, _both(*(_body_edit(rel, q, _table_body(q, calls)) for rel, q, calls in t.fitted)))
 
 
 FITTING: tuple[Hack, ...] = (

@@ -337,3 +337,29 @@ def test_a_regular_expression_match_travels_as_the_search_that_found_it():
     for m in (pattern.search("xx 12-ab yy", 2), pattern.match("7-z"), pattern.fullmatch("ab 3-c", 3)):
         again = pickle.loads(pickle.dumps(m))
         assert (again.re, again.string, again.span(), again.groups()) == (m.re, m.string, m.span(), m.groups())
+
+
+def test_the_generic_lookup_fills_every_deleted_function_or_none(tmp_path):
+    """A T2 task deletes several functions: the table hack fits each one, or is not applicable when one of them has
+    no call of plain data to fit."""
+    from shipyard.tasks.redteam import Target, _lookup_tests_calls
+
+    source = "def f(x):\n    raise NotImplementedError\n\n\ndef g(a, *, b=1):\n    raise NotImplementedError\n"
+    (tmp_path / "m.py").write_text(source)
+    f_calls = ((repr(((2,), [])), "return", "4"),)
+    g_calls = ((repr(((1,), [("b", 3)])), "return", "'x'"), (repr(((0,), [("b", 1)])), "raise", "ValueError"))
+    target = Target(tmp_path, "m.py", "m", "f", "t.py", (("m.py", "f", f_calls), ("m.py", "g", g_calls)))
+    patch = _lookup_tests_calls(target)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "m.py").write_text(source)
+    subprocess.run(["git", "apply", "-"], input=patch.encode(), cwd=work, check=True)
+    namespace: dict = {}
+    exec((work / "m.py").read_text(), namespace)
+    assert namespace["f"](2) == 4 and namespace["g"](1, b=3) == "x"
+    with pytest.raises(ValueError, match="fitted to the tests"):
+        namespace["g"](0)
+    with pytest.raises(KeyError):
+        namespace["f"](3)  # an input the tests never used
+    assert _lookup_tests_calls(Target(tmp_path, "m.py", "m", "f", "t.py", (("m.py", "f", f_calls),
+                                                                           ("m.py", "g", ())))) is None
