@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from shipyard.errors import UserError
 from shipyard.httpguard import loopback_port, read_token
 from shipyard.models.bundled import shipyard_home
 from shipyard.models.errors import InfraError
@@ -60,8 +61,9 @@ def _token_source(given: str | None, default: Path | None) -> str:
     return str(default) if default else "nowhere (a remote server: set $SHIPYARD_ENV_TOKEN)"
 
 
-class EnvServerUnreachable(InfraError, ConnectionError):
-    """The environment server did not answer (after the client's retries)."""
+class EnvServerUnreachable(InfraError, ConnectionError, UserError):
+    """The environment server did not answer (after the client's retries). Inside a run an infrastructure failure
+    (the rollout is masked); where it ends a command, the user's to fix (the URL, the server): one line."""
 
 
 class EnvServerError(InfraError, RuntimeError):
