@@ -99,18 +99,30 @@ def test_thousands_of_rollouts_are_listed_without_reading_the_trajectories(run_c
     assert len(run.rollouts()) == 5005  # only what was appended was parsed; the partial line waits
 
 
-@pytest.mark.parametrize("path", [
-    "/api/runs/..%2f..%2fetc/metrics", "/api/runs/%2e%2e/metrics", "/api/runs/nope/metrics",
-    "/api/runs/{run}/trajectories/1/99", "/api/runs/{run}/trajectories/-1/0", "/api/runs/{run}/trajectories/99/0",
-    "/api/runs/{run}/trajectories/" + "9" * 300 + "/0",
-    "/api/runs/{run}/evals/step-%D9%A0%D9%A0%D9%A0%D9%A0%D9%A0%D9%A0",  # Arabic-Indic digits
-    "/api/runs/{run}/evals/..%2fconfig", "/api/runs/{run}/evals/step-1", "/api/runs/{run}/tasks/%2e%2e",
-    "/api/runs/{run}/tasks/..%2f..%2f..%2fetc", "/api/compare?a=..%2fx&b={run}/step-000000",
-])
-def test_hostile_names_reach_no_file(served, dash_run, path):
+NO_ROUTE = "Not Found"  # a decoded slash leaves the route: no handler, no file
+
+
+@pytest.mark.parametrize(("path", "status", "says"), [
+    ("/api/runs/..%2f..%2fetc/metrics", 404, NO_ROUTE), ("/api/runs/%2e%2e/metrics", 404, "no run '..' under "),
+    ("/api/runs/nope/metrics", 404, "no run 'nope' under "),
+    ("/api/runs/{run}/trajectories/1/99", 404, "step 1 of run {run} has no rollout 99"),
+    ("/api/runs/{run}/trajectories/-1/0", 422, "path.step: Input should be greater than or equal to 0"),
+    ("/api/runs/{run}/trajectories/99/0", 404, "{run}/trajectories/step-000099.jsonl does not exist or cannot be read"),
+    ("/api/runs/{run}/trajectories/" + "9" * 300 + "/0", 422, "path.step: Input should be less than or equal to 10"),
+    ("/api/runs/{run}/evals/step-%D9%A0%D9%A0%D9%A0%D9%A0%D9%A0%D9%A0", 404,  # Arabic-Indic digits
+     "'step-\u0660\u0660\u0660\u0660\u0660\u0660' is not an eval of run {run}"),
+    ("/api/runs/{run}/evals/..%2fconfig", 404, NO_ROUTE),
+    ("/api/runs/{run}/evals/step-1", 404, "'step-1' is not an eval of run {run}"),
+    ("/api/runs/{run}/tasks/%2e%2e", 404, "task '..' is not a name this dashboard lists"),
+    ("/api/runs/{run}/tasks/..%2f..%2f..%2fetc", 404, NO_ROUTE),
+    ("/api/compare?a=..%2fx&b={run}/step-000000", 404, "no run '..' under "),
+], ids=lambda v: v[:60] if isinstance(v, str) else str(v))
+def test_hostile_names_reach_no_file(served, dash_run, path, status, says):
     _, client = served
     reply = client.get(path.format(run=dash_run.name))
-    assert reply.status_code in (404, 422), reply.text
+    assert reply.status_code == status, reply.text
+    message = reply.json()["error"]["message"]
+    assert message == NO_ROUTE if says == NO_ROUTE else says.format(run=dash_run.name) in message, message
     assert "root:" not in reply.text
 
 

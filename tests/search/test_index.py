@@ -110,7 +110,7 @@ def test_a_crash_between_commit_and_save_leaves_a_consistent_index(repo, tmp_pat
     stats = repo / "pocketlib" / "stats.py"
     stats.write_text(stats.read_text().replace("def mean(", "def arithmetic_mean_unsaved("))
     index.update(LocalTree(repo))  # BM25 committed, chunks not saved: then the process dies
-    assert index.search("arithmetic_mean_unsaved", 1, mode="bm25")
+    assert [h.chunk.path for h in index.search("arithmetic_mean_unsaved", 1, mode="bm25")] == ["pocketlib/stats.py"]
     index.close()
     del index
     again = CodeIndex.open(tmp_path / "ix", tiny_embedder)
@@ -144,6 +144,7 @@ def test_a_crash_inside_save_leaves_the_previous_save_whole(repo, tmp_path, tiny
     index = build(repo, tmp_path / "ix", tiny_embedder)
     index.save()
     expected = locations(index.search("roman numeral", 10))
+    removed = sorted(str(p.relative_to(repo)) for p in (repo / "tests").glob("*.py"))
     shutil.rmtree(repo / "tests")
     index.update(LocalTree(repo))
     index.compact()  # rows renumbered: the old file→rows map would now point at other chunks
@@ -154,7 +155,8 @@ def test_a_crash_inside_save_leaves_the_previous_save_whole(repo, tmp_path, tiny
     index.close()
     again = CodeIndex.open(tmp_path / "ix", tiny_embedder)
     assert locations(again.search("roman numeral", 10)) == expected  # the previous save, whole
-    assert again.update(LocalTree(repo)).files_removed  # and it still knows what changed since
+    assert again.update(LocalTree(repo)).files_removed == removed  # and it still knows what changed since
+    assert len(removed) == 6
 
 
 def test_a_tampered_index_is_refused_not_followed(repo, tmp_path, tiny_embedder):
