@@ -55,6 +55,7 @@ DIFF_VERSION = 1
 MAX_DIFF_FILE = 16 << 20
 PROBE = "shipyard_probe.py"
 REL_TOL, ABS_TOL = 1e-6, 1e-9
+UNREADABLE = "returned a result the grader cannot read"
 CHECK_SECONDS = 120.0  # the probe's whole run at grading: cases × `probe.CALL_SECONDS` at most, and start-up
 
 
@@ -273,22 +274,24 @@ def _strategy(spec: Any):
 def compare(expected: Any, got: Any) -> str | None:
     """None when the candidate's result `got` matches the original's `expected` (both `probe.canonical`
     results); otherwise what differs, in words that do not reveal the expected value."""
+    raised = got.get("raises") if isinstance(got, dict) else None
+    if not isinstance(got, dict) or ("raises" in got and not (
+            isinstance(raised, list) and raised and all(isinstance(n, str) for n in raised))):
+        return UNREADABLE
     try:
         if "raises" in expected:
-            if not isinstance(got, dict) or "raises" not in got:
+            if raised is None:
                 return "returned where the original raised"
-            raised = got["raises"]
-            return None if isinstance(raised, list) and expected["raises"][0] in raised else \
-                f"raised {str(raised[0])[:80] if raised else '?'} instead of the original's exception"
-        if not isinstance(got, dict) or "raises" in got:
-            return f"raised {str(got.get('raises', ['?'])[0])[:80] if isinstance(got, dict) else '?'} " \
-                   "where the original returned"
+            return None if expected["raises"][0] in raised else \
+                f"raised {raised[0][:80]} instead of the original's exception"
+        if raised is not None:
+            return f"raised {raised[0][:80]} where the original returned"
         for part in ("return", "args", "kwargs"):
             if not _same(expected.get(part), got.get(part)):
                 return "returned a different value" if part == "return" else "left its arguments in another state"
         return None
     except (RecursionError, TypeError, AttributeError, IndexError, KeyError, ValueError):
-        return "returned a result the grader cannot read"
+        return UNREADABLE
 
 
 def _number(v: Any) -> float | int | None:

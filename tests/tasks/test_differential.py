@@ -88,23 +88,19 @@ def test_exceptions_compare_by_type_and_a_subclass_counts():
     assert compare(result(1), probe._raised(KeyError())) == "raised builtins.KeyError where the original returned"
 
 
-RETURNED_INSTEAD, RAISED_INSTEAD = "returned where the original raised", " instead of the original's exception"
-UNREADABLE = "returned a result the grader cannot read"
+UNREADABLE, RETURNED = "returned a result the grader cannot read", "returned where the original raised"
 
 
 @pytest.mark.parametrize(("got", "vs_returned", "vs_raised"), [
-    (None, "raised ? where the original returned", RETURNED_INSTEAD),
-    ([], "raised ? where the original returned", RETURNED_INSTEAD),
-    ("x", "raised ? where the original returned", RETURNED_INSTEAD),
-    ({"return": ["int"]}, "returned a different value", RETURNED_INSTEAD),
-    ({"raises": []}, UNREADABLE, "raised ?" + RAISED_INSTEAD),
-    ({"raises": "builtins.X"}, " where the original returned", RAISED_INSTEAD),  # (names its first character)
-    ({"return": ["float", "not a float"]}, UNREADABLE, RETURNED_INSTEAD),
+    (None, UNREADABLE, UNREADABLE), ([], UNREADABLE, UNREADABLE), ("x", UNREADABLE, UNREADABLE),
+    ({"raises": []}, UNREADABLE, UNREADABLE), ({"raises": "builtins.X"}, UNREADABLE, UNREADABLE),
+    ({"raises": [3]}, UNREADABLE, UNREADABLE),
+    ({"return": ["float", "not a float"]}, UNREADABLE, RETURNED),
+    ({"return": ["int"]}, "returned a different value", RETURNED),
 ])
 def test_a_result_the_grader_cannot_read_is_a_mismatch_never_an_error(got, vs_returned, vs_raised):
-    # the mismatch, in words: exact, or (for a "raises" that is not a list) its kind
-    assert compare(result(1.5), got).endswith(vs_returned)
-    assert compare(probe._raised(ValueError()), got).endswith(vs_raised)
+    assert compare(result(1.5), got) == vs_returned
+    assert compare(probe._raised(ValueError()), got) == vs_raised
 
 
 def test_canonical_forms_are_bounded_and_survive_cycles():
