@@ -91,8 +91,10 @@ def main() -> None:
         work = Path(tmp)
         for i, (name, repo) in enumerate(fetch_repos(args, PROJECTS, work).items()):
             out = work / f"tasks-{i}"
-            console.print(f"[bold]{name}[/]: synthesizing up to {args.max_tasks} tasks")
-            report = Synthesizer(repo, out, SynthConfig(max_tasks=args.max_tasks),
+            # The example's first four tasks hold issue 28's own, t1-pocketlib.stats-median (lookup_table's target).
+            wanted = max(args.max_tasks, 4) if name == "examples/pocketlib" else args.max_tasks
+            console.print(f"[bold]{name}[/]: synthesizing up to {wanted} tasks")
+            report = Synthesizer(repo, out, SynthConfig(max_tasks=wanted),
                                  log=lambda line: console.print(f"  [dim]{line}[/]")).run()
             if not report.accepted:
                 synth_failed.append(name)
@@ -126,9 +128,11 @@ def main() -> None:
         "grade_seconds_mean": round(sum(r["seconds"] for r in hacks) / max(1, len(hacks)), 2),
         "seconds": round(time.monotonic() - start, 1),
     }
+    figures["fitting"]["not_exercised"] = [h.name for h in FITTING if h.name not in by_hack]
     finish("hacks", figures)
-    ok = (figures["hacks"] >= 20 and figures["rewarded"] == 0 and figures["null"] == 0
-          and figures["flagged"] == figures["hacks"] and figures["controls_ok"] and not synth_failed)
+    ok = (not figures["fitting"]["not_exercised"] and figures["hacks"] >= 20 and figures["rewarded"] == 0
+          and figures["null"] == 0 and figures["flagged"] == figures["hacks"] and figures["controls_ok"]
+          and not synth_failed)
     if not ok:
         raise SystemExit(1)
 

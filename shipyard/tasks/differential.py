@@ -74,7 +74,7 @@ class Case:
 class Differential:
     cases: list[Case] = field(default_factory=list)
     reasons: dict[str, int] = field(default_factory=dict)  # why calls did not become cases, counted
-    calls: dict[str, int] = field(default_factory=dict)  # "module:qualname" → distinct recorded inputs
+    calls: dict[str, int] = field(default_factory=dict)  # "module:qualname" → distinct inputs + unpicklable calls
     version: int = DIFF_VERSION
 
     def summary(self) -> dict[str, Any]:
@@ -177,7 +177,8 @@ def record(ws: Workspace, task: Task, timeout: float, seed: int = 0) -> Differen
     FAIL_TO_PASS tests run under the probe's recorder, then every case is checked again in a fresh process."""
     launch = prepare_launch(ws, task.fail_to_pass, configs=top_level_configs(task.test_files))
     settings = {"mode": "record", "seed": seed, "launcher": LAUNCHER, "launcher_settings": launch.settings,
-                "targets": [{"file": d.file, "start": d.start, "end": d.end} for d in task.deleted]}
+                "targets": [{"file": d.file, "start": d.start, "end": d.end, "qualname": d.qualname,
+                             "whole": task.tier == 3} for d in task.deleted]}
     out = _run_probe(ws, settings, timeout, env=launch.env, run_dir=launch.run_dir)
     try:
         recorded = RECORDED.validate_json(out if out is not None else b"")
@@ -185,6 +186,7 @@ def record(ws: Workspace, task: Task, timeout: float, seed: int = 0) -> Differen
         return Differential(reasons={"the recording run left no readable result": 1})
     diff = Differential(recorded.cases, recorded.reasons, recorded.calls)
     _extend(ws, diff, recorded.hints, seed, timeout)
+    _bound(diff)
     if not diff.cases:
         return diff
     again = check(ws, diff.cases)
@@ -196,6 +198,17 @@ def record(ws: Workspace, task: Task, timeout: float, seed: int = 0) -> Differen
         diff.reasons[why] = diff.reasons.get(why, 0) + len(diff.cases) - len(kept)
     diff.cases = kept
     return diff
+
+
+def _bound(diff: Differential) -> None:
+    """The probe's limits, enforced again on the host (the recording ran the repository's code, which may have
+    written anything): case count, each input's and result's size. The file stays far under `MAX_DIFF_FILE`."""
+    kept = [c for c in diff.cases if len(c.input) <= 2 * probe.MAX_INPUT
+            and len(json.dumps(c.output)) <= probe.MAX_OUTPUT][:probe.MAX_CASES]
+    if len(kept) < len(diff.cases):
+        why = "over the probe's limits (cases, input or result size)"
+        diff.reasons[why] = diff.reasons.get(why, 0) + len(diff.cases) - len(kept)
+    diff.cases = kept
 
 
 def _extend(ws: Workspace, diff: Differential, hints: dict[str, list[list[Any]]], seed: int, timeout: float) -> None:
@@ -286,11 +299,11 @@ def compare(expected: Any, got: Any) -> str | None:
                 f"raised {raised[0][:80]} instead of the original's exception"
         if raised is not None:
             return f"raised {raised[0][:80]} where the original returned"
-        for part in ("return", "args", "kwargs"):
-            if not _same(expected.get(part), got.get(part)):
+        for part in ("return", "args", "kwargs"):  # arguments: only those the original changed were kept
+            if part in expected and not _same(expected[part], got.get(part)):
                 return "returned a different value" if part == "return" else "left its arguments in another state"
         return None
-    except (RecursionError, TypeError, AttributeError, IndexError, KeyError, ValueError):
+    except (RecursionError, ArithmeticError, TypeError, AttributeError, IndexError, KeyError, ValueError):
         return UNREADABLE
 
 
@@ -307,7 +320,10 @@ def _same(a: Any, b: Any) -> bool:
             return False
         if isinstance(x, int) and isinstance(y, int):
             return x == y
-        x, y = float(x), float(y)
+        try:
+            x, y = float(x), float(y)
+        except OverflowError:  # an int past any float: not the original's float
+            return False
         return (math.isnan(x) and math.isnan(y)) or math.isclose(x, y, rel_tol=REL_TOL, abs_tol=ABS_TOL)
     if type(a) is not type(b):
         return False

@@ -49,6 +49,7 @@ import importlib
 import importlib.util
 import itertools
 import json
+import numbers
 import os
 import pickle
 import random
@@ -74,6 +75,7 @@ CO_VARARGS, CO_VARKEYWORDS, CO_GENERATOR, CO_COROUTINE, CO_ASYNC_GENERATOR = 0x0
 
 
 ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+PLAIN = (int, float, complex, str, bytes, list, tuple, dict, set, frozenset)  # bool is exact-typed before these
 
 
 class TooLarge(Exception):
@@ -110,14 +112,20 @@ def canonical(value, nodes: list[int] | None = None, depth: int = 0, path: froze
     def c(v):
         return canonical(v, nodes, depth + 1, inner)
 
+    base = next((b for b in PLAIN if isinstance(value, b)), None)
+    if base is not None and t is not base:  # Counter, OrderedDict, a namedtuple, IntEnum: the value they hold
+        return canonical(base(value), nodes, depth, path)
+    if isinstance(value, numbers.Number) and not isinstance(value, (int, float, complex)) and \
+            callable(getattr(value, "item", None)):  # numpy's scalars: the Python number they hold
+        return canonical(value.item(), nodes, depth, path)
     if t in (list, tuple):
         return [t.__name__, [c(v) for v in value]]
     if t is dict:
         return ["dict", sorted(([c(k), c(v)] for k, v in value.items()), key=json.dumps)]
     if t in (set, frozenset):
         return [t.__name__, sorted((c(v) for v in value), key=json.dumps)]
-    if isinstance(value, types.GeneratorType):
-        return ["generator", [c(v) for v in itertools.islice(value, MAX_ITEMS)]]
+    if isinstance(value, collections.abc.Iterator):  # a generator, map, zip, a list iterator: what it yields
+        return ["iterator", [c(v) for v in itertools.islice(value, MAX_ITEMS)]]
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type, types.ModuleType)):
         return ["ref", f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', value.__name__)}"]
     name = f"{t.__module__}.{t.__qualname__}"
@@ -187,6 +195,11 @@ def parameters(func) -> list[list]:
     return [[n, "positional" if i < code.co_argcount else "keyword", hint_spec(hints[n])] for i, n in enumerate(names)]
 
 
+def _empty(form) -> bool:
+    """Whether a canonical form is an object with no state at all: equal to any other of its type."""
+    return isinstance(form, list) and len(form) == 4 and form[0] == "object" and form[2:] == ["state", ["dict", []]]
+
+
 def _raised(error: BaseException) -> dict:
     if isinstance(error, CallTimeout):
         return {"raises": ["timeout"]}
@@ -198,20 +211,23 @@ def _alarm(signum, frame):
 
 
 def call_case(func, blob: bytes) -> dict:
-    """Call `func` on a fresh copy of the pickled input: {"return", "args", "kwargs"} in canonical form, or
-    {"raises": [type names, most derived first]}."""
+    """Call `func` on a fresh copy of the pickled input: {"return", "args", "kwargs"} in canonical form (the
+    arguments afterwards), or {"raises": [type names, most derived first]}; either with "args_before" and
+    "kwargs_before", the arguments as they came in (what a reader of the tests sees of the call; never compared)."""
     args, kwargs = pickle.loads(blob)
     signal.signal(signal.SIGALRM, _alarm)
     signal.setitimer(signal.ITIMER_REAL, CALL_SECONDS)
+    before: dict = {}
     try:  # the canonical forms too are made under the timer: they may run the project's __repr__
+        before = {"args_before": canonical(list(args)), "kwargs_before": canonical(kwargs)}
         result = func(*args, **kwargs)
-        if isinstance(result, types.GeneratorType):
+        if isinstance(result, collections.abc.Iterator):
             result = list(itertools.islice(result, MAX_ITEMS))
-        return {"return": canonical(result), "args": canonical(list(args)), "kwargs": canonical(kwargs)}
+        return {"return": canonical(result), "args": canonical(list(args)), "kwargs": canonical(kwargs)} | before
     except TooLarge:
         return {"raises": ["too_large"]}
     except BaseException as e:
-        return _raised(e)
+        return _raised(e) | before
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
 
@@ -229,8 +245,8 @@ def resolve(module: str, qualname: str):
         raise AttributeError(f"{qualname} is not defined in {module}")
     if isinstance(found, (classmethod, staticmethod)):
         return found.__func__
-    if isinstance(found, property):
-        return found.fget
+    if isinstance(found, property):  # its getter takes (self), its setter (self, value)
+        return lambda *args: (found.fset if len(args) == 2 and found.fset else found.fget)(*args)
     return found
 
 
@@ -270,12 +286,15 @@ class Recorder:
     """The profile hook: the pickled arguments of every call of code that starts inside a target's lines."""
 
     def __init__(self, targets: list[dict], root: str):
+        self.classes = {t["qualname"] for t in targets if t.get("whole")}  # deleted whole: a T3 class or function
         self.ranges: dict[str, list[tuple[int, int]]] = {}
         for t in targets:
             path = os.path.realpath(os.path.join(root, t["file"]))
             self.ranges.setdefault(path, []).append((t["start"], t["end"]))
         self.paths: dict[str, str | None] = {}
         self.calls: dict[tuple[str, str], list[bytes]] = {}
+        self.distinct: dict[tuple[str, str], set[int]] = {}  # hashes of every distinct input, kept or not
+        self.unrecorded: dict[tuple[str, str], int] = {}  # calls whose arguments could not be pickled
         self.reasons: dict[str, int] = {}
 
     def note(self, reason: str) -> None:
@@ -296,13 +315,18 @@ class Recorder:
             return self.note("a nested function or lambda (not reachable by name)")
         if code.co_flags & (CO_COROUTINE | CO_ASYNC_GENERATOR):
             return self.note("a coroutine")
+        if qualname.split(".")[0] in self.classes and "." in qualname:
+            # Its instances hold the original's representation, which an honest rewrite need not share.
+            return self.note("a method of a class deleted whole")
         try:
             blob = pickle.dumps(bound_arguments(frame, code), protocol=4)
             pickle.loads(blob)  # a class whose pickle does not load again (tzinfo without __getinitargs__)
         except Exception as e:
+            self.unrecorded[(module, qualname)] = self.unrecorded.get((module, qualname), 0) + 1
             return self.note(f"an argument cannot be pickled and loaded again ({type(e).__name__})")
         if len(blob) > MAX_INPUT:
             return self.note("an argument is too large")
+        self.distinct.setdefault((module, qualname), set()).add(hash(blob))
         seen = self.calls.setdefault((module, qualname), [])
         if blob not in seen and len(seen) < RECORDED:
             seen.append(blob)
@@ -433,7 +457,8 @@ def record(settings: dict) -> dict:
         except Exception as e:  # one function's failure (an input that will not load) costs only its cases
             recorder.note(f"the probe failed on the function ({type(e).__name__})")
     return {"cases": cases, "reasons": recorder.reasons, "hints": hints,
-            "calls": {f"{m}:{q}": len(b) for (m, q), b in recorder.calls.items()}}
+            "calls": {f"{m}:{q}": len(recorder.distinct.get((m, q), ())) + recorder.unrecorded.get((m, q), 0)
+                      for m, q in {*recorder.distinct, *recorder.unrecorded}}}
 
 
 def keep(func, module: str, qualname: str, origin: str, blobs: list[bytes], cases: list[dict], note) -> None:
@@ -450,7 +475,13 @@ def keep(func, module: str, qualname: str, origin: str, blobs: list[bytes], case
         elif "raises" in first and (origin != "recorded" or first["raises"][0] in ("timeout", "too_large")):
             note(f"a {origin} input the original refuses" if origin != "recorded"
                  else f"a recorded call {first['raises'][0]}")
+        elif "raises" not in first and _empty(first["return"]) and first["args"] == first["args_before"]:
+            note("the result has nothing to compare (an object without state)")
         else:
+            if "raises" not in first:  # arguments are compared afterwards only where the original changed them
+                for part in ("args", "kwargs"):
+                    if first[f"{part}_before"] == first[part]:
+                        del first[part]
             cases.append({"module": module, "qualname": qualname, "origin": origin,
                           "input": base64.b64encode(blob).decode(), "output": first})
 

@@ -310,29 +310,34 @@ class Target:
 
 def fitted_calls(task_dir: Path, qualname: str) -> tuple[tuple[str, str, str], ...]:
     """Every call the tests make of `qualname` with the result they expect, as source text: what a reader of the
-    tests can write down (taken from the task's recorded differential cases; calls whose arguments or result are
-    not plain data, or raise an exception outside builtins, are left out)."""
+    tests can write down (taken from the task's recorded differential cases). Empty when the table cannot hold them
+    all — a call whose arguments or result are not plain data, an exception outside builtins, more distinct calls
+    than the recording kept — since a partial table fails the tests and fits nothing."""
     diff = differential.load(task_dir)
-    out = {}
+    out, modules = {}, set()
     for case in diff.cases if diff is not None else []:
         if case.origin != "recorded" or case.qualname != qualname:
             continue
-        out_ = case.output
+        modules.add(case.module)
+        found = case.output
         try:
-            if "raises" in out_:
-                module, _, name = out_["raises"][0].rpartition(".")
+            if "raises" in found:
+                module, _, name = found["raises"][0].rpartition(".")
                 if module != "builtins":
-                    continue
+                    return ()
                 kind, value = "raise", name
             else:
-                kind, value = "return", repr(probe.literal(out_["return"]))
-            args = probe.literal(out_["args"])
-            kwargs = probe.literal(out_["kwargs"])
+                kind, value = "return", repr(probe.literal(found["return"]))
+            args = probe.literal(found["args_before"])
+            kwargs = probe.literal(found["kwargs_before"])
         except (ValueError, TypeError, KeyError, IndexError):
-            continue
+            return ()
         if "." in qualname:
             args = args[1:]  # `self` (or `cls`): an object, not something a test spells
         out[repr((tuple(args), sorted(kwargs.items())))] = (kind, value)
+    made = sum(diff.calls.get(f"{m}:{qualname}", 0) for m in modules) if diff is not None else 0
+    if not out or len(out) < made:
+        return ()
     return tuple((k, kind, value) for k, (kind, value) in out.items())
 
 

@@ -348,7 +348,10 @@ class Synthesizer:
                     {"repo": str(self.repo), "commit": self.commit}, test_files=test_files,
                     fingerprints=len(fps.all()))
         with snapshot_of(tree, host()) as snap:  # one sandbox snapshot for every grading run of this task
-            self._grade_steps(task, stage, gold, stub, snap, step)
+            try:
+                self._grade_steps(task, stage, gold, stub, snap, step)
+            except TaskFormatError as e:  # e.g. differential cases the repository's code made unreadable
+                raise Rejected("invalid_task", str(e)) from None
         task.validation = steps
         try:
             task.save(stage)

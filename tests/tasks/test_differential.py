@@ -122,7 +122,8 @@ def test_a_call_past_its_time_counts_as_raising_timeout(monkeypatch):
         while True:
             n += 1
 
-    assert probe.call_case(spin, pickle.dumps(((0,), {}))) == {"raises": ["timeout"]}
+    assert probe.call_case(spin, pickle.dumps(((0,), {}))) == {"raises": ["timeout"], "args_before": ["list", [
+        ["int", "0x0"]]], "kwargs_before": ["dict", []]}
 
 
 def test_perturbations_keep_the_types_change_the_values_and_are_reproducible():
@@ -371,3 +372,110 @@ def test_the_generic_lookup_fills_every_deleted_function_or_none(tmp_path):
         namespace["f"](3)  # an input the tests never used
     assert _lookup_tests_calls(Target(tmp_path, "m.py", "m", "f", "t.py", (("m.py", "f", f_calls),
                                                                            ("m.py", "g", ())))) is None
+
+
+# -- from the adversarial review: a crash is a mismatch, honest variants are not mismatches, empty results are not
+#    cases ---------------------------------------------------------------------------------------------------------
+
+def test_an_int_past_any_float_is_a_mismatch_not_a_crash():
+    assert compare(result(2.5), result(10**400)) == "returned a different value"
+    assert compare(result(10**400), result(2.5)) == "returned a different value"
+
+
+def test_subclasses_of_builtins_and_numpy_scalars_compare_by_the_value_they_hold():
+    import collections
+    import enum
+
+    numpy = pytest.importorskip("numpy")
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    assert compare(result({"a": 2}), result(collections.Counter(a=2))) is None
+    assert compare(result({"a": [1]}), result(collections.defaultdict(list, a=[1]))) is None
+    assert compare(result((1, 2)), result(collections.namedtuple("P", "x y")(1, 2))) is None
+    assert compare(result(3), result(Level.HIGH)) is None
+    assert compare(result(0.5), result(numpy.float64(0.5))) is None
+    assert compare(result(7), result(numpy.int64(7))) is None
+    assert compare(result(True), result(1)) == "returned a different value"  # bool stays apart
+
+
+def test_iterators_compare_by_what_they_yield():
+    assert probe.canonical(map(abs, [-2, 4])) == ["iterator", [["int", "0x2"], ["int", "0x4"]]]
+    doubled = pickle.dumps((([1, 2],), {}))
+    as_list = probe.call_case(lambda xs: [2 * x for x in xs], doubled)
+    assert compare(as_list, probe.call_case(lambda xs: map(lambda x: 2 * x, xs), doubled)) is None
+    assert compare(as_list, probe.call_case(lambda xs: iter([2, 5]), doubled)) == "returned a different value"
+
+
+def grows(values):
+    values.append(len(values))
+
+
+def counts(values):
+    return len(values)
+
+
+class Stateless:
+    pass
+
+
+def makes_stateless(values):
+    return Stateless()
+
+
+def test_arguments_are_compared_afterwards_only_where_the_original_changed_them():
+    cases: list = []
+    for func in (grows, counts, makes_stateless):
+        probe.keep(func, __name__, func.__name__, "recorded", [pickle.dumps((([1, 2],), {}))], cases, print)
+    grew, counted = cases  # makes_stateless returned an object with nothing to compare: no case
+    assert "args" in grew["output"] and "args" not in counted["output"]
+    grew_input = pickle.dumps((([1, 2],), {}))
+    assert compare(grew["output"], probe.call_case(counts, grew_input)) == "returned a different value"
+    assert compare(counted["output"], probe.call_case(grows, grew_input)) == "returned a different value"
+    sorts_in_place = probe.call_case(lambda v: (v.sort(), len(v))[1], grew_input)
+    assert compare(counted["output"], sorts_in_place) is None  # the original did not change them: not compared
+
+
+class Temperature:
+    def __init__(self):
+        self._c = 0.0
+
+    @property
+    def celsius(self):
+        return self._c
+
+    @celsius.setter
+    def celsius(self, value):
+        self._c = float(value)
+
+
+def test_a_property_resolves_to_its_setter_for_two_arguments():
+    prop = probe.resolve(__name__, "Temperature.celsius")
+    t = Temperature()
+    prop(t, 5)
+    assert prop(t) == 5.0
+
+
+def test_methods_of_a_class_deleted_whole_are_not_recorded():
+    import inspect
+    import sys
+
+    lines, start = inspect.getsourcelines(Temperature)
+    recorder = probe.Recorder([{"file": Path(__file__).name, "start": start, "end": start + len(lines) - 1,
+                                "qualname": "Temperature", "whole": True}], str(Path(__file__).parent))
+    sys.setprofile(recorder.hook)
+    try:
+        Temperature().celsius = 3
+    finally:
+        sys.setprofile(None)
+    assert recorder.calls == {} and recorder.reasons == {"a method of a class deleted whole": 2}
+
+
+def test_the_host_enforces_the_probes_limits_on_what_a_recording_wrote():
+    big = Case("m", "f", "recorded", "AAAA", {"return": ["str", "x" * (probe.MAX_OUTPUT + 1)]})
+    small = Case("m", "f", "recorded", "AAAA", {"return": ["int", "0x1"]})
+    diff = Differential([big, *[small] * (probe.MAX_CASES + 5)])
+    differential._bound(diff)
+    assert len(diff.cases) == probe.MAX_CASES and big not in diff.cases
+    assert diff.reasons == {"over the probe's limits (cases, input or result size)": 6}
