@@ -47,7 +47,7 @@ from shipyard.harness.confined import PathError
 from shipyard.harness.workspace import Workspace
 from shipyard.tasks import probe
 from shipyard.tasks.environment import PYTHON
-from shipyard.tasks.suite import LAUNCHER, RUN_PREFIX, SCRUBBED, prepare_launch, top_level_configs
+from shipyard.tasks.suite import LAUNCHER, RUN_PREFIX, prepare_launch, scrubbed_environment, top_level_configs
 from shipyard.tasks.taskset import RECREATE, STRICT, Task, TaskFormatError, read_capped, schema_problem
 
 DIFF_FILE = "differential.json"
@@ -82,6 +82,15 @@ class Differential:
         return {"cases": len(self.cases), "recorded": sum(c.origin == "recorded" for c in self.cases),
                 "perturbed": sum(c.origin == "perturbed" for c in self.cases),
                 "typed": sum(c.origin == "typed" for c in self.cases), "reasons": dict(self.reasons)}
+
+    def note(self, why: str, n: int = 1) -> None:
+        self.reasons[why] = self.reasons.get(why, 0) + n
+
+    def keep_only(self, kept: list[Case], why: str) -> None:
+        """Keep the cases `kept`; the others are counted under `why`."""
+        if len(kept) < len(self.cases):
+            self.note(why, len(self.cases) - len(kept))
+        self.cases = kept
 
     def why_none(self) -> str:
         """Why this task has no cases ('' when it has some)."""
@@ -148,7 +157,7 @@ def _run_probe(ws: Workspace, settings: dict, timeout: float, env: dict[str, str
     ws.write_bytes(f"{run_dir}/{PROBE}", Path(probe.__file__).read_bytes())
     ws.write_bytes(f"{run_dir}/probe.json", json.dumps({**settings, "rootdir": root, "out": f"{root}/{out}"}).encode())
     if env is None:
-        env = {k: v for k, v in ws.environment().items() if not k.startswith(SCRUBBED)}
+        env = scrubbed_environment(ws)
     result = ws.run([PYTHON, "-I", "-B", f"{root}/{run_dir}/{PROBE}", f"{root}/{run_dir}/probe.json"],
                     timeout=timeout, cwd=root, env=env)
     if result.timed_out:
@@ -192,23 +201,17 @@ def record(ws: Workspace, task: Task, timeout: float, seed: int = 0) -> Differen
     again = check(ws, diff.cases)
     if again is None:
         return Differential(reasons={"the original's check run left no readable result": 1}, calls=diff.calls)
-    kept = [c for c, r in zip(diff.cases, again, strict=True) if compare(c.output, r) is None]
-    if len(kept) < len(diff.cases):
-        why = "the original's result differs between two processes (hash order, global state)"
-        diff.reasons[why] = diff.reasons.get(why, 0) + len(diff.cases) - len(kept)
-    diff.cases = kept
+    diff.keep_only([c for c, r in zip(diff.cases, again, strict=True) if compare(c.output, r) is None],
+                   "the original's result differs between two processes (hash order, global state)")
     return diff
 
 
 def _bound(diff: Differential) -> None:
     """The probe's limits, enforced again on the host (the recording ran the repository's code, which may have
     written anything): case count, each input's and result's size. The file stays far under `MAX_DIFF_FILE`."""
-    kept = [c for c in diff.cases if len(c.input) <= 2 * probe.MAX_INPUT
-            and len(json.dumps(c.output)) <= probe.MAX_OUTPUT][:probe.MAX_CASES]
-    if len(kept) < len(diff.cases):
-        why = "over the probe's limits (cases, input or result size)"
-        diff.reasons[why] = diff.reasons.get(why, 0) + len(diff.cases) - len(kept)
-    diff.cases = kept
+    diff.keep_only([c for c in diff.cases if len(c.input) <= 2 * probe.MAX_INPUT
+                    and len(json.dumps(c.output)) <= probe.MAX_OUTPUT][:probe.MAX_CASES],
+                   "over the probe's limits (cases, input or result size)")
 
 
 def _extend(ws: Workspace, diff: Differential, hints: dict[str, list[list[Any]]], seed: int, timeout: float) -> None:
@@ -220,11 +223,11 @@ def _extend(ws: Workspace, diff: Differential, hints: dict[str, list[list[Any]]]
     try:
         extended = EXTENDED.validate_json(out if out is not None else b"")
     except ValidationError:
-        diff.reasons["the typed inputs' run left no readable result"] = 1
+        diff.note("the typed inputs' run left no readable result")
         return
-    diff.cases += extended.cases[:max(0, probe.MAX_CASES - len(diff.cases))]
+    diff.cases += extended.cases  # `_bound` keeps the task's number of cases
     for why, n in extended.reasons.items():
-        diff.reasons[why] = diff.reasons.get(why, 0) + n
+        diff.note(why, n)
 
 
 def typed_calls(hints: dict[str, list[list[Any]]], seed: int, per_function: int = TYPED) -> list[dict[str, Any]]:
@@ -334,13 +337,13 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def differences(cases: list[Case], results: list[dict[str, Any]]) -> list[str]:
-    """One line per case whose result differs: its number, origin, function and what differed."""
+def differences(cases: list[Case], results: list[dict[str, Any]]) -> list[tuple[int, Case, str]]:
+    """(number from 1, case, what differed) for each case whose result differs from the original's."""
     out = []
-    for i, (case, result) in enumerate(zip(cases, results, strict=True)):
+    for i, (case, result) in enumerate(zip(cases, results, strict=True), 1):
         why = compare(case.output, result)
         if why is not None:
-            out.append(f"case {i + 1} ({case.origin}) {case.qualname}: {why}")
+            out.append((i, case, why))
     return out
 
 

@@ -377,11 +377,11 @@ def _differential(verdict: Verdict, cases: list[Case], results: list[dict]) -> N
     differ = differential.differences(cases, results)
     verdict.differential = {"cases": len(cases), "failed": len(differ)}
     if differ:
-        tests_own = sum(" (recorded) " in d for d in differ)
+        tests_own = sum(case.origin == "recorded" for _, case, _ in differ)
         verdict.conclude("differential_failed", f"the tests pass, but the code differs from the original on "
                                                 f"{len(differ)} of {len(cases)} differential inputs ({tests_own} of "
                                                 "them the tests' own calls): it fits the tests, not the feature",
-                         evidence=differ)
+                         evidence=[f"case {i} ({case.origin}) {case.qualname}: {why}" for i, case, why in differ])
 
 
 def _close(sb: Sandbox) -> None:

@@ -308,12 +308,11 @@ class Target:
     fitted: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = ()
 
 
-def fitted_calls(task_dir: Path, qualname: str) -> tuple[tuple[str, str, str], ...]:
+def fitted_calls(diff: differential.Differential | None, qualname: str) -> tuple[tuple[str, str, str], ...]:
     """Every call the tests make of `qualname` with the result they expect, as source text: what a reader of the
-    tests can write down (taken from the task's recorded differential cases). Empty when the table cannot hold them
-    all — a call whose arguments or result are not plain data, an exception outside builtins, more distinct calls
-    than the recording kept — since a partial table fails the tests and fits nothing."""
-    diff = differential.load(task_dir)
+    tests can write down (from the task's recorded differential cases, `diff`). Empty when the table cannot hold
+    them all — a call whose arguments or result are not plain data, an exception outside builtins, more distinct
+    calls than the recording kept — since a partial table fails the tests and fits nothing."""
     out, modules = {}, set()
     for case in diff.cases if diff is not None else []:
         if case.origin != "recorded" or case.qualname != qualname:
@@ -348,9 +347,10 @@ def target(task: Task, task_dir: Path) -> Target:
         parts = parts[1:]
     if parts and parts[-1] == "__init__":
         parts = parts[:-1]
+    diff = differential.load(task_dir)
     return Target(task_dir / "snapshot", module_file, ".".join(parts), task.deleted[0].qualname,
                   task.fail_to_pass[0].split("::")[0],
-                  tuple((d.file, d.qualname, fitted_calls(task_dir, d.qualname)) for d in task.deleted))
+                  tuple((d.file, d.qualname, fitted_calls(diff, d.qualname)) for d in task.deleted))
 
 
 def edited(t: Target, edit: Callable[[Path], None]) -> str:

@@ -233,8 +233,12 @@ def prepare_launch(ws: Workspace, tests: list[str] | None = None, *, coverage: b
     ws.write_bytes(f"{run_dir}/{LAUNCHER}", Path(pytest_plugin.__file__).read_bytes())
     ws.write_bytes(f"{run_dir}/{TESTCODE}", Path(testcode.__file__).read_bytes())
     ws.write_bytes(f"{run_dir}/settings.json", json.dumps(settings).encode())
-    env = {k: v for k, v in ws.environment().items() if not k.startswith(SCRUBBED)}
-    return Launch(run_dir, nonce, f"{root}/{run_dir}/settings.json", env)
+    return Launch(run_dir, nonce, f"{root}/{run_dir}/settings.json", scrubbed_environment(ws))
+
+
+def scrubbed_environment(ws: Workspace) -> dict[str, str]:
+    """The workspace's environment without the variables a test run never sees (`SCRUBBED` prefixes)."""
+    return {k: v for k, v in ws.environment().items() if not k.startswith(SCRUBBED)}
 
 
 def run_suite(ws: Workspace, tests: list[str] | None = None, *, coverage: bool = False, timeout: float = 900,
