@@ -69,7 +69,6 @@ class SynthConfig:
     wheel_cache: Path | None = None  # where downloaded wheels are kept (default ~/.cache/shipyard/wheels)
     index_url: str | None = None  # the package index for downloads (default: pip's configured one, else PyPI)
     search_index: bool = True  # give each task its codebase_search index (shipyard.search.service.index_tasks)
-    differential: bool = True  # record differential cases from the original code (shipyard.tasks.differential)
     embedder: str = "minilm"  # the index's embedding model
 
     def __post_init__(self) -> None:
@@ -386,12 +385,11 @@ class Synthesizer:
         step("p2p_pass", empty.pass_to_pass["passed"] == empty.pass_to_pass["total"], t0, "p2p_broken",
              ", ".join(t for t in empty.failed if t in set(task.pass_to_pass))[:500])
         (stage / "gold.patch").write_text(gold)
-        if self.config.differential:  # before the oracle runs: the gold patch must pass its own cases too
-            t0 = time.monotonic()
-            diff = self._record(task, stage, gold, snap)
-            differential.save(stage, diff)
-            task.differential = {**diff.summary(), "why_none": diff.why_none()}
-            step("differential", True, t0, "", cases=len(diff.cases), why_none=diff.why_none())
+        t0 = time.monotonic()  # the differential cases, before the oracle runs: gold must pass its own cases too
+        diff = self._record(task, stage, gold, snap)
+        differential.save(stage, diff)
+        task.differential = {**diff.summary(), "why_none": diff.why_none()}
+        step("differential", True, t0, "", cases=len(diff.cases), why_none=diff.why_none())
         for i in range(self.config.oracle_runs):
             t0 = time.monotonic()
             v = grade(task, stage, gold, self.config.timeout, snap)
