@@ -11,7 +11,8 @@ What goes in:
   (`shipyard synth --with PKG`), pytest and coverage (per-test coverage is how features are mapped to tests), and
   the project's build backend (for the editable install);
 - a requirement already satisfied by a distribution installed on the host is copied file by file from the
-  host's site-packages (its `RECORD`; offline, milliseconds); the rest is fetched on the host without running any
+  host's site-packages (its `RECORD`; offline, milliseconds), and its console scripts (`pytest`, `pip`) are written
+  anew to run the venv's interpreter (the host's run the host's); the rest is fetched on the host without running any
   of it (`shipyard.tasks.downloads`: wheels by `pip download --only-binary=:all:`, a requirement published only as
   an sdist as the archive itself, its dependencies and build requirements read statically) and installed inside a
   sandbox with `--no-index` (and no build isolation: the sandbox has no network to fetch build requirements), so
@@ -44,6 +45,7 @@ from __future__ import annotations
 import configparser
 import errno
 import os
+import re
 import shlex
 import shutil
 import stat
@@ -74,6 +76,10 @@ WHEELHOUSE = ".shipyard-wheelhouse"
 NOT_COPIED = frozenset({".git", VENV, "__pycache__", WHEELHOUSE})  # names never copied from the repo, at any depth
 MAX_FETCH_ROUNDS = 3  # fetches for the build requirements of fetched sdists (which may name more sdists)
 MAX_DEPTH = 64  # directory levels copied from the repo
+SCRIPT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")  # a console script's file name: no separator, no dot first
+# An entry point's value: `module.sub:attr.sub`, optionally with extras; nothing else becomes a script.
+_DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+ENTRY_POINT = re.compile(rf"\s*(?P<module>{_DOTTED})\s*:\s*(?P<attr>{_DOTTED})\s*(?:\[[\w,\s-]*\])?\s*")
 REQUIREMENT_FILES = ("requirements-test.txt", "requirements-tests.txt", "requirements_test.txt",
                      "test-requirements.txt", "test_requirements.txt", "requirements-testing.txt",
                      "requirements/test.txt", "requirements/tests.txt", "requirements/testing.txt",
@@ -282,7 +288,8 @@ def _site_packages(venv: Path) -> Path:
 
 
 def copy_distribution(dist: metadata.Distribution, site: Path) -> int:
-    """Install a host distribution into `site` by copying the files its RECORD lists (scripts excepted)."""
+    """Install a host distribution into `site` by copying the files its RECORD lists (scripts excepted: theirs run
+    the host's interpreter; `write_scripts` makes the venv's own)."""
     count = 0
     for file in dist.files or []:
         if file.parts[0] == ".." or "__pycache__" in file.parts:
@@ -294,6 +301,25 @@ def copy_distribution(dist: metadata.Distribution, site: Path) -> int:
             shutil.copy2(src, dest)
             count += 1
     return count
+
+
+def write_scripts(dist: metadata.Distribution, bin_dir: Path, python: str = PYTHON) -> list[str]:
+    """Write the console scripts of a copied distribution (`pytest`, `pip`, `coverage`, …) into the venv's `bin`,
+    each running `python` (the venv's, as seen inside a sandbox), so the agent's shell, which has the venv first on
+    `PATH`, finds the project's `pytest` rather than one without the project (docs/harness.md). Only what a pip
+    install would write: names and targets that are plain (no path separators, dotted identifiers), and no file that
+    exists already; the script's text is made of the entry point's own names (the leak scanner's corpus holds the
+    distribution's `entry_points.txt`). The names written."""
+    written = []
+    for ep in dist.entry_points.select(group="console_scripts"):
+        target, value = bin_dir / ep.name, ENTRY_POINT.fullmatch(ep.value)
+        if not SCRIPT_NAME.fullmatch(ep.name) or value is None or os.path.lexists(target):
+            continue
+        module, attr = value["module"], value["attr"]
+        target.write_text(f"#!{python}\nimport sys\nfrom {module} import {attr.split('.')[0]}\nsys.exit({attr}())\n")
+        target.chmod(0o755)
+        written.append(ep.name)
+    return written
 
 
 def _fetch(requirements: list[str], own: str | None, wheelhouse: Path, cache: Path, index_url: str | None
@@ -412,6 +438,7 @@ def prepare(repo: Path, dest: Path, wheel_cache: Path, timeout: float = 900,
     site = _site_packages(dest / VENV)
     for dist in host_dists:
         copy_distribution(dist, site)
+        write_scripts(dist, dest / VENV / "bin")
     prepared = Prepared(dest, sorted(f"{d.metadata['Name']}=={d.version}" for d in host_dists), missing,
                         sorted(f"{s.name}=={s.version}" for s in sdists), files, skipped)
     guessed = [s.filename for s in sdists if not s.declared]

@@ -1,9 +1,15 @@
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from shipyard.harness.tools import ToolContext, ToolError
-from shipyard.harness.tools.terminal import run_terminal
+from shipyard.harness.tools.base import installed_binary
+from shipyard.harness.tools.terminal import ShellSession, run_terminal
+from shipyard.harness.workspace import LocalWorkspace
 
 
 @pytest.fixture
@@ -100,3 +106,66 @@ def test_deleted_working_directory_falls_back_to_root(ctx):
     run_terminal(ctx, "rmdir ../gone")
     out = run_terminal(ctx, "pwd")
     assert "[exit code 0]" in out
+
+
+# The project's environment first -------------------------------------------------------------------------------
+
+def test_a_workspace_without_a_venv_keeps_its_environment(ws):
+    """No `.venv` at the root (the example repository has none): PATH and VIRTUAL_ENV are the workspace's own."""
+    base = ws.environment()
+    session = ShellSession(ws)
+    assert session.env["PATH"] == base["PATH"] and session.env.get("VIRTUAL_ENV") == base.get("VIRTUAL_ENV")
+
+
+def test_a_local_venv_is_active_in_the_shell(repo):
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(repo / ".venv")], check=True)
+    ws = LocalWorkspace(repo)
+    ctx = ToolContext(ws, max_output_bytes=4000)
+    try:
+        out = run_terminal(ctx, 'echo "$VIRTUAL_ENV"; command -v python; python -c "import sys; print(sys.prefix)"')
+        venv = f"{ws.exec_root}/.venv"
+        assert out.splitlines()[:3] == [venv, f"{venv}/bin/python", venv]
+        assert ctx.session.env["PATH"].split(":")[1:] == [d for d in ws.environment()["PATH"].split(":")
+                                                          if d and d != f"{venv}/bin"]  # the rest, in order
+    finally:
+        ctx.close()
+        ws.close()
+
+
+def test_a_venv_that_is_only_a_name_is_not_activated(repo):
+    """A `.venv` that is a file, or a directory without `pyvenv.cfg`, is no environment: nothing changes."""
+    (repo / ".venv").write_text("not a venv")
+    ws = LocalWorkspace(repo)
+    try:
+        assert ShellSession(ws).env["PATH"] == ws.environment()["PATH"]
+    finally:
+        ws.close()
+
+
+def test_the_task_environment_comes_first_in_a_task_sandbox(taskset, sandbox_problem):
+    """In a task's sandbox, `pytest` is the task venv's: the project's tests are collected and run (before, `pytest`
+    was shipyard's, without the project: every test module failed with an ImportError), `python` imports the project,
+    `pip` is the venv's, and shipyard's `rg` still resolves."""
+    if sandbox_problem:
+        pytest.skip(f"this host cannot start bubblewrap sandboxes: {sandbox_problem}")
+    from shipyard.rollout.environment import LocalEnvironment
+    from shipyard.rollout.record import EpisodeSpec
+    from shipyard.tasks.taskset import list_tasks
+
+    tasks_dir, _, _ = taskset
+    task_id = list_tasks(tasks_dir)[0]
+    with LocalEnvironment() as env, env.workspace(EpisodeSpec(task_id, Path(tasks_dir), "venv", 0, 0)) as ws:
+        ctx = ToolContext(ws, max_output_bytes=20_000)
+        try:
+            out = run_terminal(ctx, "pytest -q -p no:cacheprovider")
+            assert "ImportError" not in out and not re.search(r"\d+ errors?\b", out), out  # no collection error
+            assert re.search(r"\d+ passed", out) and re.search(r"\d+ failed", out), out  # the task's tests fail
+            out = run_terminal(ctx, 'python -c "import pocketlib; print(pocketlib.__file__)"; echo "$VIRTUAL_ENV"; '
+                                    "command -v python pytest pip rg; pip --version")
+            lines = out.splitlines()
+            assert lines[:5] == ["/workspace/pocketlib/__init__.py", "/workspace/.venv", "/workspace/.venv/bin/python",
+                                 "/workspace/.venv/bin/pytest", "/workspace/.venv/bin/pip"], out
+            assert lines[5] == installed_binary("rg") and not lines[5].startswith("/workspace"), out
+            assert "/workspace/.venv/lib/" in lines[6] and "[exit code 0]" in out, out
+        finally:
+            ctx.close()

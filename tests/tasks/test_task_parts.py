@@ -2,15 +2,17 @@
 leak scanner, statements and stubs, the task format's errors."""
 
 import json
+import os
 import py_compile
 import subprocess
 import zipfile
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
 from shipyard.tasks.deletion import delete_feature, module_name
-from shipyard.tasks.environment import EnvSetupError, requirements_for_tests
+from shipyard.tasks.environment import EnvSetupError, requirements_for_tests, write_scripts
 from shipyard.tasks.features import Feature, Reach, candidates, is_test_file, symbols_of
 from shipyard.tasks.pytest_plugin import strip_disabled_options
 from shipyard.tasks.scrub import fingerprints, fresh_commit, scan, scrub
@@ -228,3 +230,25 @@ def test_requirements_from_test_files_and_tox(tmp_path):
     (tmp_path / "requirements-test.txt").write_text("pytest\nnot a requirement!\n")
     with pytest.raises(EnvSetupError, match=r"requirements-test.txt:2: 'not a requirement!'.*--with"):
         requirements_for_tests(tmp_path)
+
+
+def test_console_scripts_run_the_venvs_python_and_only_plain_ones_are_written(tmp_path):
+    """A copied distribution gets its console scripts in the venv's `bin`, running the venv's interpreter (the host's
+    run the host's); a name with a separator or a target that is not dotted names is not written, nor is a file
+    that exists already."""
+    info = tmp_path / "site" / "tool-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tool\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[console_scripts]\ntool = tool.cli:main\ntool-x = tool.cli:App.run\n../escape = tool:main\n"
+        "odd = tool; import os:main\nkept = tool:main\n[gui_scripts]\ntoolw = tool:gui\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kept").write_text("mine")
+    written = write_scripts(metadata.PathDistribution(info), bin_dir, "/workspace/.venv/bin/python")
+    assert sorted(written) == ["tool", "tool-x"] and sorted(os.listdir(bin_dir)) == ["kept", "tool", "tool-x"]
+    assert (bin_dir / "tool").read_text() == ("#!/workspace/.venv/bin/python\nimport sys\nfrom tool.cli import main\n"
+                                              "sys.exit(main())\n")
+    assert "from tool.cli import App\nsys.exit(App.run())" in (bin_dir / "tool-x").read_text()
+    assert os.access(bin_dir / "tool", os.X_OK) and (bin_dir / "kept").read_text() == "mine"
+    assert not (tmp_path / "escape").exists()

@@ -7,6 +7,13 @@ calls (`cd`, `export`, activated virtualenvs) while making every command killabl
 whole process group gets SIGKILL and the session is unharmed. The state travels on the output stream rather
 than through files, so the session works unchanged over any workspace, a sandbox included.
 
+**The project's environment comes first.** When the workspace root holds a virtual environment (`.venv`, as every
+task's snapshot does), the session starts with it active: its `bin` first on `PATH` and `VIRTUAL_ENV` set, so
+`python`, `pytest` and `pip` are the project's, as for a developer who activated it. Without that, they were those of
+the environment shipyard runs in (first on a sandbox's `PATH`, for the harness's own tools), where the project is not
+installed: every test module failed with an ImportError. shipyard's tools (`rg`, `ruff`) stay reachable behind it,
+and shadow nothing the project's environment has. A workspace without `.venv` keeps the environment it has.
+
 What does **not** persist between calls: shell-local variables that were not exported, functions, aliases
 and `set` options. Several `run_terminal` calls in **one** turn run concurrently, each in its own process
 started from the session state as it was at the start of the turn; none of them writes state back (their
@@ -32,6 +39,7 @@ MAX_COMMAND_BYTES = 100_000
 # Variables bash maintains itself: carrying them over would be wrong (SHLVL would grow, PWD would lie).
 SHELL_OWNED = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})
 # Non-interactive defaults: no pagers waiting for a keypress, no colour codes wasting tokens.
+VENV = ".venv"  # the project's virtual environment, at the workspace root (a task's: shipyard.tasks.environment)
 QUIET_ENV = {"PAGER": "cat", "GIT_PAGER": "cat", "TERM": "dumb", "NO_COLOR": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 
 # $1: the command; $2: the marker that precedes the saved state (empty: do not report state).
@@ -45,6 +53,18 @@ eval "$1"
 """
 
 
+def activated(workspace: Workspace, env: dict[str, str]) -> dict[str, str]:
+    """`env` with the workspace's own virtual environment active, when its root holds one (`.venv/pyvenv.cfg`): its
+    `bin` first on `PATH` and `VIRTUAL_ENV` set, as `source .venv/bin/activate` does (module docstring). Otherwise
+    `env` unchanged."""
+    if workspace.kind(f"{VENV}/pyvenv.cfg") != "file" or workspace.kind(f"{VENV}/bin") != "dir":
+        return env
+    venv = f"{workspace.exec_root.rstrip('/')}/{VENV}"
+    path = [d for d in env.get("PATH", "").split(":") if d and d != f"{venv}/bin"]
+    out = {k: v for k, v in env.items() if k != "PYTHONHOME"}  # a PYTHONHOME would point python elsewhere
+    return out | {"VIRTUAL_ENV": venv, "PATH": ":".join([f"{venv}/bin", *path])}
+
+
 class ShellSession:
     """Working directory, exported environment and background jobs of one agent episode."""
 
@@ -53,7 +73,7 @@ class ShellSession:
         self.max_output_bytes = max_output_bytes
         self.cwd: str = workspace.exec_root
         base = workspace.environment() if env is None else dict(env)
-        self.env = {k: v for k, v in base.items() if k not in SHELL_OWNED} | QUIET_ENV
+        self.env = activated(workspace, {k: v for k, v in base.items() if k not in SHELL_OWNED}) | QUIET_ENV
         self.jobs: list[Job] = []
         self._lock = threading.Lock()
 
