@@ -11,6 +11,15 @@ The parts are concatenated into one GGUF file and checked against the SHA-256 re
 unofficial republications, so the hash is the only guarantee of what we load). transformers dequantizes GGUF
 on load (~45 s for the 0.5B on 2 CPU cores); the result is saved once as safetensors under
 `$SHIPYARD_HOME/models/<name>/hf` (default `~/.cache/shipyard`), and every later load reads that (seconds).
+
+**One defect of a GGUF's chat template is repaired.** The template embedded in the bundled Qwen2.5-Coder-1.5B's GGUF
+shows the call example of its tools block with doubled braces, `{{"name": <function-name>, "arguments":
+<args-json-object>}}`: the text sits in a Jinja string literal, where braces are not template syntax, so the model
+reads both braces, and it copies them — 57% of its turns were invalid JSON and 5 of 6 episodes ended on
+`repeated_failures` (issue 29; the 0.5B's template has single braces, as Qwen's own). `repair_chat_template` replaces
+exactly that example, in either quoting, with its single-brace form and changes nothing else; it is applied to the
+converted directory every time it is asked for (`converted_dir`), so a cache converted before the repair is repaired
+on its next load. Every episode, training, evaluation and `shipyard serve` load the model through it.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -142,14 +152,49 @@ def gguf_path(model: BundledModel, status: Status = lambda _: None) -> Path:
     return target
 
 
+# The call example of a Hermes tools block with its braces doubled, the quotes bare or backslash-escaped (the text of a
+# Jinja string literal in '…' or "…"); group 1 is the example without its outer braces.
+DOUBLED_CALL_EXAMPLE = re.compile(r'\{\{((\\?)"name\2": <function-name>, \2"arguments\2": <args-json-object>)\}\}')
+TEMPLATE_FILE = "chat_template.jinja"
+
+
+def repair_chat_template(text: str) -> str:
+    """`text` (a chat template) with its tool-call example's doubled braces made single (module docstring); any other
+    template unchanged."""
+    return DOUBLED_CALL_EXAMPLE.sub(r"{\1}", text)
+
+
+def repair_template_file(directory: Path) -> bool:
+    """Repair the chat template of a transformers directory (`chat_template.jinja`, where transformers 5 saves it) in
+    place, atomically; whether it changed."""
+    path = directory / TEMPLATE_FILE
+    if not path.is_file():
+        return False
+    text = path.read_text()
+    repaired = repair_chat_template(text)
+    if repaired == text:
+        return False
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(repaired)
+    os.replace(tmp, path)
+    return True
+
+
 def converted_dir(model: BundledModel, status: Status = lambda _: None) -> Path:
-    """A transformers directory (safetensors + tokenizer) for a bundled model, converted once from GGUF."""
+    """A transformers directory (safetensors + tokenizer) for a bundled model, converted once from GGUF; its chat
+    template repaired (module docstring)."""
+    out = shipyard_home() / "models" / model.name / "hf"
+    if not ((out / "config.json").exists() and any(out.glob("*.safetensors"))):
+        _convert(model, out, status)
+    if repair_template_file(out):
+        status(f"repaired the chat template of {model.name}: its tool-call example had doubled braces")
+    return out
+
+
+def _convert(model: BundledModel, out: Path, status: Status) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = shipyard_home() / "models" / model.name / "hf"
-    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
-        return out
     gguf = gguf_path(model, status)
     status(f"converting {model.name} from GGUF to safetensors (one time, ~1 minute)")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -163,4 +208,3 @@ def converted_dir(model: BundledModel, status: Status = lambda _: None) -> Path:
     hf.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, out)
-    return out
