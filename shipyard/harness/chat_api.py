@@ -12,7 +12,9 @@ setting, and whether the call tags are spelled in ordinary tokens).
 **History.** An assistant message's `tool_calls` are written back the way the model writes them — its text, then
 each call as `<tool_call>{"name": …, "arguments": …}</tool_call>` — and `tool` messages become the template's tool
 responses, so a multi-turn conversation looks to the model like an episode. A `tool` message must answer a call id
-of an earlier assistant message.
+of an earlier assistant message. A call that repeats one of an earlier assistant message (same name, same arguments)
+has its result noted as an episode's is (`shipyard.harness.trajectory.FirstCalls`): the served model reads what it
+was trained on.
 
 **Replies.** Calls the parser accepts become `message.tool_calls` (`function.arguments` a JSON string, ids
 `call_…`), `finish_reason` `tool_calls`; what the model wrote outside them is `content`, and an attempted call that
@@ -49,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from shipyard.harness.parse import CLOSE, OPEN, ParsedTurn, ToolCallParser
 from shipyard.harness.tools.base import Tool
+from shipyard.harness.trajectory import FirstCalls, call_key, noted
 from shipyard.harness.wire import SYSTEM_PROMPT, ChatFormat, Tags
 from shipyard.models.engine import Engine, SamplingParams
 from shipyard.models.server import SamplingRequest, chars_per_token
@@ -151,19 +154,23 @@ def _unicode(text: str, where: str) -> str:
 
 
 def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
-    """The conversation as the harness renders it (module docstring: calls written back in the wire format)."""
-    out, calls = [], set()
+    """The conversation as the harness renders it (module docstring: calls written back in the wire format, a repeated
+    call's result noted)."""
+    out: list[dict[str, Any]] = []
+    calls: dict[str, int | None] = {}  # call id → the earlier turn the call repeats, or None
+    first_calls, turn = FirstCalls(), 0
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         text = _text(m, where)
         if m.role == "assistant":
+            turn += 1
             for call in m.tool_calls or ():
                 try:
                     args = json.loads(call.function.arguments) if isinstance(call.function.arguments, str) \
                         else call.function.arguments
                 except (ValueError, RecursionError):
                     raise HTTPException(400, f"{where}.tool_calls: the arguments of '{call.id}' are not JSON") from None
-                calls.add(call.id)
+                calls[call.id] = first_calls.repeats(call_key(call.function.name, args), turn)
                 body = json.dumps({"name": call.function.name, "arguments": args}, ensure_ascii=False)
                 text += ("\n" if text else "") + f"{OPEN}\n{body}\n{CLOSE}"
             out.append({"role": "assistant", "content": _unicode(text, where)})  # arguments may hold "\ud800"
@@ -171,7 +178,8 @@ def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
             if m.tool_call_id is None or m.tool_call_id not in calls:
                 raise HTTPException(400, f"{where}: a tool message must answer the id of a call in an earlier "
                                          f"assistant message (tool_call_id {m.tool_call_id!r} is not one)")
-            out.append({"role": "tool", "content": text})
+            first = calls[m.tool_call_id]
+            out.append({"role": "tool", "content": text if first is None else noted(text, first)})
         else:
             out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
     return out

@@ -11,7 +11,9 @@ One loop serves the CLI agent and RL rollouts alike. Per turn:
 3. **Execute** the valid calls with the results of running them in call order (a read or a test run after an
    edit sees the edit), running concurrently whatever does not conflict (`ToolExecutor`). Results go back in
    call order, whatever order they finished in.
-4. **Append** the responses as token ids rendered by `ChatFormat` (never re-rendering history).
+4. **Append** the responses as token ids rendered by `ChatFormat` (never re-rendering history). The result of a call
+   that repeats one of an earlier turn (same tool, same arguments) ends with a one-line note naming that turn
+   (`shipyard.harness.trajectory.FirstCalls`; the chat API adds the same note).
 
 The episode stops for exactly one explicit reason: `finished` (a turn with no attempted call), `max_turns`,
 `max_tokens` (the context budget is spent), `wall_time`, or `repeated_failures` (that many consecutive turns
@@ -42,7 +44,7 @@ from typing import Literal
 from shipyard.harness.parse import ParsedTurn, ToolCall, ToolCallParser
 from shipyard.harness.tools import Searcher, Tool, ToolContext, ToolError, tools_for, truncate_middle
 from shipyard.harness.tools.base import display_path
-from shipyard.harness.trajectory import CallRecord, Trajectory, Turn
+from shipyard.harness.trajectory import CallRecord, FirstCalls, Trajectory, Turn, noted
 from shipyard.harness.wire import SYSTEM_PROMPT, ChatFormat, Tags
 from shipyard.harness.workspace import PathError, Workspace
 from shipyard.models.engine import Completion, Engine, GenerationRequest, SamplingParams
@@ -250,6 +252,7 @@ class Agent:
         cfg = self.config
         context = list(traj.prompt_ids)
         failed_streak = 0
+        first_calls = FirstCalls()
         while traj.stop_reason is None:
             budget = cfg.max_tokens - len(context)
             if budget <= 0:
@@ -285,6 +288,7 @@ class Agent:
             records: list[CallRecord] = []
             try:
                 records = executor.execute(parsed.calls) if parsed.calls else []
+                _note_repeats(first_calls, parsed, records, len(traj.turns) + 1)
                 observation = (self.format.continuation_ids(completion.token_ids, [r.output for r in records])
                                if records else [])
             except InfraError as e:
@@ -325,6 +329,13 @@ class Agent:
                     policy_version=completion.policy_version, token_versions=list(completion.token_versions))
         traj.turns.append(turn)
         return turn
+
+
+def _note_repeats(first_calls: FirstCalls, parsed: ParsedTurn, records: list[CallRecord], turn: int) -> None:
+    """Add the repeat note (`FirstCalls`) to the result of each call that ran and repeats one of an earlier turn."""
+    for call, record in zip(parsed.calls, records, strict=True):
+        if call.error is None and (first := first_calls.repeats(record.key, turn)) is not None:
+            record.output = noted(record.output, first)
 
 
 def _note_cut(parsed: ParsedTurn, max_tokens: int) -> None:

@@ -12,6 +12,7 @@ import pytest
 from servers import running_app
 
 from shipyard.harness.chat_api import Message, add_chat_completions, template_messages
+from shipyard.harness.trajectory import REPEAT_NOTE
 from shipyard.models.replay import ReplayEngine
 from shipyard.models.resolve import tiny_model
 from shipyard.models.server import ServeConfig, create_app
@@ -81,6 +82,28 @@ def test_history_is_written_back_in_the_wire_format():
     assert msgs[0] == {"role": "user", "content": "ab"}
     assert msgs[1]["content"] == 'ok\n<tool_call>\n{"name": "read_file", "arguments": {"path": "x"}}\n</tool_call>'
     assert msgs[2] == {"role": "tool", "content": "text"}
+
+
+def test_a_repeated_call_is_noted_as_in_an_episode():
+    """A call with the name and arguments (in any order) of one in an earlier assistant message: its tool message is
+    shown with the note an episode adds (the earliest turn, counted in assistant messages from 1); a call repeated
+    within one message, or with other arguments, is not."""
+
+    def assistant(*calls):
+        return Message(role="assistant", content=None, tool_calls=[
+            {"id": cid, "function": {"name": "read_file", "arguments": args}} for cid, args in calls])
+
+    msgs = template_messages([
+        Message(role="user", content="go"),
+        assistant(("a", '{"path": "x", "limit": 2}'), ("b", '{"path": "x", "limit": 2}')),
+        Message(role="tool", tool_call_id="a", content="one"), Message(role="tool", tool_call_id="b", content="one"),
+        assistant(("c", {"limit": 2, "path": "x"}), ("d", '{"path": "y"}')),
+        Message(role="tool", tool_call_id="c", content="one\n"), Message(role="tool", tool_call_id="d", content="two"),
+        Message(role="user", content="again"),
+        assistant(("e", '{"path": "y"}')), Message(role="tool", tool_call_id="e", content="two"),
+    ])
+    tools = [m["content"] for m in msgs if m["role"] == "tool"]
+    assert tools == ["one", "one", "one\n" + REPEAT_NOTE.format(turn=1), "two", "two\n" + REPEAT_NOTE.format(turn=2)]
 
 
 USER = [{"role": "user", "content": "hi"}]

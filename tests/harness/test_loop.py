@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shipyard.harness.loop import Agent, LoopConfig
-from shipyard.harness.trajectory import Trajectory
+from shipyard.harness.trajectory import REPEAT_NOTE, Trajectory
 from shipyard.harness.wire import ChatFormat
 from shipyard.models.local import LocalEngine
 from shipyard.models.replay import ReplayEngine, ReplayExhausted
@@ -84,6 +84,37 @@ def test_hostile_session_reports_every_error_and_touches_nothing_outside(repo, w
             assert c.output.startswith("error: ") == (c.error is not None)
     assert outside.read_text() == "keep me"
     assert traj.patch == ""
+
+
+def test_a_repeated_call_is_answered_with_its_result_and_the_turn_it_repeats(workspace):
+    """Same tool, same arguments (in any order) as a call of an earlier turn: the result comes back as always, with a
+    one-line note naming the earliest such turn (1-based, as the model counts); other calls, a call repeated within
+    its own turn and a call that did not parse are not noted. The note is in what the model reads next."""
+    reordered = '<tool_call>\n{"name": "read_file", "arguments": {"limit": 3, "path": "README.md"}}\n</tool_call>\n'
+    script = [
+        call("read_file", path="README.md", limit=3),
+        call("list_dir", path=".") + reordered,  # turn 2: read_file repeats turn 1
+        call("read_file", path="README.md", limit=4) + call("list_dir", path="."),  # new; repeats turn 2
+        call("read_file", path="missing.py") + call("read_file", path="missing.py"),  # fails; same turn: no note
+        call("read_file", path="missing.py") + call("glob", pattern="*.md") + call("nope") + call("nope"),
+        call("read_file", path="README.md", limit=3) + call("nope"),  # repeats turn 1 still (the earliest)
+        "done",
+    ]
+    engine = ReplayEngine(script)
+    traj = Agent(engine, workspace, LoopConfig(max_failed_turns=10)).run("x")
+    assert traj.stop_reason == "finished"
+
+    def notes(turn):
+        return [next((n for n in range(1, 7) if c.output.endswith("\n" + REPEAT_NOTE.format(turn=n))), None)
+                for c in turn.calls]
+
+    assert [notes(t) for t in traj.turns[:6]] == [[None], [None, 1], [None, 2], [None, None], [4, None, None, None],
+                                                   [1, None]]
+    first, repeat = traj.turns[0].calls[0].output, traj.turns[1].calls[1].output
+    assert repeat == first + ("" if first.endswith("\n") else "\n") + REPEAT_NOTE.format(turn=1)  # the result too
+    assert traj.turns[4].calls[0].output.startswith("error: ")  # a failed call repeated: its error, and the note
+    assert REPEAT_NOTE.format(turn=1) in engine.tokenizer.decode(traj.turns[1].observation_ids)
+    assert REPEAT_NOTE.count("\n") == 0
 
 
 def test_stuck_model_stops_on_repeated_failures(workspace):
