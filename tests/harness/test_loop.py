@@ -118,9 +118,13 @@ def test_a_repeated_call_is_answered_with_its_result_and_the_turn_it_repeats(wor
 
 
 def test_stuck_model_stops_on_repeated_failures(workspace):
-    script = [call("nope")] * 5
+    """After 5 turns in which every call failed by default (docs/harness.md: 3 was too quick for a model learning the
+    format), or as many as `max_failed_turns` says; one turn with a call that ran starts the count again."""
+    traj = Agent(ReplayEngine([call("nope")] * 7), workspace).run("x")
+    assert traj.stop_reason == "repeated_failures" and len(traj.turns) == 5
+    script = [call("nope")] * 2 + [call("list_dir", path=".")] + [call("nope")] * 5
     traj = Agent(ReplayEngine(script), workspace, LoopConfig(max_failed_turns=3)).run("x")
-    assert traj.stop_reason == "repeated_failures" and len(traj.turns) == 3
+    assert traj.stop_reason == "repeated_failures" and len(traj.turns) == 6
 
 
 def test_max_turns(workspace):
