@@ -3,7 +3,9 @@
 A statement names what to implement and where, the tests that check it, and lines of the repository's remaining
 documentation that mention it. For T1/T2 the signature and docstring are still in the code, so the statement
 quotes them from the *deleted* tree; for T3 nothing of the definition survives, so the statement names only the
-symbol, its module and the tests.
+symbol, its module and the tests. Each T1/T2 line begins "Implement the body of `f(a, b)` in `pkg/mod.py`": a
+signature standing alone at the head of a line read to the bundled 0.5B as a tool to call, and it called it
+(`{"name": "intersect", "arguments": …}`, issue 29).
 
 The stub patch is the laziest plausible answer — `return None` in place of every deleted body (T3: stub
 definitions with that body) — and must fail: it proves the tests check behaviour, not existence.
@@ -60,9 +62,10 @@ def statement(feature: Feature, tree: Path) -> str:
         for sym in feature.symbols:
             node = _find(ast.parse((tree / sym.file).read_text()), sym.qualname)
             doc = (ast.get_docstring(node) or "").strip().splitlines() if node else []
-            sig = _signature(node) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else sym.qualname
-            owner = f"method of `{sym.qualname.split('.')[0]}` " if "." in sym.qualname else ""
-            parts.append(f"- `{sig}` — {owner}in `{sym.file}`" + (f": {doc[0]}" if doc else ""))
+            function = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            what = f"the body of `{_signature(node)}`" if function else f"`{sym.qualname}`"
+            owner = f", a method of `{sym.qualname.split('.')[0]}`," if "." in sym.qualname else ""
+            parts.append(f"- Implement {what}{owner} in `{sym.file}`" + (f": {doc[0]}" if doc else ""))
     else:
         module = PurePosixPath(feature.symbols[0].file)
         kinds = ", ".join(f"`{s.qualname}` ({'class' if s.is_class else 'function'})" for s in feature.symbols)

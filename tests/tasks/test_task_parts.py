@@ -129,8 +129,8 @@ def test_statement_and_stub_never_carry_the_deleted_code(pkg):
     sym = next(s for s in symbols_of("geo/shapes.py", MODULE) if s.qualname == "area")
     delete_feature(pkg, Feature(1, (sym,), ["tests/test_geo.py::test_area"]))
     text = statement(Feature(1, (sym,), ["tests/test_geo.py::test_area"]), pkg)
-    assert "`area(r)`" in text and "Area of a circle" in text and "tests/test_geo.py::test_area" in text
-    assert "squared_radius_value" not in text
+    assert "\n- Implement the body of `area(r)` in `geo/shapes.py`: Area of a circle of radius ``r``.\n" in text
+    assert "tests/test_geo.py::test_area" in text and "squared_radius_value" not in text
     stubbed = stub_source((pkg / "geo/shapes.py").read_text(), [sym], 1)
     assert '"""Area of a circle of radius ``r``."""\n    return None\n' in stubbed
     t3 = stub_source("import math\n", [sym], 3)
@@ -252,3 +252,14 @@ def test_console_scripts_run_the_venvs_python_and_only_plain_ones_are_written(tm
     assert "from tool.cli import App\nsys.exit(App.run())" in (bin_dir / "tool-x").read_text()
     assert os.access(bin_dir / "tool", os.X_OK) and (bin_dir / "kept").read_text() == "mine"
     assert not (tmp_path / "escape").exists()
+
+
+def test_a_statement_says_implement_beside_every_signature(pkg):
+    """A signature alone at the head of a line read as a tool to call (the 0.5B called `intersect` with arguments):
+    every T1/T2 line says what to do with it, a method's names its class."""
+    syms = {s.qualname: s for s in symbols_of("geo/shapes.py", MODULE) if s.qualname in ("area", "Shape.describe")}
+    feature = Feature(2, (syms["area"], syms["Shape.describe"]), ["tests/test_geo.py::test_area"])
+    delete_feature(pkg, feature)
+    lines = [line for line in statement(feature, pkg).splitlines() if line.startswith("- Implement")]
+    assert lines == ["- Implement the body of `area(r)` in `geo/shapes.py`: Area of a circle of radius ``r``.",
+                     "- Implement the body of `describe(self)`, a method of `Shape`, in `geo/shapes.py`"]
