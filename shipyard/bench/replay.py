@@ -38,9 +38,8 @@ from shipyard.models.resolve import load_hf
 from shipyard.rl.build import trainer_config
 from shipyard.rl.config import ConfigError, load_config
 from shipyard.rollout.batches import RolloutBatch, RolloutGroup
-from shipyard.rollout.record import Rollout
+from shipyard.rollout.record import Hint, Rollout
 from shipyard.train.batch import Batch
-from shipyard.train.distill import Hint
 from shipyard.train.memory import PeakRSS, resident_mb
 from shipyard.train.trainer import Trainer
 

@@ -26,13 +26,14 @@ from shipyard.models.resolve import load_tokenizer, make_engine
 from shipyard.rl.config import ConfigError, RLConfig, engine_spec, save_config
 from shipyard.rl.critic import Critic
 from shipyard.rl.hints import HintWriter
-from shipyard.rl.loop import HackPenalty, RLLoop, export_policy
+from shipyard.rl.loop import RLLoop, export_policy
 from shipyard.rl.ranks import RankSpec, trainer_ranks
 from shipyard.rl.rundir import RunDir
 from shipyard.rollout.advantages import (
     EffortCalibration,
     GroundedCalls,
     GroupShapingTerm,
+    HackPenalty,
     ParallelBonus,
     ShapingTerm,
 )

@@ -3,7 +3,7 @@ what the better behaviour was — a short hint the self-distillation teacher see
 
 Why: a sparse reward says only that an episode failed. With the bundled 0.5B model all 8 samples of a group often
 fail alike, every advantage is 0 and the step learns nothing (issue 16). A hint is a dense signal exactly where the
-error is: the teacher — the policy with the hint inserted right before the turn (`shipyard.train.distill.place_hint`)
+error is: the teacher — the policy with the hint inserted right before the turn (`shipyard.train.batch.place_hint`)
 — gives the student's sampled tokens of that turn other probabilities, and the trainer distils the student towards
 it (`shipyard.train.distill`; Cursor's targeted feedback; SDPO, arXiv 2601.20802; OPSD, arXiv 2601.18734).
 
@@ -63,9 +63,9 @@ from shipyard.models.errors import InfraError
 from shipyard.models.openai import RequestRejected
 from shipyard.rl.config import HINT_DETECTORS, check_detectors
 from shipyard.rollout.batches import RolloutBatch
+from shipyard.rollout.record import Hint
 from shipyard.tasks.grade import read_gold
 from shipyard.tasks.taskset import Task, load_task
-from shipyard.train.distill import Hint
 
 CONTROL = re.compile(r"<\|[^<>|\s]{0,40}\|>|</?s>")  # chat control tokens written as text (<|im_end|>, </s>)
 MAX_EXACT_CALL = 400  # characters of an untagged call's JSON that a hint repeats in full (`tagged`)

@@ -20,8 +20,9 @@ whether the trainer is one process or many: every trainer call that the other ra
 
 **Monitors.** `run_episode` runs the reward-hacking monitors on every rollout and keeps their flags with evidence
 in `Rollout.monitor_flags`. The loop counts them per step (`monitor/flagged`), writes the flagged rollouts'
-evidence with their trajectories, and with `zero_flagged` the `HackPenalty` shaping term (given to the scheduler,
-so it acts before the advantages) takes a flagged rollout's reward to 0.
+evidence with their trajectories, and with `zero_flagged` the `HackPenalty` shaping term
+(`shipyard.rollout.advantages`, given to the scheduler, so it acts before the advantages) takes a flagged rollout's
+reward to 0.
 
 **Resuming.** A checkpoint holds the trainer (weights, optimiser, schedules, RNG, version) and the scheduler's
 state (sampler RNG, seeds, curriculum, groups in play); `resume` restores both, hands the engines the restored
@@ -35,7 +36,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -46,31 +47,14 @@ from shipyard.rl.rundir import RunDir
 from shipyard.rollout.batches import RolloutBatch
 from shipyard.rollout.episode import WireSettings
 from shipyard.rollout.eval import default_ks, results, save_results, validity
-from shipyard.rollout.record import Rollout
+from shipyard.rollout.record import Hint
 from shipyard.rollout.scheduler import Scheduler
 from shipyard.train.batch import Batch
 from shipyard.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from shipyard.train.distill import Hint
 from shipyard.train.memory import PeakRSS, resident_mb
 from shipyard.train.trainer import Trainer
 
 SCHEDULER_STATE = "scheduler.json"
-
-
-@dataclass(frozen=True)
-class HackPenalty:
-    """Shaping term: a rollout a monitor flagged ends with total reward `floor` (its reward and the shaping terms
-    applied before this one are cancelled; keep it last), else 0. `floor` must be the lowest total a clean rollout can
-    get (0 minus the largest penalty of the other terms), so that a flagged rollout never has a positive advantage:
-    at 0, a group whose clean rollouts were charged a penalty would rank the hack above them."""
-
-    floor: float = 0.0
-    name: str = "hack"
-
-    def __call__(self, rollout: Rollout) -> float:
-        if not rollout.monitor_flags:
-            return 0.0
-        return self.floor - ((rollout.reward or 0.0) + sum(v for k, v in rollout.shaping.items() if k != self.name))
 
 
 HintSource = Callable[[RolloutBatch], HintReport]  # shipyard.rl.hints.HintWriter

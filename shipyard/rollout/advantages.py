@@ -19,7 +19,7 @@ advantage is 0 — so dynamic sampling drops and replaces it (DAPO, Yu et al. 20
 
 Shaping terms (`ShapingTerm`) are computed from the finished trajectory and added to the reward before the
 advantages; each is recorded by name in `Rollout.shaping`, and `Rollout.reward` stays the grader's reward (the
-curriculum tracks pass rates from that). Two are provided: `EffortPenalty`, a soft length penalty in the manner of
+curriculum tracks pass rates from that). Three are provided: `EffortPenalty`, a soft length penalty in the manner of
 DAPO's overlong shaping (0 up to a free budget of sampled tokens, then linear down to −coef at the limit),
 `ParallelBonus`, a bonus for the mean number of tool calls issued in parallel per turn, paid only on solved
 rollouts so that spraying calls cannot earn it, and `GroundedCalls`, for grounded tool-call validity
@@ -40,6 +40,9 @@ only the verdict matters. It remains a lexical proxy: K distinct cheap calls (`l
 the whole term — keep coef small next to the verdict's 1 so that solving stays what matters. `untagged_credit`
 (default 0) exists for models that never write the tags: a term only the tagged form earns gives a group no variance
 until a tag is sampled (0 of ~700 samples of the bundled 0.5B). No term is on unless the caller lists it.
+
+`HackPenalty` (the RL loop's `run.zero_flagged`) takes a rollout the reward-hacking monitors flagged
+(`Rollout.monitor_flags`) to a fixed floor, whatever its verdict and other terms: listed last, it cancels them.
 """
 
 from __future__ import annotations
@@ -167,6 +170,22 @@ class GroundedCalls:
         return self.coef * min(sum(credit.values()), self.target) / self.target - self.placeholder_coef * placeholder
 
 
+@dataclass(frozen=True)
+class HackPenalty:
+    """Shaping term: a rollout a monitor flagged ends with total reward `floor` (its reward and the shaping terms
+    applied before this one are cancelled; keep it last), else 0. `floor` must be the lowest total a clean rollout can
+    get (0 minus the largest penalty of the other terms), so that a flagged rollout never has a positive advantage:
+    at 0, a group whose clean rollouts were charged a penalty would rank the hack above them."""
+
+    floor: float = 0.0
+    name: str = "hack"
+
+    def __call__(self, rollout: Rollout) -> float:
+        if not rollout.monitor_flags:
+            return 0.0
+        return self.floor - ((rollout.reward or 0.0) + sum(v for k, v in rollout.shaping.items() if k != self.name))
+
+
 class GroupShapingTerm(Protocol):
     """A reward term computed from a whole finished group of one task (of curriculum tier `tier`): one value per
     rollout, recorded under `name` in `Rollout.shaping` (0 for a masked rollout)."""
@@ -223,7 +242,7 @@ class EffortCalibration:
 def shaped_rewards(rollouts: Sequence[Rollout], terms: Sequence[ShapingTerm],
                    group_terms: Sequence[GroupShapingTerm] = (), tier: int = 1) -> list[float | None]:
     """A finished group's rewards: the group terms first, then each rollout's own terms (`shaped_reward`; so a term
-    that reads the others, like the RL loop's `HackPenalty`, sees the group terms too)."""
+    that reads the others, like `HackPenalty`, sees the group terms too)."""
     for term in group_terms:
         values = term.group(rollouts, tier)
         for rollout, value in zip(rollouts, values, strict=True):

@@ -4,7 +4,7 @@ A batch holds G groups of N rollouts each, in the order the scheduler accepted t
 (group-relative, shaping included, 0 for masked rollouts), its mask (0 = no reward: infra_error or cancelled — the
 trainer must skip it, never treat it as a zero reward), and the policy versions of its turns. `min_version` (the
 trainer's version minus `max_staleness`): tokens sampled by an older policy are context only (`Batch.from_rollouts`
-masks them). `hints` is the slot for targeted self-distillation (`shipyard.train.batch.Hint`, indexed by the flat
+masks them). `hints` is the slot for targeted self-distillation (`shipyard.rollout.record.Hint`, indexed by the flat
 rollout position), filled by the RL loop after the batch is made. `shipyard.train.batch.Batch.from_rollouts` turns a
 batch into padded tensors.
 
@@ -16,12 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from shipyard.rollout.record import Rollout, append_jsonl
-
-if TYPE_CHECKING:
-    from shipyard.train.distill import Hint
+from shipyard.rollout.record import Hint, Rollout, append_jsonl
 
 
 @dataclass

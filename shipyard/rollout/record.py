@@ -10,6 +10,11 @@ bounded-staleness admission and the trainer's importance correction read.
 timeout) or, when the episode itself could not be completed, `infra_error` (an environment server, sandbox, engine
 or the grader's infrastructure failed; `infra_cause` says which) or `cancelled` (its time budget ran out). Those two
 have `reward` None: they are masked or retried, never scored as zero.
+
+A `Hint` is the targeted feedback the RL loop's detectors (`shipyard.rl.hints`) write for one turn of one rollout of
+a batch (`RolloutBatch.hints`); the trainer places it in token coordinates (`shipyard.train.batch.place_hint`) and
+distils the hinted teacher into the policy on that turn (`shipyard.train.distill`). It is a plain record, kept here so
+that the rollout side can carry hints without importing the trainer.
 """
 
 from __future__ import annotations
@@ -54,6 +59,19 @@ class EpisodeSpec:
     @property
     def task_dir(self) -> Path:
         return Path(self.tasks_dir) / self.task_id
+
+
+@dataclass(frozen=True)
+class Hint:
+    """Targeted feedback for rollout `sample` of a batch (its flat position): `hint_ids` (a rendered message) go
+    before turn `turn`'s assistant header in the teacher's context."""
+
+    sample: int
+    turn: int
+    hint_ids: tuple[int, ...]
+    kinds: tuple[str, ...] = ()  # what was found (shipyard.rl.hints), for the run's logs
+    text: str = ""
+    evidence: tuple[str, ...] = ()
 
 
 @dataclass

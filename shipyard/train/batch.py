@@ -14,24 +14,56 @@ per turn the sampled completion and the rendered observation). Per-token fields 
 never a zero reward. The model predicts token t from positions < t, so losses pair the logits at t−1 with token t
 (`shift`).
 
-Targeted self-distillation: `hints` places each `Hint` in token coordinates (`HintTarget`, `distill.place_hint`): the
-hint's token ids go right before its turn's assistant header in the teacher's context; the student's own row is never
-changed. Everything else about it is in `shipyard.train.distill`.
+Targeted self-distillation: `hints` places each `Hint` (`shipyard.rollout.record`) in token coordinates (`HintTarget`,
+`place_hint`): the hint's token ids go right before its turn's assistant header in the teacher's context; the
+student's own row is never changed. Everything else about it is in `shipyard.train.distill`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from shipyard.harness.trajectory import Trajectory
-from shipyard.train.distill import Hint, HintTarget, place_hint
+from shipyard.rollout.batches import RolloutBatch
+from shipyard.rollout.record import Hint
 
-if TYPE_CHECKING:
-    from shipyard.rollout.batches import RolloutBatch
+
+@dataclass(frozen=True)
+class HintTarget:
+    """A hint placed in token coordinates of row `sample`: insert at `insert_at`, loss on [start, end)."""
+
+    sample: int
+    insert_at: int
+    hint_ids: tuple[int, ...]
+    start: int
+    end: int
+    kinds: tuple[str, ...] = ()  # the hint's kinds (Hint.kinds): its lift is reported per kind
+
+
+def turn_span(traj: Trajectory, turn: int) -> tuple[int, int]:
+    """[start, end) of turn `turn`'s completion tokens in the trajectory's token sequence."""
+    if not 0 <= turn < len(traj.turns):
+        raise ValueError(f"turn {turn} does not exist: the trajectory has {len(traj.turns)} turns")
+    pos = len(traj.prompt_ids)
+    for t in traj.turns[:turn]:
+        pos += len(t.completion_ids) + len(t.observation_ids)
+    return pos, pos + len(traj.turns[turn].completion_ids)
+
+
+def place_hint(traj: Trajectory, hint: Hint, header_ids: tuple[int, ...]) -> HintTarget:
+    """Where a hint goes: before the assistant header that opens the target turn (checked against the ids)."""
+    start, end = turn_span(traj, hint.turn)
+    insert_at = start - len(header_ids)
+    ids = traj.token_ids()
+    if insert_at < 0 or tuple(ids[insert_at:start]) != tuple(header_ids):
+        raise ValueError(f"turn {hint.turn} of sample {hint.sample} is not preceded by the assistant header "
+                         f"{list(header_ids)}; pass the header ids of the chat format the trajectory was made with")
+    if end == start:
+        raise ValueError(f"turn {hint.turn} of sample {hint.sample} has no sampled tokens to distill")
+    return HintTarget(hint.sample, insert_at, tuple(hint.hint_ids), start, end, tuple(hint.kinds))
 
 
 @dataclass

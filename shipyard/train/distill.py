@@ -1,10 +1,11 @@
 """Targeted self-distillation: the hinted policy teaches the unhinted one, on the turn the hint is about.
 
-Everything about it lives in this module: where a hint goes (`Hint` → `place_hint` → `HintTarget`; the teacher's
-row is the student's with the hint's ids inserted before the turn's assistant header, `teacher_row`), the teacher's
-logits at the target tokens (`teacher_logits_at_hints`), the loss and its lift test (`distill_term`, per micro-batch).
-The trainer owns the teacher module (an EMA copy, the frozen initial weights or the live policy) and calls the two.
-The hints themselves are written by the RL loop's detectors (`shipyard.rl.hints`).
+This module holds the teacher's side: its row (the student's with the hint's ids inserted before the turn's
+assistant header, `teacher_row`), its logits at the target tokens (`teacher_logits_at_hints`), the loss and its lift
+test (`distill_term`, per micro-batch). The trainer owns the teacher module (an EMA copy, the frozen initial weights or
+the live policy) and calls the two. The hints themselves (`shipyard.rollout.record.Hint`) are written by the RL loop's
+detectors (`shipyard.rl.hints`) and placed in token coordinates by the batch (`shipyard.train.batch.place_hint` →
+`HintTarget`).
 
 Cursor's targeted RL with textual feedback, after SDPO (arXiv 2601.20802), OPSD (arXiv 2601.18734) and SDFT
 (arXiv 2601.19897): when an episode goes wrong at a turn, a hint is written for that turn. The *teacher* is the
@@ -66,16 +67,13 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from torch import nn
 
-from shipyard.harness.trajectory import Trajectory
+from shipyard.train.batch import Batch, HintTarget
 from shipyard.train.prefix import forward_layout, layout
-
-if TYPE_CHECKING:
-    from shipyard.train.batch import Batch
 
 LIFT_CHUNK = 128  # positions per chunk of the lift's log-distributions
 Divergence = Literal["reverse_kl", "forward_kl", "jsd"]
@@ -116,53 +114,6 @@ class DistillConfig:
                              f"{self.weight} and {self.min_lift}")
         if self.top_k < 1 or self.is_clip < 1 or self.token_kl_clip <= 0 or not 0 <= self.ema_decay < 1:
             raise ValueError("top_k >= 1, is_clip >= 1, token_kl_clip > 0 and 0 <= ema_decay < 1 are required")
-
-
-@dataclass(frozen=True)
-class Hint:
-    """Targeted feedback for one trajectory: `hint_ids` (a rendered message) go before turn `turn`'s header."""
-
-    sample: int
-    turn: int
-    hint_ids: tuple[int, ...]
-    kinds: tuple[str, ...] = ()  # what was found (shipyard.rl.hints), for the run's logs
-    text: str = ""
-    evidence: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class HintTarget:
-    """A hint placed in token coordinates of row `sample`: insert at `insert_at`, loss on [start, end)."""
-
-    sample: int
-    insert_at: int
-    hint_ids: tuple[int, ...]
-    start: int
-    end: int
-    kinds: tuple[str, ...] = ()  # the hint's kinds (Hint.kinds): its lift is reported per kind
-
-
-def turn_span(traj: Trajectory, turn: int) -> tuple[int, int]:
-    """[start, end) of turn `turn`'s completion tokens in the trajectory's token sequence."""
-    if not 0 <= turn < len(traj.turns):
-        raise ValueError(f"turn {turn} does not exist: the trajectory has {len(traj.turns)} turns")
-    pos = len(traj.prompt_ids)
-    for t in traj.turns[:turn]:
-        pos += len(t.completion_ids) + len(t.observation_ids)
-    return pos, pos + len(traj.turns[turn].completion_ids)
-
-
-def place_hint(traj: Trajectory, hint: Hint, header_ids: tuple[int, ...]) -> HintTarget:
-    """Where a hint goes: before the assistant header that opens the target turn (checked against the ids)."""
-    start, end = turn_span(traj, hint.turn)
-    insert_at = start - len(header_ids)
-    ids = traj.token_ids()
-    if insert_at < 0 or tuple(ids[insert_at:start]) != tuple(header_ids):
-        raise ValueError(f"turn {hint.turn} of sample {hint.sample} is not preceded by the assistant header "
-                         f"{list(header_ids)}; pass the header ids of the chat format the trajectory was made with")
-    if end == start:
-        raise ValueError(f"turn {hint.turn} of sample {hint.sample} has no sampled tokens to distill")
-    return HintTarget(hint.sample, insert_at, tuple(hint.hint_ids), start, end, tuple(hint.kinds))
 
 
 def teacher_row(ids: torch.Tensor, target: HintTarget) -> tuple[torch.Tensor, int]:

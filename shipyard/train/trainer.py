@@ -60,8 +60,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from shipyard.harness.trajectory import Trajectory
+from shipyard.rollout.record import Hint
 from shipyard.train.batch import Batch
-from shipyard.train.distill import DistillConfig, Hint, distill_term, teacher_logits_at_hints
+from shipyard.train.distill import DistillConfig, distill_term, teacher_logits_at_hints
 from shipyard.train.losses import PolicyLossConfig, policy_loss, token_logprobs
 from shipyard.train.memory import step_heap
 from shipyard.train.muon import Muon, muon_param_groups

@@ -10,10 +10,11 @@ import pytest
 from shipyard.harness.trajectory import CallRecord, Trajectory, Turn
 from shipyard.rl.build import group_shaping_terms, shaping_terms
 from shipyard.rl.config import ConfigError, RLConfig, ShapingConfig, load_config
-from shipyard.rl.loop import HackPenalty, batch_metrics
+from shipyard.rl.loop import batch_metrics
 from shipyard.rollout.advantages import (
     EffortCalibration,
     GroundedCalls,
+    HackPenalty,
     ParallelBonus,
     group_advantages,
     shaped_reward,

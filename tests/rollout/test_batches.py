@@ -10,9 +10,8 @@ from schedfakes import turn
 
 from shipyard.harness.trajectory import Trajectory
 from shipyard.rollout.batches import RolloutBatch, RolloutGroup
-from shipyard.rollout.record import Rollout
+from shipyard.rollout.record import Hint, Rollout
 from shipyard.train.batch import Batch
-from shipyard.train.distill import Hint
 
 HEADER = (50, 51)
 

@@ -231,7 +231,7 @@ def test_group_shaping_sees_the_whole_group_and_its_tier_before_the_rollout_term
         def group(self, rollouts, tier):
             return [0.1 * tier * r.index for r in rollouts]
 
-    class Reads:  # a rollout term that reads the others (as the RL loop's HackPenalty does)
+    class Reads:  # a rollout term that reads the others (as HackPenalty does)
         name = "reads"
 
         def __call__(self, rollout):

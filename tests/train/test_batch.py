@@ -7,8 +7,9 @@ from shipyard.harness.tools import default_tools
 from shipyard.harness.trajectory import Trajectory, Turn
 from shipyard.harness.wire import ChatFormat
 from shipyard.models.tokenizer import byte_tokenizer
-from shipyard.train.batch import Batch
-from shipyard.train.distill import Hint, place_hint, teacher_row, turn_span
+from shipyard.rollout.record import Hint
+from shipyard.train.batch import Batch, place_hint, turn_span
+from shipyard.train.distill import teacher_row
 
 TOK = byte_tokenizer()
 FMT = ChatFormat(TOK, default_tools())

@@ -12,9 +12,10 @@ from safetensors.torch import load_file
 from shipyard.harness.tools import default_tools
 from shipyard.harness.wire import ChatFormat
 from shipyard.models.resolve import tiny_model
+from shipyard.rollout.record import Hint
 from shipyard.train.batch import Batch
 from shipyard.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from shipyard.train.distill import DistillConfig, Hint
+from shipyard.train.distill import DistillConfig
 from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer
 
 ADV = [[1.0, -1.0], [0.5, -0.5], [-0.25, 0.75], [0.3, -0.3]]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from shipyard.models.resolve import tiny_model
-from shipyard.train.batch import Batch
-from shipyard.train.distill import DistillConfig, HintTarget
+from shipyard.train.batch import Batch, HintTarget
+from shipyard.train.distill import DistillConfig
 from shipyard.train.muon import Muon
 from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer, default_optimizer
 

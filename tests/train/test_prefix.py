@@ -9,8 +9,8 @@ import torch
 from own_memory import in_child
 
 from shipyard.models.resolve import tiny_model
-from shipyard.train.batch import Batch
-from shipyard.train.distill import DistillConfig, HintTarget
+from shipyard.train.batch import Batch, HintTarget
+from shipyard.train.distill import DistillConfig
 from shipyard.train.packing import pack
 from shipyard.train.prefix import cascade, forward_cascade, groups, micro_batches, supports_cascade
 from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer

@@ -14,8 +14,9 @@ from gloo_ranks import run_ranks
 from shipyard.harness.tools import default_tools
 from shipyard.harness.wire import ChatFormat
 from shipyard.models.resolve import tiny_model
+from shipyard.rollout.record import Hint
 from shipyard.train.batch import Batch
-from shipyard.train.distill import DistillConfig, Hint
+from shipyard.train.distill import DistillConfig
 from shipyard.train.losses import PolicyLossConfig, policy_loss, token_logprobs
 from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer, _idle_batch
 
