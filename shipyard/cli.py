@@ -28,6 +28,7 @@ from shipyard.console import (
     run_bench,
     run_eval_shown,
     status_line,
+    synth_shown,
     train_shown,
     user_errors,
 )
@@ -345,36 +346,28 @@ def env_server(
 
 @app.command()
 def synth(
-    repo: Path = typer.Option(..., "--repo", help="A Python repository with a pytest suite (never modified)."),
-    out: Path = typer.Option(..., "--out", help="The task-set directory to write (docs/tasks.md)."),
-    max_tasks: int = typer.Option(20, "--max-tasks", min=1, help="Stop after this many validated tasks."),
-    tier: list[int] | None = typer.Option(None, "--tier", min=1, max=3,
-                                          help="Tiers to make (repeatable): 1 one body, 2 several bodies of a "
-                                               "feature, 3 whole definitions. Default: all three."),
+    repo: list[str] | None = typer.Option(None, "--repo", help="A repository (repeatable): a directory with a pytest "
+                                          "suite (never modified), or name or name==version of an sdist on PyPI."),
+    repos: list[Path] | None = typer.Option(None, "--repos", help="A file of --repo values, one a line (repeatable)."),
+    out: Path = typer.Option(..., "--out", help="The task-set directory to write or append to (docs/tasks.md)."),
+    max_tasks: int = typer.Option(20, "--max-tasks", min=1, help="Stop after this many validated tasks per project."),
+    tier: list[int] | None = typer.Option(None, "--tier", min=1, max=3, help="Tiers to make (repeatable): 1 one "
+                                          "body, 2 several bodies of a feature, 3 whole definitions. Default: all."),
     timeout: float = typer.Option(900, min=1, help="Seconds one run of the test suite may take."),
     with_: list[str] | None = typer.Option(None, "--with", help="A requirement the tests need that the repo does not "
                                            "declare, as `pip install` takes it (repeatable): --with hypothesis"),
+    skip_done: bool = typer.Option(False, "--skip-done", help="Skip the projects the task set already holds tasks "
+                                   "of (to finish an interrupted build) instead of refusing them."),
 ) -> None:
-    """Feature-deletion tasks from REPO, each validated in sandboxes and graded by its tests."""
-    from shipyard.tasks.environment import EnvSetupError
-    from shipyard.tasks.synth import SynthConfig, Synthesizer
+    """Feature-deletion tasks of each repository into one task set, validated in sandboxes, graded by the tests."""
+    from shipyard.tasks.pool import specs_of
+    from shipyard.tasks.synth import SynthConfig
 
     with user_errors():
-        if not repo.is_dir():
-            raise UserError(f"--repo {repo} is not a directory")
-        if out.exists() and any(out.iterdir()) and not (out / "tasks.jsonl").exists():
-            raise UserError(f"--out {out} exists and is not a task set; choose an empty or new directory")
         config = SynthConfig(max_tasks=max_tasks, tiers=tuple(sorted(set(tier or (1, 2, 3)))), timeout=timeout,
                              requirements=tuple(with_ or ()))
-        with progress_bar("[bold]validated tasks", "{task.fields[tried]} tried") as bar:
-            job = bar.add_task("synth", total=max_tasks, tried=0)
-            try:
-                report = Synthesizer(repo, out, config, log=lambda m: bar.console.print(f"[dim]· {m}[/]"),
-                                     progress=lambda a, t: bar.update(job, completed=a, tried=t)).run()
-            except EnvSetupError as e:
-                raise UserError(str(e)) from None
-    console.print(f"[green]{len(report.accepted)} tasks[/] in {out} — " + json.dumps(report.headline()))
-    if not report.accepted:
+        reports = synth_shown(specs_of(repo or (), repos or ()), out, config, skip_done)
+    if not any(report.accepted for report in reports):
         raise typer.Exit(1)
 
 
@@ -434,17 +427,21 @@ def eval_(
     untagged: str | None = typer.Option(None, help=UNTAGGED_HELP),
     tags: str | None = typer.Option(None, help=TAGS_HELP),
     search: bool = typer.Option(False, "--search", help=SEARCH_HELP),
+    baseline: bool = typer.Option(False, "--baseline", help="Also record the per-task pass rates as the model's "
+                                  "baseline in TASKS/baseline/MODEL.json (curriculum.baseline reads it)."),
 ) -> None:
     """Evaluate a model on held-out tasks without training: pass@1, unbiased pass@k, effort, infra failures and
     monitor flags per task and overall (a markdown table on stdout; JSON with --out). Exit 0 when the eval ran
     (pass@1 0 included), 1 when no rollout could be scored (infrastructure), 2 for a usage error."""
     from shipyard.rollout import eval as evaluation
     from shipyard.rollout.setup import select_tasks
+    from shipyard.tasks.baseline import record
 
     with user_errors():
         if compare_files is not None:
-            if model is not None or tasks is not None:
-                raise UserError("--compare reads two result files and runs no eval: leave out --model and --tasks")
+            if model is not None or tasks is not None or baseline:
+                raise UserError("--compare reads two result files and runs no eval: leave out --model, --tasks and "
+                                "--baseline")
             doc = evaluation.compare(*(evaluation.load_results(p) for p in compare_files))
             table = evaluation.compare_markdown(doc)
         else:
@@ -461,6 +458,8 @@ def eval_(
             doc = run_eval_shown(tasks, task_ids, model, config, episode, env_server, device, tokenizer, rollouts_path)
             table = evaluation.markdown(doc)
         evaluation.write_outputs(doc, table, out_path, markdown_path)
+        if baseline and doc["overall"]["scored"]:
+            console.print(f"[dim]baseline recorded in {record(doc, tasks, model)}[/]")
     sys.stdout.write(table)
     sys.stdout.flush()
     if out_path is not None:

@@ -1,7 +1,7 @@
 """What the commands of the `shipyard` command line share: one-line errors for what a user can fix (a
 `shipyard.errors.UserError`; any other exception is a bug and keeps its traceback), status lines,
-progress bars, the help texts of options several commands take, and the two long jobs shown with progress (an eval,
-a training run). Only `shipyard/cli.py` imports this; the library never prints.
+progress bars, the help texts of options several commands take, and the long jobs shown with progress (an eval, a
+training run, a synthesis). Only `shipyard/cli.py` imports this; the library never prints.
 """
 
 from __future__ import annotations
@@ -108,6 +108,21 @@ def run_eval_shown(tasks: Path, task_ids: list[str], model: str, config, episode
             return run_eval(engine, env, tasks, task_ids, episode, config, progress=progress,
                             rollouts_path=rollouts_path, describe={"model": model, "tasks_dir": str(tasks.resolve()),
                                                                    "engine": engine.name, "environment": env.name})
+
+
+def synth_shown(specs: list[str], out_dir: Path, config, skip_done: bool) -> list:
+    """`shipyard.tasks.pool.synthesize_specs` with a progress bar over every project's tasks, then one line per
+    project: its tasks and headline figures; the reports."""
+    from shipyard.tasks.pool import synthesize_specs
+
+    with progress_bar("[bold]validated tasks", "{task.fields[tried]} tried") as bar:
+        job = bar.add_task("synth", total=config.max_tasks * len(specs), tried=0)
+        reports = synthesize_specs(specs, out_dir, config, log=lambda m: bar.console.print(f"[dim]· {m}[/]"),
+                                   progress=lambda a, t: bar.update(job, completed=a, tried=t), skip_done=skip_done)
+    for report in reports:
+        console.print(f"[green]{len(report.accepted)} tasks[/] of {report.project} in {out_dir} — "
+                      + json.dumps(report.headline()))
+    return reports
 
 
 def run_bench(name: str, args: list[str]) -> None:

@@ -89,12 +89,13 @@ def main() -> None:
     synth_failed: list[str] = []
     with tempfile.TemporaryDirectory(prefix="shipyard-bench-hacks-") as tmp:
         work = Path(tmp)
-        for i, (name, repo) in enumerate(fetch_repos(args, PROJECTS, work).items()):
+        for i, source in enumerate(fetch_repos(args, PROJECTS, work)):
+            name, repo = source.spec, source.path
             out = work / f"tasks-{i}"
             # The example's first four tasks hold issue 28's own, t1-pocketlib.stats-median (lookup_table's target).
             wanted = max(args.max_tasks, 4) if name == "examples/pocketlib" else args.max_tasks
             console.print(f"[bold]{name}[/]: synthesizing up to {wanted} tasks")
-            report = Synthesizer(repo, out, SynthConfig(max_tasks=wanted),
+            report = Synthesizer(repo, out, SynthConfig(max_tasks=wanted), project=source.project,
                                  log=lambda line: console.print(f"  [dim]{line}[/]")).run()
             if not report.accepted:
                 synth_failed.append(name)

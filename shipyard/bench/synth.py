@@ -5,10 +5,10 @@ per-test coverage, candidates per tier, every validation step), then yield (acce
 and validated tasks per CPU-hour (user + system time of this process and every sandboxed child it waited for).
 Targets (issue 4): yield >= 40 %, >= 30 validated tasks per CPU-hour.
 
-The real projects are source distributions pinned by version and checked against the sha256 PyPI publishes; they
-are downloaded into a temporary directory, never committed. They were chosen as small pure-Python libraries whose
-sdists ship their pytest suites: cachetools (a `tests/` package whose test methods come from mixins) and parse (one
-module of ~1,000 lines, its tests import names from it).
+The real projects are source distributions pinned by version and checked against the sha256 the index publishes,
+fetched as `shipyard synth` fetches them (`shipyard.tasks.sources`) into a temporary directory, never committed.
+They were chosen as small pure-Python libraries whose sdists ship their pytest suites: cachetools (a `tests/`
+package whose test methods come from mixins) and parse (one module of ~1,000 lines, its tests import names from it).
 
     shipyard bench synth [-- --max-tasks 20 --project cachetools==8.0.1 --project parse==1.22.4 --no-example]
 """
@@ -16,54 +16,24 @@ module of ~1,000 lines, its tests import names from it).
 from __future__ import annotations
 
 import argparse
-import hashlib
-import tarfile
 import tempfile
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
-
-import httpx
 
 from shipyard.bench._common import console, finish, table
 from shipyard.rollout.demo import EXAMPLE_REPO
+from shipyard.tasks.sources import Source, resolve
 from shipyard.tasks.synth import SynthConfig, Synthesizer
 
 PROJECTS = ["cachetools==8.0.1", "parse==1.22.4"]
 
 
-def fetch_sdist(spec: str, index: str, dest: Path) -> Path:
-    """Download `name==version`'s sdist from the index's JSON API, verify its sha256, unpack it; its root dir."""
-    name, _, version = spec.partition("==")
-    if not version:
-        raise SystemExit(f"--project {spec!r}: pin a version, as in cachetools==8.0.1")
-    url = f"{index.rstrip('/')}/pypi/{name}/json"  # (some mirrors do not serve the per-version document)
-    with httpx.Client(timeout=120, follow_redirects=True) as client:
-        response = client.get(url)
-        if response.status_code == 404:
-            raise SystemExit(f"{name}: not on {index}")
-        response.raise_for_status()
-        releases = response.json()["releases"]
-        if version not in releases:
-            raise SystemExit(f"{spec}: no such release on {index}; latest: {response.json()['info']['version']}")
-        sdists = [u for u in releases[version] if u["packagetype"] == "sdist"]
-        if not sdists:
-            raise SystemExit(f"{spec} has no source distribution on {index}")
-        info = sdists[0]
-        # Mirrors answer with URLs relative to the JSON document.
-        data = client.get(httpx.URL(url).join(info["url"])).raise_for_status().content
-    if hashlib.sha256(data).hexdigest() != info["digests"]["sha256"]:
-        raise SystemExit(f"{info['filename']}: sha256 does not match the index's; refusing to use it")
-    archive = dest / info["filename"]
-    archive.write_bytes(data)
-    with tarfile.open(archive) as tar:
-        tar.extractall(dest / "src", filter="data")
-    (root,) = (dest / "src").iterdir()
-    return root
-
-
-def synthesize(name: str, repo: Path, out: Path, config: SynthConfig) -> dict:
-    console.print(f"[bold]{name}[/bold]: synthesizing up to {config.max_tasks} tasks from {repo}")
-    report = Synthesizer(repo, out, config, log=lambda line: console.print(f"  [dim]{line}[/dim]")).run()
+def synthesize(source: Source, out: Path, config: SynthConfig) -> dict:
+    name = source.spec
+    console.print(f"[bold]{name}[/bold]: synthesizing up to {config.max_tasks} tasks from {source.path}")
+    report = Synthesizer(source.path, out, config, log=lambda line: console.print(f"  [dim]{line}[/dim]"),
+                         project=source.project).run()
     tiers = Counter(int(task_id[1]) for task_id in report.accepted)
     return {"project": name, "stable_tests": report.stable_tests, "excluded_tests": len(report.excluded_tests),
             "tried": report.tried, "accepted": len(report.accepted), "yield": round(report.yield_, 3),
@@ -77,19 +47,17 @@ def repo_arguments(max_tasks: int) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tasks", type=int, default=max_tasks, help="tasks to accept per project")
     ap.add_argument("--project", action="append", help="name==version of a PyPI sdist (repeatable)")
-    ap.add_argument("--index", default="https://pypi.org", help="index serving PyPI's JSON API")
+    ap.add_argument("--index", default=None, help="the package index's simple API (default: pip's, else PyPI)")
     ap.add_argument("--no-example", action="store_true", help="skip the bundled example repo")
     return ap
 
 
-def fetch_repos(args: argparse.Namespace, default: list[str], work: Path) -> dict[str, Path]:
-    """name → source tree: the example repo unless --no-example, then each --project (or `default`) sdist, all
-    downloaded before any work so that a bad spec fails first."""
-    repos = {} if args.no_example else {"examples/pocketlib": EXAMPLE_REPO}
-    for spec in args.project or default:
-        (work / spec).mkdir()
-        repos[spec] = fetch_sdist(spec, args.index, work / spec)
-    return repos
+def fetch_repos(args: argparse.Namespace, default: list[str], work: Path) -> list[Source]:
+    """The example repo unless --no-example, then each --project (or `default`) sdist, all fetched before any work
+    so that a bad spec fails first (`shipyard.tasks.sources.resolve`, as `shipyard synth` fetches them)."""
+    specs = [*([] if args.no_example else [str(EXAMPLE_REPO)]), *(args.project or default)]
+    sources = resolve(specs, work, args.index, SynthConfig().cache)
+    return [replace(s, spec="examples/pocketlib") if s.path == EXAMPLE_REPO.resolve() else s for s in sources]
 
 
 def main() -> None:
@@ -98,8 +66,8 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="shipyard-bench-synth-") as tmp:
         work = Path(tmp)
-        for i, (name, repo) in enumerate(fetch_repos(args, PROJECTS, work).items()):
-            results.append(synthesize(name, repo, work / f"out-{i}", config))
+        for i, source in enumerate(fetch_repos(args, PROJECTS, work)):
+            results.append(synthesize(source, work / f"out-{i}", config))
     table("feature-deletion synthesis (targets: yield >= 40 %, >= 30 tasks per CPU-hour)",
           ["project", "stable tests", "tried", "accepted", "tiers", "yield", "wall s", "CPU s", "tasks/CPU-h"],
           [[r["project"], r["stable_tests"], r["tried"], r["accepted"],

@@ -42,7 +42,7 @@ from shipyard.rollout.episode import WireSettings, wire_defaults
 from shipyard.rollout.scheduler import Scheduler
 from shipyard.rollout.transport import InProcessTransport
 from shipyard.tasks.curriculum import Curriculum
-from shipyard.tasks.taskset import list_tasks
+from shipyard.tasks.taskset import list_tasks, project_name, task_projects
 from shipyard.train.checkpoint import latest_checkpoint
 from shipyard.train.trainer import TrainConfig, Trainer
 
@@ -68,13 +68,19 @@ def task_set(config: RLConfig, status: Status) -> Path:
     return tasks
 
 
-def held_out(config: RLConfig, task_ids: list[str]) -> list[str]:
-    """The evaluation tasks: `run.held_out`, or `run.held_out_count` chosen with `run.seed`."""
-    if config.run.held_out:
+def held_out(config: RLConfig, task_ids: list[str], projects: dict[str, str] | None = None) -> list[str]:
+    """The evaluation tasks: `run.held_out` and every task of `run.held_out_projects` (`projects`: task id → its
+    project's name), or `run.held_out_count` chosen with `run.seed`."""
+    if config.run.held_out or config.run.held_out_projects:
         unknown = sorted(set(config.run.held_out) - set(task_ids))
         if unknown:
             raise ConfigError(f"run.held_out names tasks the task set does not have: {unknown}")
-        chosen = list(config.run.held_out)
+        names = {project_name(p) for p in config.run.held_out_projects}
+        known = set((projects or {}).values())
+        if names - known:
+            raise ConfigError(f"run.held_out_projects names projects the task set has no task of: "
+                              f"{sorted(names - known)}; its projects: {sorted(known)}")
+        chosen = list(dict.fromkeys([*config.run.held_out, *(t for t in task_ids if (projects or {}).get(t) in names)]))
     else:
         chosen = sorted(random.Random(config.run.seed).sample(sorted(task_ids), config.run.held_out_count)) \
             if config.run.held_out_count <= len(task_ids) else task_ids
@@ -82,6 +88,14 @@ def held_out(config: RLConfig, task_ids: list[str]) -> list[str]:
         raise ConfigError(f"run.held_out leaves no task to train on ({len(task_ids)} tasks, {len(chosen)} held out): "
                           f"hold out fewer or synthesize more (synth.max_tasks)")
     return chosen
+
+
+def split(config: RLConfig, tasks_dir: Path) -> tuple[Curriculum, list[str]]:
+    """(the training curriculum, the held-out tasks): the curriculum is built from the task set without the held-out
+    ids, so no held-out task, and no task of a held-out project, can be sampled for training."""
+    task_ids = list_tasks(tasks_dir)
+    evals = held_out(config, task_ids, task_projects(tasks_dir) if config.run.held_out_projects else None)
+    return Curriculum.from_taskset(tasks_dir, config.curriculum, exclude=set(evals)), evals
 
 
 def shaping_terms(config: RLConfig) -> tuple[ShapingTerm, ...]:
@@ -183,12 +197,9 @@ def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[st
     config = replace(config, trainer=trainer_config(config))
     with ExitStack() as stack:
         tasks_dir = task_set(config, status)
-        task_ids = list_tasks(tasks_dir)
-        evals = held_out(config, task_ids)
-        if not config.run.held_out:
+        curriculum, evals = split(config, tasks_dir)
+        if set(evals) != set(config.run.held_out):
             config = replace(config, run=replace(config.run, held_out=tuple(evals), held_out_count=0))
-        full = Curriculum.from_taskset(tasks_dir, config.curriculum)
-        curriculum = Curriculum({t: s.difficulty for t, s in full.tasks.items() if t not in evals}, config.curriculum)
 
         run = _run_dir(config)
         stack.callback(run.close)

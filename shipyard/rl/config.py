@@ -190,6 +190,7 @@ class RunConfig:
     synth_from: Path | None = None  # a repository to synthesize the task set from when `tasks` holds none
     held_out: tuple[str, ...] = ()  # task ids evaluated and never trained on ...
     held_out_count: int = 0  # ... or this many, chosen with `seed` from the task set
+    held_out_projects: tuple[str, ...] = ()  # every task of these projects held out too (with `held_out`'s ids)
     steps: int = 20  # trainer steps
     seed: int = 0
     eval_every: int = 0  # held-out evaluation every N steps (0: only before the first step and after the last)
@@ -211,6 +212,9 @@ class RunConfig:
             raise ValueError(f"run.max_minutes must be a positive number of minutes, not {self.max_minutes}")
         if self.held_out and self.held_out_count:
             raise ValueError("give held_out (task ids) or held_out_count (how many to pick), not both")
+        if self.held_out_projects and self.held_out_count:
+            raise ValueError("give held_out_projects (whole projects) or held_out_count (how many tasks to pick), not "
+                             "both")
         _check_device("run.device", self.device)
         if self.world_size > 1 and self.device not in ("cpu", "cuda"):
             raise ValueError(f"run.device = {self.device!r} with run.world_size = {self.world_size}: give \"cuda\" "

@@ -11,6 +11,13 @@ Tiers open one at a time: training starts on the lowest tier present, and the ne
 the open pool passes more than 90 % of the time. A task whose EMA has passed the retirement threshold after
 enough attempts is retired: never sampled again, reported as solved.
 
+**Base rates.** With `baseline` (a file of per-task base pass rates of the starting model, `shipyard.tasks.baseline`),
+each task it covers starts with its base pass@1 as its EMA and its samples as attempts, instead of the 0.5 prior:
+the first groups go to tasks the model sometimes solves. `baseline_band = [lo, hi]` leaves out of training every
+task whose base pass@1 is outside it (tasks the baseline does not cover are kept, at the 0.5 prior): with n base
+samples, `[1/n, 1 − 1/n]` (or `[0.01, 0.99]` for n ≤ 100) keeps exactly the tasks the base sometimes solves and
+sometimes fails. Seeded tasks retire and open tiers by the same rules as measured ones.
+
 Difficulty of a task is described by its tier, lines and symbols deleted and FAIL_TO_PASS count (`Difficulty`).
 `state()`/`load_state()` round-trip through JSON for checkpoints.
 """
@@ -18,9 +25,12 @@ Difficulty of a task is described by its tier, lines and symbols deleted and FAI
 from __future__ import annotations
 
 import random
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from shipyard.errors import UsageError
+from shipyard.tasks.baseline import TaskRate, load
 from shipyard.tasks.taskset import list_tasks, load_task
 
 
@@ -48,24 +58,56 @@ class CurriculumConfig:
     escalate_fraction: float = 0.5  # ... and the next tier opens when more than this fraction of the pool does
     retire_pass_rate: float = 0.95
     retire_min_attempts: int = 16
+    baseline: Path | None = None  # per-task base pass rates (TASKS/baseline/<model>.json): the EMA's starting point
+    baseline_band: tuple[float, float] = (0.0, 1.0)  # train only on tasks whose base pass@1 is inside (inclusive)
+
+    def __post_init__(self) -> None:
+        lo, hi = self.baseline_band
+        if not 0.0 <= lo <= hi <= 1.0:
+            raise ValueError(f"curriculum.baseline_band must be [lo, hi] with 0 <= lo <= hi <= 1, got {[lo, hi]}")
 
 
 class Curriculum:
-    def __init__(self, tasks: dict[str, Difficulty], config: CurriculumConfig | None = None):
+    def __init__(self, tasks: dict[str, Difficulty], config: CurriculumConfig | None = None,
+                 base: Mapping[str, TaskRate] | None = None):
+        """`base`: per-task base rates (module docstring), those of tasks not in `tasks` ignored."""
+        self.config = config or CurriculumConfig()
+        if base:
+            lo, hi = self.config.baseline_band
+            tasks = {t: d for t, d in tasks.items() if t not in base
+                     or lo <= base[t].successes / base[t].samples <= hi}
+            if not tasks:
+                raise UsageError(f"no task's base pass@1 is inside curriculum.baseline_band {[lo, hi]}: widen the band "
+                                 "or start from a model that solves some of these tasks")
         if not tasks:
             raise ValueError("a curriculum needs at least one task")
-        self.config = config or CurriculumConfig()
         self.tasks = {tid: TaskState(d) for tid, d in tasks.items()}
         self.tiers = sorted({d.tier for d in tasks.values()})
         self.open_tier = self.tiers[0]
+        for tid, rate in (base or {}).items():
+            if tid in self.tasks:
+                state = self.tasks[tid]
+                state.ema, state.attempts = rate.successes / rate.samples, rate.samples
+                self._retire(state)
+        self._maybe_escalate()
 
     @classmethod
-    def from_taskset(cls, tasks_dir: Path, config: CurriculumConfig | None = None) -> Curriculum:
+    def from_taskset(cls, tasks_dir: Path, config: CurriculumConfig | None = None,
+                     exclude: Collection[str] = ()) -> Curriculum:
+        """The curriculum of the task set's tasks but those in `exclude` (the held-out ones: never sampled), with the
+        base rates of `config.baseline` when it names a file."""
+        config = config or CurriculumConfig()
         tasks = {}
         for tid in list_tasks(tasks_dir):
+            if tid in exclude:
+                continue
             task, _ = load_task(tasks_dir, tid)
             tasks[tid] = Difficulty(task.tier, task.lines_deleted, len(task.deleted), len(task.fail_to_pass))
-        return cls(tasks, config)
+        base = load(config.baseline) if config.baseline is not None else None
+        if base is not None and tasks and not set(base) & set(tasks):
+            raise UsageError(f"the baseline {config.baseline} covers none of the {len(tasks)} training tasks of "
+                             f"{tasks_dir}: is it the baseline of another task set?")
+        return cls(tasks, config, base)
 
     def pool(self) -> list[str]:
         """Open, unretired tasks."""
@@ -85,9 +127,13 @@ class Curriculum:
         mean = sum(rewards) / len(rewards)
         state.ema = mean if state.ema is None else c.ema_decay * state.ema + (1 - c.ema_decay) * mean
         state.attempts += len(rewards)
-        if state.attempts >= c.retire_min_attempts and state.ema >= c.retire_pass_rate:
-            state.retired = True
+        self._retire(state)
         self._maybe_escalate()
+
+    def _retire(self, state: TaskState) -> None:
+        c = self.config
+        if state.attempts >= c.retire_min_attempts and state.ema is not None and state.ema >= c.retire_pass_rate:
+            state.retired = True
 
     def _maybe_escalate(self) -> None:
         c = self.config

@@ -110,6 +110,10 @@ class Settings:
     indexes: list[str]  # the index and the extra indexes, in pip's order; empty: no index
     cafile: str | None = None
 
+    def names(self) -> str:
+        """The indexes as a message names them (credentials left out)."""
+        return ", ".join(i.rpartition("@")[2] for i in self.indexes)
+
 
 def pip_settings(index_url: str | None) -> Settings:
     """pip's effective index configuration for `pip download` (`pip config list`: its [global], then [download],
@@ -210,6 +214,19 @@ def index_files(index: str, name: str, settings: Settings) -> list[IndexFile] | 
         raise DownloadError(f"{page.rpartition('@')[2]} is not a simple-API page ({e}); check the index "
                             "configuration") from e
     return out
+
+
+def project_files(name: str, settings: Settings, what: str | None = None) -> list[IndexFile]:
+    """Every file the configured indexes list for project `name`; DownloadError when pip has no index (`what` says
+    what was looked for) or none of them knows the project."""
+    if not settings.indexes:
+        raise DownloadError(f"{what or name}, and pip is configured with no index (no-index) to fetch its source "
+                            f"distribution from; {ADVICE}")
+    listed = [index_files(index, name, settings) for index in settings.indexes]
+    if all(files is None for files in listed):
+        raise DownloadError(f"{name} is on none of the indexes ({settings.names()}); check the requirement's name, "
+                            f"or {ADVICE}")
+    return [f for files in listed for f in files or []]
 
 
 def sdist_version(filename: str, name: str) -> Version | None:
@@ -448,45 +465,34 @@ class Downloader:
                                 f"{ADVICE}")
         if self._settings is None:
             self._settings = pip_settings(self.index_url)
-        if not self._settings.indexes:
-            raise DownloadError(f"{where} where pip looks, and pip is configured with no index (no-index) to fetch "
-                                f"its source distribution from; {ADVICE}")
-        files: list[IndexFile] = []
-        known = False
-        for index in self._settings.indexes:
-            listed = index_files(index, name, self._settings)
-            known |= listed is not None
-            files += listed or []
-        indexes = ", ".join(i.rpartition("@")[2] for i in self._settings.indexes)
-        if not known:
-            raise DownloadError(f"{req.name} is on none of the indexes ({indexes}); check the requirement's name, "
-                                f"or {ADVICE}")
+        files = project_files(req.name, self._settings, f"{where} where pip looks")
         if has_wheel(files, req):
             raise DownloadError(f"pip could not download {req} although the index lists a wheel for it:\n{output}\n"
                                 "check the network and pip's configuration")
         chosen = choose_sdist(files, req)
         if chosen is None:
-            raise DownloadError(f"{where}, and no source distribution of a version it allows either, on {indexes}; "
-                                f"{ADVICE}")
+            raise DownloadError(f"{where}, and no source distribution of a version it allows either, on "
+                                f"{self._settings.names()}; {ADVICE}")
         version, file = chosen
-        data = self._download(file)
+        data = download(file, self._settings, self.cache)
         sdist = sdist_metadata(name, version, file.filename, data)
         (self.wheelhouse / file.filename).write_bytes(data)
         return sdist
 
-    def _download(self, file: IndexFile) -> bytes:
-        """The bytes of `file`, from the cache or the index, matching the sha256 the index publishes."""
-        if not file.sha256 or not re.fullmatch(r"[0-9a-fA-F]{64}", file.sha256):
-            raise DownloadError(f"the index publishes no sha256 for {file.filename}, so it cannot be checked; "
-                                f"{ADVICE}")
-        cached = self.cache / file.filename
-        if cached.is_file() and cached.stat().st_size <= MAX_SDIST:
-            data = cached.read_bytes()
-            if hashlib.sha256(data).hexdigest() == file.sha256.lower():
-                return data
-        got = _read(file.url, self._settings or Settings([]), MAX_SDIST)
-        if got is None:
-            raise DownloadError(f"{file.url.rpartition('@')[2]} is listed by the index but not there; {ADVICE}")
-        if hashlib.sha256(got[0]).hexdigest() != file.sha256.lower():
-            raise DownloadError(f"{file.filename}: its sha256 does not match the one the index publishes; refusing it")
-        return got[0]
+
+def download(file: IndexFile, settings: Settings, cache: Path | None = None) -> bytes:
+    """The bytes of the sdist `file`, from `cache` (when it holds them) or the index, matching the sha256 the index
+    publishes; at most MAX_SDIST bytes."""
+    if not file.sha256 or not re.fullmatch(r"[0-9a-fA-F]{64}", file.sha256):
+        raise DownloadError(f"the index publishes no sha256 for {file.filename}, so it cannot be checked; {ADVICE}")
+    cached = cache / file.filename if cache is not None else None
+    if cached is not None and cached.is_file() and cached.stat().st_size <= MAX_SDIST:
+        data = cached.read_bytes()
+        if hashlib.sha256(data).hexdigest() == file.sha256.lower():
+            return data
+    got = _read(file.url, settings, MAX_SDIST)
+    if got is None:
+        raise DownloadError(f"{file.url.rpartition('@')[2]} is listed by the index but not there; {ADVICE}")
+    if hashlib.sha256(got[0]).hexdigest() != file.sha256.lower():
+        raise DownloadError(f"{file.filename}: its sha256 does not match the one the index publishes; refusing it")
+    return got[0]

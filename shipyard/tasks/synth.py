@@ -13,7 +13,14 @@ Pipeline (Composer 2.5's synthetic tasks: delete a testable feature so the codeb
    the deletion parses; scrubbed snapshot with one fresh commit; leak scan with 0 hits; with an empty patch the
    suite collects cleanly, ≥ 1 FAIL_TO_PASS test exists and at most 30 % of them pass, all PASS_TO_PASS pass;
    the gold patch restores a full pass 3 times out of 3 (the oracle); a `return None` stub patch fails.
-5. Write accepted tasks (`taskset` format), `tasks.jsonl` and `synth.json` (yield, rejections, tasks/CPU-hour).
+5. Write accepted tasks (`taskset` format), appended to the set: their lines to `tasks.jsonl`, the project's report
+   (yield, rejections, tasks/CPU-hour) to `synth.json` (`taskset.append_project`).
+
+**Several projects, one set.** A task set may hold tasks of several projects (`shipyard.tasks.pool`), one synthesis
+each: a project the set already holds tasks of is refused before any work (`taskset.claim`). Task ids name their
+project: `t{tier}-{project}.{module}-{symbols}` (`task_id`). Project names are canonical and hold no `.`, so the text
+between the tier and the first `.` is the project, and two projects' ids can never be equal; an id the set already
+lists is an error all the same (`TaskSetConflict`), never an overwrite.
 
 CPU time is this process's and its waited-for children's rusage plus the CPU its sandboxes used, read from their
 cgroups (`shipyard.sandbox.bwrap.sandbox_cpu`): sandboxed processes never show up in rusage. Where the host has no
@@ -24,7 +31,6 @@ an upper bound.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import resource
@@ -34,7 +40,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from shipyard.errors import UsageError
 from shipyard.harness.confined import PathError, Tree
@@ -51,9 +57,21 @@ from shipyard.tasks.grade import Refused, apply_patch, grade
 from shipyard.tasks.patchparse import parse_patch
 from shipyard.tasks.patchscan import is_test_config
 from shipyard.tasks.scrub import fingerprints, fresh_commit, scan, scrub, third_party_files
+from shipyard.tasks.sources import directory_project
 from shipyard.tasks.statement import statement, stub_source
 from shipyard.tasks.suite import run_suite
-from shipyard.tasks.taskset import MAX_TEST_FILE, DeletedSymbol, Task, TaskFormatError
+from shipyard.tasks.taskset import (
+    MAX_TEST_FILE,
+    DeletedSymbol,
+    IndexEntry,
+    Project,
+    Task,
+    TaskFormatError,
+    TaskSetConflict,
+    append_project,
+    claim,
+    project_name,
+)
 
 
 @dataclass
@@ -71,6 +89,12 @@ class SynthConfig:
     search_index: bool = True  # give each task its codebase_search index (shipyard.search.service.index_tasks)
     embedder: str = "minilm"  # the index's embedding model
 
+    @property
+    def cache(self) -> Path:
+        """Where downloads are kept between runs: wheels, and sdists (`wheel_cache`, default
+        ~/.cache/shipyard/wheels)."""
+        return self.wheel_cache or Path.home() / ".cache" / "shipyard" / "wheels"
+
     def __post_init__(self) -> None:
         from packaging.requirements import InvalidRequirement, Requirement
 
@@ -86,6 +110,7 @@ class SynthConfig:
 @dataclass
 class SynthReport:
     repo: str
+    project: Project | None = None
     accepted: list[str] = field(default_factory=list)
     tried: int = 0
     rejections: Counter = field(default_factory=Counter)
@@ -161,13 +186,22 @@ def source_commit(repo: Path, copy: Path, files: list[str]) -> str:
     return "sha256:" + digest.hexdigest()[:16]
 
 
-def task_id(feature_id: str) -> str:
-    """A feature's task id, a valid name (`check_name`: it is a directory name in the task set, checked on load):
-    `+` between symbols becomes `-`, any other character a name cannot hold `_`; past 64 characters the end is
-    replaced by a hash of the whole id."""
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", feature_id.replace("+", "-")).replace("..", "._")
+def task_id(feature: Feature, project: str) -> str:
+    """A feature's task id, `t{tier}-{project}.{module}-{symbols}`, a valid name (`check_name`: it is a directory
+    name in the task set, checked on load). The module is the first symbol's file as a dotted path, without a leading
+    `src` and a leading package named like the project (`pocketlib/stats.py` of pocketlib: `stats`); the symbols are
+    joined by `-`; any character a name cannot hold becomes `_`; past 64 characters the end is replaced by a hash of
+    the whole id (the `t{tier}-{project}.` prefix is kept: project names are at most 40 characters)."""
+    parts = list(PurePosixPath(feature.symbols[0].file).with_suffix("").parts)
+    if len(parts) > 1 and parts[0] == "src":
+        parts = parts[1:]
+    if len(parts) > 1 and project_name(parts[0]) == project:
+        parts = parts[1:]
+    rest = ".".join(parts) + "-" + "-".join(s.qualname for s in feature.symbols)
+    whole = f"t{feature.tier}-{project}.{rest}"
+    name = f"t{feature.tier}-{project}." + re.sub(r"[^A-Za-z0-9._-]", "_", rest).replace("..", "._")
     if len(name) > 64:
-        name = name[:55] + "-" + hashlib.sha256(feature_id.encode()).hexdigest()[:8]
+        name = name[:55] + "-" + hashlib.sha256(whole.encode()).hexdigest()[:8]
     return name
 
 
@@ -219,20 +253,25 @@ def baseline(base: Path, runs: int, timeout: float) -> tuple[set[str], dict[str,
 
 class Synthesizer:
     def __init__(self, repo: Path, out: Path, config: SynthConfig, log: Callable[[str], None] = print,
-                 progress: Callable[[int, int], None] | None = None):
+                 progress: Callable[[int, int], None] | None = None, project: Project | None = None):
+        """`project`: the project `repo` is a release of (default: what its metadata says, `directory_project`)."""
         self.repo, self.out, self.config, self.log = Path(repo).resolve(), Path(out), config, log
         self.progress = progress or (lambda accepted, tried: None)  # called after every candidate
+        self.project = project or directory_project(self.repo)
         self.work = self.out / ".work"
         self.base = self.work / "base"
-        self.report = SynthReport(str(self.repo))
+        self.report = SynthReport(str(self.repo), self.project)
+
+    def task_id(self, feature: Feature) -> str:
+        return task_id(feature, self.project.name)
 
     def run(self) -> SynthReport:
         start, (cpu0, unmeasured0) = time.monotonic(), _cpu()
         self.out.mkdir(parents=True, exist_ok=True)
+        self.listed = claim(self.out, self.project)  # the ids the set already holds: never overwritten
         self.log("preparing the environment (.venv, dependencies, editable install)")
-        wheels = self.config.wheel_cache or Path.home() / ".cache" / "shipyard" / "wheels"
-        prepared = prepare(self.repo, self.base, wheels, timeout=self.config.timeout, extra=self.config.requirements,
-                           index_url=self.config.index_url)
+        prepared = prepare(self.repo, self.base, self.config.cache, timeout=self.config.timeout,
+                           extra=self.config.requirements, index_url=self.config.index_url)
         self.report.skipped, self.report.generated = prepared.skipped, prepared.generated
         self.report.sdists = prepared.sdists
         self.commit = source_commit(self.repo, self.base, prepared.files)
@@ -268,13 +307,17 @@ class Synthesizer:
         third_party = _venv_bytes(self.base / VENV, third_party_files(self.base / VENV, name and name.lower()))
         used: dict[int, set] = {t: set() for t in pools}
         per_tier: Counter = Counter()
-        index = []
+        index: list[IndexEntry] = []
         while len(self.report.accepted) < self.config.max_tasks and any(pools.values()):
             # Balanced tiers: the tier with the fewest accepted tasks (that still has candidates) goes next.
             tier = min((t for t in pools if pools[t]), key=lambda t: (per_tier[t], t))
             feature = pools[tier].pop(0)
-            if used[tier] & set(feature.symbols) or task_id(feature.id) in self.report.accepted:
+            tid = self.task_id(feature)
+            if used[tier] & set(feature.symbols) or tid in self.report.accepted:
                 continue  # one task per symbol and tier
+            if tid in self.listed:
+                raise TaskSetConflict(f"task {tid} of {self.project.name} is already in the task set {self.out}; a "
+                                      "task set is appended to, never overwritten")
             self.report.tried += 1
             try:
                 task = self.validate(feature, third_party)
@@ -282,18 +325,16 @@ class Synthesizer:
                 self.report.rejections[r.reason] += 1
                 self.report.rejected.append({"feature": feature.id, "reason": r.reason, "detail": r.detail[:500]})
                 self.log(f"  rejected {feature.id}: {r.reason}")
-                shutil.rmtree(self.work / task_id(feature.id), ignore_errors=True)
+                shutil.rmtree(self.work / tid, ignore_errors=True)
                 self.progress(len(self.report.accepted), self.report.tried)
                 continue
             used[tier] |= set(feature.symbols)
             per_tier[tier] += 1
             self.report.accepted.append(task.id)
             self.report.cover(task)
-            index.append({"id": task.id, "tier": task.tier, "fail_to_pass": len(task.fail_to_pass),
-                          "lines_deleted": task.lines_deleted})
+            index.append(IndexEntry.of(task))
             self.log(f"  accepted {task.id} ({len(task.fail_to_pass)} FAIL_TO_PASS)")
             self.progress(len(self.report.accepted), self.report.tried)
-        (self.out / "tasks.jsonl").write_text("".join(json.dumps(i) + "\n" for i in index))
         if self.config.search_index and self.report.accepted:
             from shipyard.search.service import index_tasks, shared_embedder
 
@@ -304,7 +345,7 @@ class Synthesizer:
         self.report.seconds = round(time.monotonic() - start, 1)
         cpu1, unmeasured1 = _cpu()
         self.report.cpu_seconds, self.report.unmeasured_sandboxes = round(cpu1 - cpu0, 1), unmeasured1 - unmeasured0
-        (self.out / "synth.json").write_text(json.dumps(self.report.to_json(), indent=2) + "\n")
+        append_project(self.out, index, self.project, self.report.to_json())
         return self.report
 
     def validate(self, feature: Feature, third_party: bytes) -> Task:
@@ -315,7 +356,7 @@ class Synthesizer:
             if not ok:
                 raise Rejected(reason, detail)
 
-        stage = self.work / task_id(feature.id)
+        stage = self.work / self.task_id(feature)
         shutil.rmtree(stage, ignore_errors=True)
         tree = stage / "snapshot"
         _copy_tree(self.base, tree)
@@ -345,7 +386,7 @@ class Synthesizer:
         task = Task(stage.name, feature.tier, statement(feature, tree), feature.fail_to_pass, feature.pass_to_pass,
                     [DeletedSymbol(s.file, s.qualname, s.start, s.end) for s in feature.symbols], lines,
                     {"repo": str(self.repo), "commit": self.commit}, test_files=test_files,
-                    fingerprints=len(fps.all()))
+                    fingerprints=len(fps.all()), project=self.project)
         with snapshot_of(tree, host()) as snap:  # one sandbox snapshot for every grading run of this task
             try:
                 self._grade_steps(task, stage, gold, stub, snap, step)
@@ -357,7 +398,12 @@ class Synthesizer:
         except TaskFormatError as e:
             raise Rejected("invalid_task", str(e)) from None
         dest = self.out / task.id
-        shutil.rmtree(dest, ignore_errors=True)
+        if os.path.lexists(dest):  # not in the index (`run` checked): what an interrupted run left
+            self.log(f"  replacing {dest}, which the task set's index does not list (left by an interrupted run?)")
+            if dest.is_dir() and not dest.is_symlink():
+                shutil.rmtree(dest)
+            else:
+                dest.unlink()
         stage.replace(dest)
         return task
 

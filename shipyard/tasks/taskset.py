@@ -1,8 +1,9 @@
 """The task-set directory format (documented for users in docs/tasks.md), read through one schema.
 
     TASKS_DIR/
-      tasks.jsonl            one line per task: {"id", "tier", "fail_to_pass", "lines_deleted"} (an index)
-      synth.json             the synthesis run: yield, rejection reasons and counts, timings
+      tasks.jsonl            one line per task: {"id", "tier", "fail_to_pass", "lines_deleted", "project"} (an index)
+      synth.json             {"projects": {name: the synthesis report of that project}}: yield, rejections, timings
+      baseline/<model>.json  per-task base pass@k of a model (`shipyard.tasks.baseline`), when recorded
       <task-id>/
         task.json            `Task` below
         snapshot/            the scrubbed, agent-visible repository (one fresh commit, `.venv` prepared)
@@ -24,6 +25,11 @@ the way in, and a bad file is one `TaskFormatError` line naming the file and the
   are relative POSIX paths inside the repository; every test file exists in the task's own `tests/` as a regular
   file reached through real directories only (`read_canonical`: each component opened with `O_NOFOLLOW`).
 * `Task.save` runs the same checks, so synthesis cannot write a task this module would refuse.
+
+**Projects.** A task set may hold tasks of several projects (`shipyard synth` over several repositories), so every
+task names its `project` (`Project`: canonical name and version), which a held-out split can go by. Version 3 of the
+format added the field; a version-2 task is still read, its project derived from `source["repo"]` (the directory's
+name, split as `name-version` where the tail is a version, as an sdist's root directory is named).
 """
 
 from __future__ import annotations
@@ -31,28 +37,85 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
 from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
 from pydantic_core import from_json
 
-from shipyard.errors import FileFormatError
+from shipyard.errors import FileFormatError, UsageError
 from shipyard.harness.confined import Tree
 from shipyard.sandbox.snapshot import check_name
 
-TASK_VERSION = 2
+TASK_VERSION = 3
+READ_VERSIONS = (2, 3)  # version 2: no `project` (derived from `source`)
 MAX_TASK_JSON = 4 << 20  # bytes of one task.json (a task with thousands of tests is well under 1 MiB)
 MAX_INDEX = 64 << 20  # bytes of tasks.jsonl
 MAX_TEST_FILE = 16 << 20  # bytes of one canonical test file
 RECREATE = "re-create it with `shipyard synth`"
 STRICT = ConfigDict(extra="forbid", strict=True)
+PROJECT_NAME = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")  # a canonical (PEP 503) name: no `.`, no `_`
+MAX_PROJECT_NAME = 40  # task ids begin `t{tier}-{project}.` and hold at most 64 characters
+MAX_PROJECT_VERSION = 64
 
 
 class TaskFormatError(FileFormatError):
     """A task directory or task.json is malformed; the message names the file and the problem."""
+
+
+class TaskSetConflict(UsageError):
+    """Synthesis would overwrite what a task set holds: a project it already has tasks of, or a task id it already
+    lists. Task sets are appended to, never silently overwritten."""
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class Project:
+    """The project a task was made from: its canonical name (PEP 503: lowercase, runs of `-_.` as one `-`) and its
+    version (None where the repository does not say)."""
+
+    name: str
+    version: str | None = None
+
+    def problem(self) -> str | None:
+        """Why this is not a valid project record (None if it is)."""
+        if not PROJECT_NAME.fullmatch(self.name) or len(self.name) > MAX_PROJECT_NAME:
+            return (f"name {self.name[:80]!r} is not a canonical project name of at most {MAX_PROJECT_NAME} "
+                    "characters (lowercase letters, digits, single '-')")
+        if self.version is not None and not (0 < len(self.version) <= MAX_PROJECT_VERSION
+                                             and self.version.isprintable() and not any(c.isspace()
+                                                                                        for c in self.version)):
+            return f"version {self.version[:80]!r} is not a version (1-{MAX_PROJECT_VERSION} printable characters)"
+        return None
+
+    def __str__(self) -> str:
+        return self.name if self.version is None else f"{self.name}=={self.version}"
+
+
+def project_name(raw: str) -> str:
+    """`raw` (a distribution name from metadata, a directory name) as a canonical project name: PEP 503's
+    canonical form, anything else a name cannot hold as `-`, cut to MAX_PROJECT_NAME; "project" if nothing is left."""
+    name = re.sub(r"[^a-z0-9]+", "-", canonicalize_name(raw)).strip("-")[:MAX_PROJECT_NAME].strip("-")
+    return name or "project"
+
+
+def project_from_source(source: dict[str, str]) -> Project:
+    """The project of a version-2 task, from the name of the directory it was synthesized from: `parse-1.22.4` (an
+    sdist's root) is parse 1.22.4; any other name is a project of unknown version."""
+    base = re.split(r"[/\\]", source.get("repo", "").rstrip("/\\"))[-1]
+    head, _, tail = base.rpartition("-")
+    if head and tail:
+        try:
+            Version(tail)
+            return Project(project_name(head), tail)
+        except InvalidVersion:
+            pass
+    return Project(project_name(base))
 
 
 @with_config(STRICT)
@@ -79,6 +142,7 @@ class Task:
     fingerprints: int = 0  # how many unique fingerprints of the deleted code the leak scan searched for
     validation: list[dict[str, Any]] = field(default_factory=list)  # each step: name, ok, seconds, details
     differential: dict[str, Any] = field(default_factory=dict)  # `differential.Differential.summary()`
+    project: Project | None = None  # required from version 3 on; derived from `source` for version 2
     version: int = TASK_VERSION
 
     @property
@@ -101,6 +165,11 @@ class IndexEntry:
     tier: int
     fail_to_pass: int
     lines_deleted: int
+    project: Project | None = None  # absent from the lines of version-2 task sets
+
+    @classmethod
+    def of(cls, task: Task) -> IndexEntry:
+        return cls(task.id, task.tier, len(task.fail_to_pass), task.lines_deleted, task.project)
 
 
 TASK = TypeAdapter(Task)
@@ -153,6 +222,10 @@ def check_task(task: Task, task_dir: Path, where: str) -> None:
         raise bad("id", str(e)) from None
     if task.tier not in (1, 2, 3):
         raise bad("tier", f"{task.tier} is not 1, 2 or 3")
+    if task.project is None and task.version >= 3:
+        raise bad("project", "is missing (every task of format version 3 names its project)")
+    if task.project is not None and (why := task.project.problem()):
+        raise bad("project", why)
     for name in ("lines_deleted", "fingerprints"):
         if getattr(task, name) < 0:
             raise bad(name, "is negative")
@@ -292,23 +365,26 @@ def load_task(tasks_dir: Path, task_id: str) -> tuple[Task, Path]:
         raw = from_json(data)
     except ValueError:
         raw = None  # the schema below says what is wrong with it
-    if isinstance(raw, dict) and "version" in raw and raw["version"] != TASK_VERSION:
+    if isinstance(raw, dict) and "version" in raw and raw["version"] not in READ_VERSIONS:
         raise TaskFormatError(f"{path} has format version {str(raw['version'])[:20]}; this shipyard reads "
-                              f"{TASK_VERSION}: {RECREATE}")
+                              f"{' and '.join(map(str, READ_VERSIONS))}: {RECREATE}")
     try:
         task = TASK.validate_json(data)
     except ValidationError as e:
         raise TaskFormatError(f"{path} is not a valid task file: {schema_problem(e)}; {RECREATE}") from None
+    if task.project is None and task.version < 3:
+        task.project = project_from_source(task.source)
     check_task(task, task_dir, str(path))
     _real_dir(task_dir, "snapshot")
     return task, task_dir
 
 
-def list_tasks(tasks_dir: Path) -> list[str]:
+def index_entries(tasks_dir: Path) -> list[IndexEntry]:
+    """The lines of the task set's `tasks.jsonl`, each checked; TaskFormatError naming the line otherwise."""
     index = Path(tasks_dir) / "tasks.jsonl"
     if not index.is_file():
         raise TaskFormatError(f"{tasks_dir} is not a task set (no tasks.jsonl); make one with `shipyard synth`")
-    ids = []
+    entries, seen = [], set()
     for number, line in enumerate(read_capped(index, MAX_INDEX).splitlines(), 1):
         if not line.strip():
             continue
@@ -319,6 +395,70 @@ def list_tasks(tasks_dir: Path) -> list[str]:
             raise TaskFormatError(f"{index} line {number}: {schema_problem(e)}; {RECREATE}") from None
         except ValueError as e:
             raise TaskFormatError(f"{index} line {number}: {e}; {RECREATE}") from None
-        ids.append(entry.id)
+        if entry.project is not None and (why := entry.project.problem()):
+            raise TaskFormatError(f"{index} line {number}: project {why}; {RECREATE}")
+        if entry.id in seen:
+            raise TaskFormatError(f"{index} line {number}: task {entry.id!r} is listed twice; {RECREATE}")
+        seen.add(entry.id)
+        entries.append(entry)
+    return entries
+
+
+def list_tasks(tasks_dir: Path) -> list[str]:
+    return [entry.id for entry in index_entries(tasks_dir)]
+
+
+def task_projects(tasks_dir: Path) -> dict[str, str]:
+    """Task id → its project's name, for every task of the set: from the index, or from the task itself where the
+    index line does not say (version-2 task sets)."""
+    return {e.id: e.project.name if e.project is not None else load_task(tasks_dir, e.id)[0].project.name
+            for e in index_entries(tasks_dir)}
+
+
+
+def synth_reports(tasks_dir: Path) -> dict[str, dict[str, Any]]:
+    """Project name → its synthesis report, from the task set's synth.json (`{"projects": {...}}`; a file of one
+    report, as sets made before several projects were written, counts as that report's project). Empty when there
+    is no synth.json."""
+    path = Path(tasks_dir) / "synth.json"
+    if not os.path.lexists(path):
+        return {}
+    try:
+        doc = json.loads(read_capped(path, MAX_INDEX))
+    except (ValueError, RecursionError) as e:
+        raise TaskFormatError(f"{path} is not JSON that can be read ({str(e)[:100]}); {RECREATE}") from None
+    if isinstance(doc, dict) and isinstance(doc.get("projects"), dict) and \
+            all(isinstance(r, dict) for r in doc["projects"].values()):
+        return doc["projects"]
+    if isinstance(doc, dict) and isinstance(doc.get("repo"), str):
+        return {project_from_source({"repo": doc["repo"]}).name: doc}
+    raise TaskFormatError(f"{path} is not a synthesis record (an object with 'projects'); {RECREATE}")
+
+
+def claim(tasks_dir: Path, project: Project) -> set[str]:
+    """The ids the task set `tasks_dir` already lists (none when it is new); TaskSetConflict when it already holds
+    tasks of `project`."""
+    index = Path(tasks_dir) / "tasks.jsonl"
+    entries = index_entries(tasks_dir) if os.path.lexists(index) else []
+    reports = synth_reports(tasks_dir)
+    ids = {e.id for e in entries}
+    held = [e.id for e in entries if e.project is not None and e.project.name == project.name]
+    held += [t for t in reports.get(project.name, {}).get("accepted", []) if t in ids]
+    if held:
+        raise TaskSetConflict(f"the task set {tasks_dir} already holds {len(set(held))} tasks of {project.name} "
+                              f"(e.g. {held[0]}): synthesize it into another set, or remove those tasks first")
     return ids
 
+
+def append_project(tasks_dir: Path, entries: list[IndexEntry], project: Project, report: dict[str, Any]) -> None:
+    """Add one project's synthesis to the task set: its tasks' lines appended to tasks.jsonl, its report put under
+    its name in synth.json (rewritten whole, through a temporary file and a rename). The index first: a set cut
+    short in between lists tasks without their report, and `claim` still refuses to synthesize the project again."""
+    tasks_dir = Path(tasks_dir)
+    reports = synth_reports(tasks_dir)
+    with open(tasks_dir / "tasks.jsonl", "a") as f:
+        f.write("".join(json.dumps(asdict(e)) + "\n" for e in entries))
+    reports[project.name] = report
+    tmp = tasks_dir / "synth.json.tmp"
+    tmp.write_text(json.dumps({"projects": reports}, indent=2) + "\n")
+    tmp.replace(tasks_dir / "synth.json")

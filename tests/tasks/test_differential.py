@@ -180,7 +180,8 @@ def test_synthesis_records_cases_beside_the_task_never_in_its_snapshot(taskset):
     assert step["cases"] == len(diff.cases) and step["why_none"] == ""
     assert not list((task_dir / "snapshot").rglob(differential.DIFF_FILE))
     assert report.differential["T1"]["tasks"] == 1 and report.differential["T1"]["with_cases"] == 1
-    assert json.loads((out / "synth.json").read_text())["differential"]["T1"]["with_cases"] == 1
+    saved = json.loads((out / "synth.json").read_text())["projects"]["pocketlib"]
+    assert saved["differential"]["T1"]["with_cases"] == 1
 
 
 @needs_sandbox

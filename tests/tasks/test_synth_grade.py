@@ -19,7 +19,7 @@ from shipyard.tasks.features import symbols_of
 from shipyard.tasks.grade import grade
 from shipyard.tasks.monitors import monitor
 from shipyard.tasks.statement import stub_source
-from shipyard.tasks.taskset import list_tasks, load_task
+from shipyard.tasks.taskset import Project, list_tasks, load_task
 
 _problem = sandbox_problem()
 pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
@@ -45,7 +45,9 @@ def test_synth_makes_validated_tasks_of_every_tier(taskset):
         assert not [p for p in snapshot.rglob("__pycache__") if ".venv" not in p.parts]
         log = subprocess.run(["git", "log", "--oneline"], cwd=snapshot, capture_output=True, text=True).stdout
         assert len(log.splitlines()) == 1
-    summary = json.loads((out / "synth.json").read_text())
+    summary = json.loads((out / "synth.json").read_text())["projects"]["pocketlib"]
+    assert summary["project"] == {"name": "pocketlib", "version": "0.3.0"} and summary["accepted"] == list_tasks(out)
+    assert all(t.project == Project("pocketlib", "0.3.0") and t.id.startswith(f"t{t.tier}-pocketlib.") for t in tasks)
     assert summary["tried"] >= 3 and summary["yield"] > 0 and summary["stable_tests"] == 84
     assert sum(summary["rejections"].values()) == summary["tried"] - 3  # every rejection has a reason
 

@@ -12,11 +12,20 @@ from shipyard.tasks.taskset import (
     MAX_TASK_JSON,
     TASK_VERSION,
     DeletedSymbol,
+    IndexEntry,
+    Project,
     Task,
     TaskFormatError,
+    TaskSetConflict,
+    append_project,
+    claim,
+    index_entries,
     list_tasks,
     load_task,
+    project_from_source,
     read_canonical,
+    synth_reports,
+    task_projects,
 )
 
 TEST_FILE = b"from pkg import f\n\n\ndef test_f():\n    assert f() == 1\n"
@@ -29,7 +38,7 @@ def task_json(task_id: str = "t1-pkg-f", **changes) -> dict:
            "lines_deleted": 2, "source": {"repo": "/src/pkg", "commit": "abc"},
            "test_files": ["pyproject.toml", "tests/test_f.py", "tests/test_g.py"], "fingerprints": 3,
            "validation": [{"name": "delete", "ok": True, "seconds": 0.1, "files": ["pkg/__init__.py"]}],
-           "version": TASK_VERSION}
+           "project": {"name": "pkg", "version": "1.0"}, "version": TASK_VERSION}
     return raw | changes
 
 
@@ -99,6 +108,12 @@ SCHEMA_CASES = {
     "id unlike its directory": ({"id": "t1-other"}, ["field 'id'", "t1-other", "t1-pkg-f"]),
     "negative count": ({"lines_deleted": -1}, ["lines_deleted"]),
     "source not strings": ({"source": {"repo": 1}}, ["source.repo", "string"]),
+    "no project": ({"project": None}, ["field 'project'", "missing"]),
+    "project not canonical": ({"project": {"name": "Pkg_Name", "version": "1"}}, ["field 'project'", "canonical"]),
+    "project name with a dot": ({"project": {"name": "a.b"}}, ["field 'project'", "canonical"]),
+    "project as a string": ({"project": "pkg"}, ["project is not a JSON object"]),
+    "project version with a space": ({"project": {"name": "pkg", "version": "1 0"}}, ["field 'project'", "version"]),
+    "project with an unknown field": ({"project": {"name": "pkg", "url": "x"}}, ["project.url", "unknown"]),
 }
 
 
@@ -113,7 +128,49 @@ def test_malformed_task_files_are_one_clear_error(tmp_path, case):
 def test_other_format_versions_say_to_recreate(tmp_path):
     raw = task_json(version=1) | {"test_command": ".venv/bin/python -m pytest"}  # a version-1 file, as written
     make_task(tmp_path, raw)
-    refused(tmp_path, "t1-pkg-f", "format version 1", f"reads {TASK_VERSION}", "re-create it with `shipyard synth`")
+    refused(tmp_path, "t1-pkg-f", "format version 1", "reads 2 and 3", "re-create it with `shipyard synth`")
+
+
+@pytest.mark.parametrize("repo, project", [
+    ("/tmp/shipyard-bench-synth-x/parse==1.22.4/src/parse-1.22.4", Project("parse", "1.22.4")),
+    ("/work/examples/pocketlib", Project("pocketlib")),
+    ("/src/python_slugify-9.2.0/", Project("python-slugify", "9.2.0")),
+    ("/src/my-lib-dev", Project("my-lib-dev")),  # "dev" alone is not a version
+    ("/src/Odd Name!", Project("odd-name")),
+    ("", Project("project")),
+])
+def test_version_2_tasks_load_with_their_project_derived_from_their_source(tmp_path, repo, project):
+    assert project_from_source({"repo": repo, "commit": "x"}) == project
+    raw = {k: v for k, v in task_json(version=2, source={"repo": repo, "commit": "abc"}).items() if k != "project"}
+    make_task(tmp_path, raw)
+    task, _ = load_task(tmp_path, "t1-pkg-f")
+    assert task.version == 2 and task.project == project
+    assert task_projects(tmp_path) == {"t1-pkg-f": project.name}  # the index line says nothing: the task does
+
+
+def test_index_lines_carry_the_project_and_a_task_set_is_appended_never_overwritten(tmp_path):
+    make_task(tmp_path)  # a version-2-style index line: no project
+    assert index_entries(tmp_path)[0].project is None and task_projects(tmp_path) == {"t1-pkg-f": "pkg"}
+    (tmp_path / "synth.json").write_text(json.dumps({"repo": "/src/pkg", "accepted": ["t1-pkg-f"], "tried": 1}))
+    assert synth_reports(tmp_path) == {"pkg": {"repo": "/src/pkg", "accepted": ["t1-pkg-f"], "tried": 1}}  # old form
+    with pytest.raises(TaskSetConflict, match="already holds 1 tasks of pkg"):
+        claim(tmp_path, Project("pkg", "2.0"))  # another version of the same project: refused too
+    other = Project("other", "0.1")
+    assert claim(tmp_path, other) == {"t1-pkg-f"}
+    append_project(tmp_path, [IndexEntry("t1-other.m-f", 2, 3, 4, other)], other, {"accepted": ["t1-other.m-f"]})
+    assert [e.id for e in index_entries(tmp_path)] == ["t1-pkg-f", "t1-other.m-f"]
+    assert index_entries(tmp_path)[1] == IndexEntry("t1-other.m-f", 2, 3, 4, other)
+    assert set(synth_reports(tmp_path)) == {"pkg", "other"}  # one report per project, the old one kept
+    assert json.loads((tmp_path / "synth.json").read_text())["projects"]["other"] == {"accepted": ["t1-other.m-f"]}
+    with pytest.raises(TaskSetConflict, match="other"):
+        claim(tmp_path, other)
+    with open(tmp_path / "tasks.jsonl", "a") as f:
+        f.write(json.dumps({"id": "t1-pkg-f", "tier": 1, "fail_to_pass": 1, "lines_deleted": 2}) + "\n")
+    with pytest.raises(TaskFormatError, match="line 3: task 't1-pkg-f' is listed twice"):
+        list_tasks(tmp_path)
+    (tmp_path / "synth.json").write_text("[1]")
+    with pytest.raises(TaskFormatError, match="not a synthesis record"):
+        synth_reports(tmp_path)
 
 
 UNREADABLE = "it is not JSON that can be read ("
@@ -229,7 +286,7 @@ def test_save_refuses_to_write_an_invalid_task(tmp_path):
     with pytest.raises(TaskFormatError, match="fail_to_pass"):
         task.save(task_dir)
     assert json.loads((task_dir / "task.json").read_text())["fail_to_pass"]  # the old file is untouched
-    valid = Task(**{k: v for k, v in task_json().items() if k != "deleted"},
-                 deleted=[DeletedSymbol("pkg/__init__.py", "f", 1, 3)])
+    valid = Task(**{k: v for k, v in task_json().items() if k not in ("deleted", "project")},
+                 deleted=[DeletedSymbol("pkg/__init__.py", "f", 1, 3)], project=Project("pkg", "1.0"))
     valid.save(task_dir)
     assert load_task(tmp_path, "t1-pkg-f")[0] == valid
