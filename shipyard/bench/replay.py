@@ -2,9 +2,10 @@
 
 A run directory keeps each step's rollouts (RUN/trajectories/step-N.jsonl: trajectories, advantages, masks, hints)
 and its resolved configuration (RUN/config.toml). This replays those batches in order through a `Trainer` built as
-`shipyard train` builds it (the run's model in float32, its trainer configuration; command-line overrides after the
-options, e.g. `--trainer.micro_batch_tokens 2048`, to see what a setting buys) and measures per step the process's
-peak resident memory (`PeakRSS`: sampled every 5 ms), resident memory after the step, forward tokens and seconds.
+`shipyard train` builds it (the run's model in float32, with LoRA its base in the compute dtype; its trainer
+configuration; command-line overrides after the options, e.g. `--trainer.micro_batch_tokens 2048`, to see what a
+setting buys) and measures per step the process's peak resident memory (`PeakRSS`: sampled every 5 ms), resident
+memory after the step, forward tokens and seconds.
 
 What is not the run's: the weights move as the replayed steps train them (the recorded advantages were computed for
 the run's policy) and staleness masking is not replayed (every sampled token is trained) — neither changes a
@@ -28,7 +29,6 @@ import re
 import time
 from pathlib import Path
 
-import torch
 from rich.progress import Progress, TimeElapsedColumn
 
 from shipyard.bench._common import console, finish, table
@@ -93,7 +93,7 @@ def main() -> None:
     except ConfigError as e:
         raise SystemExit(str(e)) from None
     steps = step_numbers(args.run, args.steps)
-    model, tokenizer = load_hf(config.model.name, dtype=torch.float32)
+    model, tokenizer = load_hf(config.model.name, dtype=train_config.load_dtype)  # float32; with LoRA the base's
     header = tuple(ChatFormat(tokenizer, default_tools()).assistant_header_ids())
     trainer = Trainer(model, train_config, pad_id=tokenizer.pad_token_id, header_ids=header)
     del model

@@ -23,14 +23,22 @@ same `micro_batch_tokens` budget (unique tokens). tokens/s = the group's sequenc
 as a per-sample trainer sees them) / the step's seconds, so the ratio is the speed-up. Target ≥ 4× at 8 samples of a
 1.7k-token prompt and ~300 sampled tokens. `--skip-trl` runs only this part (no TRL venv needed).
 
+The group step also reports memory: the process's resident peak over the trainer's steps (`step_peak_rss_mb`: weights,
+optimizer state, gradients, activations) and since it started (`peak_rss_mb`, loading included). `--lora-rank R`
+trains a LoRA adapter of rank R (`[trainer.lora]`, α = `--lora-alpha`) on a base frozen in the compute dtype (bf16 with
+`--dtype bfloat16`) instead of every weight, so one batch can be timed and sized full vs LoRA and across models
+(issue 29: the 0.5B full, the 0.5B LoRA and the 1.5B LoRA, each in its own process, docs/training.md "LoRA").
+
     shipyard bench trainer [-- --model qwen2.5-coder-0.5b --prompts 2 --generations 4 --completion 128 --steps 6
                               --dtype float32|bfloat16 --lengths natural|fixed
-                              --samples 8 --prompt 1700 --sampled 300 --group-steps 2 --skip-trl]
+                              --samples 8 --prompt 1700 --sampled 300 --group-steps 2 --skip-trl
+                              --lora-rank 0 --lora-alpha 32]
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import subprocess
 import sys
@@ -42,8 +50,10 @@ import torch
 
 from shipyard.bench._common import console, finish, table
 from shipyard.models.bundled import DEFAULT_MODEL
+from shipyard.models.lora import LoraConfig
 from shipyard.models.resolve import load_hf
 from shipyard.train.batch import Batch
+from shipyard.train.memory import PeakRSS
 from shipyard.train.prefix import groups
 from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer
 
@@ -116,7 +126,8 @@ def step_flops(config, lengths: list[int], prompt: int, shared: bool) -> float:
 
 def group_step(args) -> dict:
     """Seconds of a group step with the shared prompt computed once vs per sample, alternating on one trainer."""
-    model, tok = load_hf(args.model, dtype=torch.float32)
+    lora = LoraConfig(enabled=True, rank=args.lora_rank, alpha=args.lora_alpha) if args.lora_rank else LoraConfig()
+    model, tok = load_hf(args.model, dtype=TrainConfig(compute_dtype=args.dtype, lora=lora).load_dtype)
     batch = group_batch(tok, args.samples, args.prompt, args.sampled)
     # One budget for both: the group's unique tokens (the shared step runs it as one micro-batch) or two rows (the
     # per-sample step runs two rows per micro-batch), whichever is larger.
@@ -124,21 +135,23 @@ def group_step(args) -> dict:
     unique = groups(batch.input_ids, lengths, 32)[0].cost(lengths)
     budget = max(unique, 2 * max(lengths)) + 64
     config = TrainConfig(optim=OptimConfig(name="adamw", lr=1e-7, weight_decay=0.0), micro_batch=args.samples,
-                         micro_batch_tokens=budget, compute_dtype=args.dtype)
+                         micro_batch_tokens=budget, compute_dtype=args.dtype, lora=lora)
     trainer = Trainer(model, config, pad_id=batch.pad_id)
     shared = trainer.shared_prefix
     warm = group_batch(tok, 2, 64, 16)
-    trainer.step(warm)  # first-call costs (optimizer state, allocator) out of the timings
     seconds: dict[str, list[float]] = {"shared": [], "per_sample": []}
     forward: dict[str, float] = {}
-    for _ in range(args.group_steps):
-        for mode, prefix in (("shared", shared), ("per_sample", 0)):
-            trainer.shared_prefix = prefix
-            t = time.perf_counter()
-            metrics = trainer.step(batch)
-            seconds[mode].append(time.perf_counter() - t)
-            forward[mode] = metrics["forward_tokens"]
+    with PeakRSS() as peak:
+        trainer.step(warm)  # first-call costs (optimizer state, allocator) out of the timings
+        for _ in range(args.group_steps):
+            for mode, prefix in (("shared", shared), ("per_sample", 0)):
+                trainer.shared_prefix = prefix
+                t = time.perf_counter()
+                metrics = trainer.step(batch)
+                seconds[mode].append(time.perf_counter() - t)
+                forward[mode] = metrics["forward_tokens"]
     trainer.shared_prefix = shared
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     tokens = int(batch.attention_mask.sum())
     rate = {m: tokens * len(s) / sum(s) for m, s in seconds.items()}
     ratio = rate["shared"] / rate["per_sample"]
@@ -146,7 +159,8 @@ def group_step(args) -> dict:
     flops = {m: step_flops(model.config, lengths, args.prompt, m == "shared") for m in ("shared", "per_sample")}
     ceiling = flops["per_sample"] / flops["shared"]
     per_step = [p / s for s, p in zip(seconds["shared"], seconds["per_sample"], strict=True)]
-    table(f"A group step on {args.model} ({args.dtype} compute, CPU, {torch.get_num_threads()} threads): "
+    what = f"LoRA rank {lora.rank}" if lora.enabled else "full fine-tuning"
+    table(f"A group step on {args.model}, {what} ({args.dtype} compute, CPU, {torch.get_num_threads()} threads): "
           f"{args.samples} samples of a {args.prompt}-token prompt, {args.sampled - 50}–{args.sampled + 50} sampled "
           f"tokens each, {tokens} sequence tokens; micro_batch_tokens {budget}",
           ["prompt computed", "positions computed", "forward GFLOP", "s / step (mean)", "tokens/s", "× per sample",
@@ -157,13 +171,17 @@ def group_step(args) -> dict:
             statistics.mean(seconds["per_sample"]), rate["per_sample"], 1.0, "—"]])
     console.print(f"arithmetic ceiling of the speed-up (FLOPs per sample / FLOPs once): {ceiling:.2f}×; measured "
                   f"{ratio:.2f}× = {ratio / ceiling:.0%} of it")
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    console.print(f"{trainable / 1e6:.1f} M trained parameters; resident peak over the steps {peak.peak:.0f} MiB, "
+                  f"since start {max_rss:.0f} MiB")
     return {"group_samples": args.samples, "group_prompt_tokens": args.prompt, "group_tokens": tokens,
             "group_forward_tokens": forward, "shared_prefix_s": [round(s, 2) for s in seconds["shared"]],
             "per_sample_s": [round(s, 2) for s in seconds["per_sample"]],
             "shared_prefix_tokens_per_s": round(rate["shared"], 1),
             "per_sample_tokens_per_s": round(rate["per_sample"], 1), "shared_prefix_ratio": round(ratio, 2),
             "shared_prefix_flop_ratio": round(ceiling, 2),
-            "shared_prefix_target_met": ratio >= 4.0}
+            "shared_prefix_target_met": ratio >= 4.0, "lora_rank": lora.rank if lora.enabled else 0,
+            "trainable_params": trainable, "step_peak_rss_mb": round(peak.peak), "peak_rss_mb": round(max_rss)}
 
 
 def main() -> None:
@@ -184,6 +202,9 @@ def main() -> None:
     ap.add_argument("--sampled", type=int, default=300, help="group step: mean sampled tokens per sample")
     ap.add_argument("--group-steps", type=int, default=2, help="group step: timed steps of each kind")
     ap.add_argument("--skip-trl", action="store_true", help="only the group step (no TRL venv)")
+    ap.add_argument("--lora-rank", type=int, default=0, help="group step: train a LoRA adapter of this rank (0: every "
+                                                             "weight)")
+    ap.add_argument("--lora-alpha", type=float, default=32.0, help="group step: the LoRA update's scale α (α / rank)")
     args = ap.parse_args()
     if args.skip_trl:
         finish("trainer", {"model": args.model, "dtype": args.dtype, **group_step(args)})

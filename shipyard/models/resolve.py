@@ -10,6 +10,10 @@
 | a local directory             | `from_pretrained(DIR)` (config.json + safetensors/bin)                |
 | a `.gguf` file                | `from_pretrained(parent, gguf_file=…)`                                 |
 | anything else                 | a Hugging Face Hub id, loaded by transformers (needs network or its cache) |
+
+`lora`: a local engine's model gets that LoRA adapter attached (zero at first, so it samples the base), for a trainer
+with `[trainer.lora]` whose pushes carry only the adapter (`shipyard.models.lora`). Other engines have no weights of
+their own here and ignore it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from transformers.utils import logging as transformers_logging
 from shipyard.models.bundled import BUNDLED, Status, converted_dir
 from shipyard.models.engine import Engine
 from shipyard.models.errors import ModelNotFound
+from shipyard.models.lora import LoraConfig, attach
 
 TINY = "random:tiny"
 transformers_logging.disable_progress_bar()  # shipyard reports loading itself; tqdm bars would garble rich output
@@ -86,7 +91,7 @@ def load_hf(name: str, device: str = "cpu", dtype: torch.dtype | None = None,
     return model.to(device).eval(), tokenizer
 
 
-def make_engine(name: str, *, device: str = "cpu", tokenizer: str | None = None,
+def make_engine(name: str, *, device: str = "cpu", tokenizer: str | None = None, lora: LoraConfig | None = None,
                 status: Status = lambda _: None) -> Engine:
     """Build the engine a model name denotes (see the table above)."""
     if name.startswith("replay:"):
@@ -111,6 +116,8 @@ def make_engine(name: str, *, device: str = "cpu", tokenizer: str | None = None,
     from shipyard.models.local import LocalEngine
 
     model, tok = load_hf(name, device=device, status=status)
+    if lora is not None and lora.enabled:
+        attach(model, lora)
     return LocalEngine(model, tok, name=name)
 
 

@@ -149,7 +149,7 @@ def _wired_loop(config: RLConfig, run: RunDir, tasks_dir: Path, evals: list[str]
         from shipyard.rollout.ray_transport import RayTransport
 
         tokenizer = load_tokenizer(config.model.tokenizer or config.model.name, status)
-        transport = RayTransport(name, config.episode, config.ray)
+        transport = RayTransport(name, config.episode, config.ray, lora=kwargs["lora"])
     else:
         engine = make_engine(name, **kwargs, status=status)
         stack.callback(engine.close)

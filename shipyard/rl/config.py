@@ -5,7 +5,7 @@ overridable from the command line, the resolved tree saved in the run directory 
                                                                                                    (new here)
     [rollout] SchedulerConfig    [episode] EpisodeConfig, [episode.loop] LoopConfig
     [trainer] TrainConfig, [trainer.optim] OptimConfig (the optimiser), [trainer.policy] PolicyLossConfig,
-              [trainer.distill] DistillConfig (the hints' self-distillation)
+              [trainer.distill] DistillConfig (the hints' self-distillation), [trainer.lora] LoraConfig (adapters)
     [curriculum] CurriculumConfig    [synth] SynthConfig    [ray] RayConfig (optional: present = rollouts on Ray)
 
 Every section but the four new ones is the dataclass its component already takes: a field added there is a TOML key
@@ -245,9 +245,11 @@ def engine_tokenizer(model: ModelConfig, engine: EngineConfig) -> str | None:
 
 
 def engine_spec(config: RLConfig) -> tuple[str, dict[str, Any]]:
-    """(name, keyword arguments) for `shipyard.models.resolve.make_engine(name, **kwargs)`."""
+    """(name, keyword arguments) for `shipyard.models.resolve.make_engine(name, **kwargs)`; a local engine gets the
+    trainer's LoRA adapter attached when `[trainer.lora]` is on, so that the adapter pushes apply to it."""
     name = config.model.name if config.engine.kind == "local" else config.engine.kind
-    return name, {"device": config.engine.device, "tokenizer": engine_tokenizer(config.model, config.engine)}
+    return name, {"device": config.engine.device, "tokenizer": engine_tokenizer(config.model, config.engine),
+                  "lora": config.trainer.lora}
 
 
 # --- reading TOML onto dataclasses -----------------------------------------------------------------------------------
@@ -299,12 +301,14 @@ class _Reader:
 
     def unknown(self, section: str, name: str, names: list[str]) -> ConfigError:
         key = f"{section}.{name}" if section else name
+        # The exact key in another section says more than a near spelling here ('lr' under [trainer] is
+        # trainer.optim.lr, not trainer.lora).
+        elsewhere = [k for k in _leaf_keys(RLConfig) if k.rsplit(".", 1)[-1] == name]
         close = difflib.get_close_matches(name, names, n=1)
-        if close:
-            hint = f"; did you mean '{close[0]}'?"
+        if elsewhere:
+            hint = f"; it belongs elsewhere: did you mean {' or '.join(elsewhere)}?"
         else:
-            elsewhere = [k for k in _leaf_keys(RLConfig) if k.rsplit(".", 1)[-1] == name]
-            hint = f"; it belongs elsewhere: did you mean {' or '.join(elsewhere)}?" if elsewhere else ""
+            hint = f"; did you mean '{close[0]}'?" if close else ""
         where = f"[{section}]" if section else "the top level"
         return self.error(f"unknown key '{key}'{hint} ({where} takes: {', '.join(names)})")
 

@@ -8,7 +8,7 @@
                                 ▼
                       Batch.from_rollouts ──▶ Trainer.step (policy loss + IS correction [+ hint distillation])
                                 │
-                 full_state_dict ▼                                   every `checkpoint_every` steps:
+                  engine_weights ▼                                   every `checkpoint_every` steps:
                  Scheduler.update_weights(version) ──▶ engines        checkpoint (trainer + scheduler) + HF export
                                                                      every `eval_every` steps: held-out eval
 
@@ -32,6 +32,7 @@ policy, drops the run directory's logs of later steps (they are redone) and cont
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import time
 from collections import Counter
@@ -126,17 +127,22 @@ def trajectory_records(batch: RolloutBatch, hints: Sequence[Hint]) -> list[dict[
 
 def export_policy(trainer: Trainer, full: dict[str, Any], tokenizer, directory: Path,
                   wire: WireSettings = WireSettings()) -> None:
-    """The policy (`full`: `Trainer.full_state_dict()`) as a Hugging Face model directory (config, safetensors
-    weights, tokenizer) that `shipyard serve --model DIR`, transformers and vLLM load; written beside `directory` and
-    swapped in, so a reader never sees half an export. Its shipyard.json records the version, the step and the wire
-    settings it was trained with (`wire`), which evaluating and serving the directory then default to
-    (`shipyard.rollout.episode.wire_defaults`). Rank 0 only."""
+    """The policy (`full`: `Trainer.export_weights()`, with LoRA the adapter merged in) as a Hugging Face model
+    directory (config, safetensors weights, tokenizer) that `shipyard serve --model DIR`, transformers and vLLM load;
+    written beside `directory` and swapped in, so a reader never sees half an export. Its shipyard.json records the
+    version, the step and the wire settings it was trained with (`wire`), which evaluating and serving the directory
+    then default to (`shipyard.rollout.episode.wire_defaults`). Rank 0 only."""
     import shutil
 
     directory = Path(directory)
     partial = directory.with_name(f".{directory.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     trainer.model.save_pretrained(partial, state_dict={k: v.contiguous() for k, v in full.items()})
+    stored = next(iter(full.values())).dtype
+    if trainer.model.dtype != stored:  # transformers records the module's dtype (a LoRA policy's: its frozen base's)
+        config = copy.deepcopy(trainer.model.config)
+        config.dtype = stored
+        config.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     (partial / "shipyard.json").write_text(json.dumps({"policy_version": trainer.version, "step": trainer.step_count,
                                                         "wire": asdict(wire)}) + "\n")
@@ -173,7 +179,7 @@ class RLLoop:
             return 0
         self.ranks(load_checkpoint, path)
         self.scheduler.load_state(json.loads((path / SCHEDULER_STATE).read_text()))
-        await self.scheduler.restore_weights(self.ranks(Trainer.full_state_dict))
+        await self.scheduler.restore_weights(self.ranks(Trainer.engine_weights))
         self.step = self.trainer.step_count
         return self.step
 
@@ -181,7 +187,7 @@ class RLLoop:
         path = self.ranks(save_checkpoint, self.run.checkpoints_dir,
                           extra={SCHEDULER_STATE: json.dumps(self.scheduler.state())})
         if self.settings.export and self.export is not None:
-            self.export(self.trainer, self.ranks(Trainer.full_state_dict), self.run.export_dir)
+            self.export(self.trainer, self.ranks(Trainer.export_weights), self.run.export_dir)
         return path
 
     # Evaluation -----------------------------------------------------------------------------------------------
@@ -224,7 +230,7 @@ class RLLoop:
         train = await asyncio.to_thread(self.ranks, Trainer.step, tensors)
         t1 = time.monotonic()
         if not train.get("skipped"):
-            await self.scheduler.update_weights(self.trainer.version, self.ranks(Trainer.full_state_dict))
+            await self.scheduler.update_weights(self.trainer.version, self.ranks(Trainer.engine_weights))
         self.step += 1
         stats = self.scheduler.stats()
         seen = batch_metrics(batch)

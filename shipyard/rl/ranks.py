@@ -87,8 +87,8 @@ class RankSpec:
 
 @dataclass
 class RankGroup:
-    """What `trainer_ranks` gives rank 0: its float32 model and device for its `Trainer`, and the control group the
-    operations travel on (None at world size 1)."""
+    """What `trainer_ranks` gives rank 0: its model (float32; with LoRA in the frozen base's dtype, `TrainConfig.
+    load_dtype`) and device for its `Trainer`, and the control group the operations travel on (None at world size 1)."""
 
     model: nn.Module
     device: str
@@ -140,7 +140,7 @@ def follow(trainer: Trainer, control: Any) -> None:
 def _load(spec: RankSpec, device: str, status: Callable[[str], None]) -> nn.Module:
     from shipyard.models.resolve import load_hf
 
-    return load_hf(spec.model, device=device, dtype=torch.float32, status=status)[0]
+    return load_hf(spec.model, device=device, dtype=spec.trainer.load_dtype, status=status)[0]
 
 
 def _join(work: Path, spec: RankSpec, rank: int, device: str) -> Any:

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from shipyard.models.engine import Completion, GenerationRequest
+    from shipyard.models.lora import LoraConfig
     from shipyard.rollout.episode import EpisodeConfig
 
 POLL = 0.1  # seconds between looks at a cancellation callback while a remote call runs
@@ -66,10 +67,10 @@ class EngineInfo:
 
 @ray.remote(concurrency_groups={"control": 8})  # generate: the default group (max_concurrency)
 class EngineActor:
-    def __init__(self, model: str, device: str, tokenizer: str | None):
+    def __init__(self, model: str, device: str, tokenizer: str | None, lora: LoraConfig | None = None):
         from shipyard.models.resolve import make_engine
 
-        self.engine = make_engine(model, device=device, tokenizer=tokenizer)
+        self.engine = make_engine(model, device=device, tokenizer=tokenizer, lora=lora)
         self._flags: dict[str, threading.Event] = {}
         self._in_flight = 0
         self._lock = threading.Lock()

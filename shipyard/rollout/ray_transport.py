@@ -46,6 +46,7 @@ from shipyard.rollout.transport import WorkerLost
 if TYPE_CHECKING:
     import torch
 
+    from shipyard.models.lora import LoraConfig
     from shipyard.rollout.episode import EpisodeConfig
 
 
@@ -95,8 +96,9 @@ class RayTransport:
     """The `Transport` over Ray actors (see the module docstring). Building it starts every actor and waits until
     the engines have loaded, so a bad model name or an unreachable cluster fails here, not in the first episode."""
 
-    def __init__(self, model: str, config: EpisodeConfig, ray_config: RayConfig | None = None):
-        self.model, self.config = model, config
+    def __init__(self, model: str, config: EpisodeConfig, ray_config: RayConfig | None = None,
+                 lora: LoraConfig | None = None):
+        self.model, self.config, self.lora = model, config, lora  # lora: the trainer's adapter, on every engine
         self.ray_config = rc = ray_config or RayConfig()
         self.started_ray = False
         if not ray.is_initialized():
@@ -119,7 +121,7 @@ class RayTransport:
     def _start(self, rc: RayConfig) -> None:
         engine_actor = EngineActor.options(num_cpus=rc.engine_cpus, num_gpus=rc.engine_gpus, max_restarts=0,
                                            max_concurrency=rc.engine_concurrency)
-        self.engines = [engine_actor.remote(self.model, rc.device, rc.tokenizer) for _ in range(rc.engines)]
+        self.engines = [engine_actor.remote(self.model, rc.device, rc.tokenizer, self.lora) for _ in range(rc.engines)]
         server_actor = EnvServerActor.options(num_cpus=0, max_restarts=0)
         self.env_servers = [server_actor.remote(tuple(Path(r) for r in rc.allowed_roots))
                             for _ in range(rc.env_servers)]

@@ -4,6 +4,9 @@ ranks, and on any other number.
 Layout of `DIR/step-00000042/`:
 
     model.safetensors     the full (unsharded) policy weights — what `shipyard serve --model` and exports read
+    adapter_model.safetensors, adapter_config.json
+                          instead, with LoRA: the adapter alone, as peft saves one (`PeftModel.from_pretrained(base,
+                          DIR)` and vLLM's LoRA loading read it); the frozen base is the run's `model.name`
     trainer.json          step, policy version, world size, which modules are saved, the training config
     dcp/                  torch.distributed.checkpoint: the policy, EMA teacher and reference weights and the optimizer
                           states (Muon momentum, AdamW moments and step counts), each rank writing its own shards
@@ -18,6 +21,10 @@ needs, so a checkpoint written by N ranks loads on M (tests: 2 → 1, 1 → 2, 2
 copied to save: the live tensors are written. The RNG rule across world sizes: rank r restores rank r's torch RNG
 if the writing run had one, else keeps its own seeded state (the trainer's sampling does not use it; the RL loop's
 randomness is in the scheduler's state).
+
+**LoRA.** The frozen base is not saved: dcp/ holds the adapters (the policy's, the EMA teacher's, the reference's)
+and their AdamW state, a few MB, and resuming reloads the base from the model it came from. A checkpoint is loaded
+only by a trainer with the same `[trainer.lora]` (on, rank, alpha), or the same absence of it.
 
 Every rank writes its own shards, rank 0 the shared files; the directory appears under its final name only when
 complete (written as `.partial`, renamed after a barrier), so a crash mid-save never leaves a checkpoint that looks
@@ -39,6 +46,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -47,7 +55,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from shipyard.errors import InputNotFound, UsageError
+from shipyard.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_tensors, peft_files
 from shipyard.train.trainer import Trainer
+
+WEIGHTS = "model.safetensors"
 
 
 def _modules(trainer: Trainer) -> dict[str, torch.nn.Module]:
@@ -68,6 +79,7 @@ def _state(trainer: Trainer) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     as a DTensor with its parameter's placements — a view of the same memory — so it reshards like the parameter."""
     model, optim = get_state_dict(trainer.model, trainer.optimizers)
     params = dict(trainer.model.named_parameters())
+    kept = adapter_tensors if trainer.config.lora.enabled else dict  # LoRA: the frozen base is not saved
     wrapped = []
     for fqn, entry in optim["state"].items():
         p = params.get(fqn)
@@ -80,10 +92,10 @@ def _state(trainer: Trainer) -> tuple[dict[str, Any], list[tuple[str, str]]]:
                 entry[key] = DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
                 wrapped.append((fqn, key))
         optim["state"][fqn] = entry
-    state = {"model": model, "optim": optim}
+    state = {"model": kept(model), "optim": optim}
     for name, module in _modules(trainer).items():
         if name != "model":
-            state[name] = get_model_state_dict(module)
+            state[name] = kept(get_model_state_dict(module))
     return state, wrapped
 
 
@@ -103,11 +115,13 @@ def save_checkpoint(trainer: Trainer, directory: str | Path, extra: Mapping[str,
     text, written by rank 0) that belong to the same step — the RL loop's scheduler state — so they appear with the
     checkpoint or not at all."""
     for name in extra or {}:  # checked on every rank before any collective, so a bad name fails everywhere alike
-        if Path(name).name != name or name in ("trainer.json", "model.safetensors") or name.startswith("rank"):
+        if Path(name).name != name or name in ("trainer.json", WEIGHTS, ADAPTER_WEIGHTS, ADAPTER_CONFIG) \
+                or name.startswith("rank"):
             raise ValueError(f"extra checkpoint file {name!r}: a plain file name that is not one of the trainer's")
     final = Path(directory) / f"step-{trainer.step_count:08d}"
     partial = final.with_name(final.name + ".partial")
-    full = trainer.full_state_dict()  # collective
+    lora = trainer.config.lora.enabled
+    full = trainer.engine_weights()  # collective; with LoRA the adapter's tensors only
     if trainer.rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
@@ -115,8 +129,11 @@ def save_checkpoint(trainer: Trainer, directory: str | Path, extra: Mapping[str,
     dcp.save(_state(trainer)[0], checkpoint_id=partial / "dcp")
     torch.save(torch.get_rng_state(), partial / f"rng-rank{trainer.rank}.pt")
     if trainer.rank == 0:
-        save_file(_untied(full), partial / "model.safetensors",
-                  metadata={"version": str(trainer.version), "step": str(trainer.step_count)})
+        if lora:
+            peft_files(trainer.model, full, partial)
+        else:
+            save_file(_untied(full), partial / WEIGHTS,
+                      metadata={"version": str(trainer.version), "step": str(trainer.step_count)})
         torch.save({"schedulers": [s.state_dict() for s in trainer.schedulers], "python_rng": random.getstate()},
                    partial / "trainer.pt")
         (partial / "trainer.json").write_text(json.dumps({
@@ -130,6 +147,11 @@ def save_checkpoint(trainer: Trainer, directory: str | Path, extra: Mapping[str,
         partial.rename(final)
     dist.barrier()
     return final
+
+
+def _lora(settings: dict | None) -> dict:
+    """What must match between a checkpoint's LoRA settings and a trainer's: none when off (or never set)."""
+    return {k: settings[k] for k in ("rank", "alpha")} if settings and settings.get("enabled") else {}
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
@@ -152,14 +174,20 @@ def load_checkpoint(trainer: Trainer, path: str | Path) -> None:
     if meta.get("modules") != modules:
         raise UsageError(f"{path} holds {meta.get('modules')} but this trainer has {modules}: the distillation "
                          "teacher or KL reference settings differ from the checkpointed run's")
+    saved, lora = _lora(meta["config"].get("lora")), _lora(asdict(trainer.config.lora))
+    if saved != lora:
+        raise UsageError(f"{path} was written with [trainer.lora] {saved or 'off'} but this trainer has "
+                         f"{lora or 'off'}: resume with the checkpointed run's LoRA settings")
     state, wrapped = _state(trainer)
     dcp.load(state, checkpoint_id=path / "dcp")
     for fqn, key in wrapped:  # back to the local blocks the optimizer keeps
         state["optim"]["state"][fqn][key] = state["optim"]["state"][fqn][key].to_local()
-    set_state_dict(trainer.model, trainer.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    options = StateDictOptions(strict=not trainer.config.lora.enabled)  # LoRA: the base is not in the checkpoint
+    set_state_dict(trainer.model, trainer.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=options)
     for name, module in _modules(trainer).items():
         if name != "model":
-            set_model_state_dict(module, state[name])
+            set_model_state_dict(module, state[name], options=options)
     shared = torch.load(path / "trainer.pt", weights_only=False)
     for sched, saved in zip(trainer.schedulers, shared["schedulers"], strict=True):
         sched.load_state_dict(saved)

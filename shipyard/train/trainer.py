@@ -14,10 +14,22 @@ through its reduce-scatter buffer — about a third of a CPU step for Qwen2.5-0.
 The module given to `Trainer` is trained in place and nothing else about it is changed: it must hold float32
 parameters on the trainer's device (the master weights; `compute_dtype` sets the math), else the trainer refuses it
 and says how to fix it; `in_place = False` trains a float32 copy and leaves the caller's module untouched. Only a
-config that asks for it converts anything (`mxfp8` swaps the linear layers of the module being trained). The teacher
-for hint self-distillation (by default an EMA copy of the whole model) is built only with `distill.enabled` — the RL
-loop sets it when hints are on — and a batch with hints is refused otherwise. The optimizer defaults to AdamW, the
-fast choice on CPU; GPU configs choose Muon (`default_optimizer`). Samples whose reward is unknown are not computed.
+config that asks for it converts anything (`mxfp8` swaps the linear layers of the module being trained; `lora`
+attaches adapters to them and freezes the rest). The teacher for hint self-distillation (by default an EMA copy of
+the whole model) is built only with `distill.enabled` — the RL loop sets it when hints are on — and a batch with hints
+is refused otherwise. The optimizer defaults to AdamW, the fast choice on CPU; GPU configs choose Muon
+(`default_optimizer`). Samples whose reward is unknown are not computed.
+
+**LoRA** (`lora.enabled`, `shipyard.models.lora`). Adapters on every linear layer of the blocks; the base is frozen
+and held in the compute dtype (bf16 with `compute_dtype = "bfloat16"`: half the memory of float32 master weights,
+and no gradients or optimizer state for it), the adapters in float32. Only the adapters get gradients and optimizer
+state, and always AdamW: Muon's orthogonalized update of a rank-r factor sets all r singular values alike, its
+per-head units do not apply to A and B, and LoRA's recipes (Hu et al. 2021; "LoRA Without Regret", Thinking Machines
+2025 — rank 1 matched full fine-tuning in RL at ~10× its learning rate) are AdamW's. The EMA teacher and the KL
+reference share the frozen base with the policy (on one rank) and copy only the adapters. The module given may hold
+any floating dtype (`TrainConfig.load_dtype` is the one that needs no conversion). `engine_weights` is then the
+adapter alone (the engines attach the same adapter: a push is a few MB) and `export_weights` the base with the
+adapter merged in, a plain transformers state dict.
 
 A step:
 1. each row cut after its last trained token (`Batch.trimmed`: an episode's last observation is never trained on and can
@@ -60,6 +72,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from shipyard.harness.trajectory import Trajectory
+from shipyard.models.lora import LoraConfig, attach, is_adapter, merged
 from shipyard.rollout.record import Hint
 from shipyard.train.batch import Batch
 from shipyard.train.distill import DistillConfig, distill_term, teacher_logits_at_hints
@@ -116,6 +129,8 @@ class TrainConfig:
     # The module passed to `Trainer` is trained in place (its float32 parameters change at every step; nothing
     # else about it is converted). False: the trainer trains a float32 copy and the caller's module is untouched.
     in_place: bool = True
+    # LoRA adapters instead of full fine-tuning ([trainer.lora]; off by default).
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         if self.micro_batch < 1:
@@ -126,6 +141,15 @@ class TrainConfig:
             raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
         if self.shared_prefix < 0:
             raise ValueError(f"shared_prefix must be >= 0 (0: no sharing), got {self.shared_prefix}")
+        if self.lora.enabled and (self.optim.name != "adamw" or self.mxfp8):
+            raise ValueError("lora trains its adapters with AdamW, on the model's own linear layers: set optim.name = "
+                             "\"adamw\" and mxfp8 = false with lora.enabled (shipyard.train.trainer: why not Muon)")
+
+    @property
+    def load_dtype(self) -> torch.dtype:
+        """The dtype to hand the trainer its model in: float32 master weights; with LoRA the frozen base's dtype,
+        the compute dtype (the adapters are made in float32 whatever the base's)."""
+        return torch.bfloat16 if self.lora.enabled and self.compute_dtype == "bfloat16" else torch.float32
 
 
 def ensure_process_group() -> None:
@@ -208,6 +232,8 @@ class Trainer:
         self.device = torch.device(device)
         torch.manual_seed(config.seed)
         model = self._own(model, config)
+        if config.lora.enabled:
+            self._adapt(model)
         if self.world > 1:  # every rank starts from rank 0's weights, however each rank got its copy
             with torch.no_grad():
                 for t in model.state_dict().values():
@@ -219,9 +245,8 @@ class Trainer:
         model.train()
         self.distilling = config.distill.enabled and config.distill.weight > 0
         needs_ref = config.policy.kl_coef > 0 or (self.distilling and config.distill.teacher == "frozen")
-        teacher = copy.deepcopy(model).eval().requires_grad_(False) if (
-            self.distilling and config.distill.teacher == "ema") else None
-        reference = copy.deepcopy(model).eval().requires_grad_(False) if needs_ref else None
+        teacher = self._frozen_copy(model) if self.distilling and config.distill.teacher == "ema" else None
+        reference = self._frozen_copy(model) if needs_ref else None
         self.mesh = init_device_mesh(self.device.type, (self.world,))
         dtype = config.compute_dtype
         self.model = _shard(model, self.mesh, dtype)
@@ -245,8 +270,10 @@ class Trainer:
         caller's module is never converted behind its back: float32 master weights on the trainer's device are
         required in place, with a message saying how to get them."""
         if not config.in_place:
-            return copy.deepcopy(model).to(self.device, torch.float32)
+            return copy.deepcopy(model).to(self.device, config.load_dtype)
         wrong = {(p.dtype, p.device.type) for p in model.parameters()} - {(torch.float32, self.device.type)}
+        if config.lora.enabled:  # the base is converted as [trainer.lora] asks: any floating dtype will do
+            wrong = {(d, dev) for d, dev in wrong if not d.is_floating_point or dev != self.device.type}
         if wrong:
             dtype, device = sorted(wrong, key=str)[0]
             raise ValueError(f"the model has {dtype} parameters on {device}; the trainer keeps float32 master weights "
@@ -255,11 +282,28 @@ class Trainer:
                              f"dtype=torch.float32)), or set in_place = false to train a float32 copy")
         return model
 
+    def _adapt(self, model: nn.Module) -> None:
+        """LoRA: adapters attached to the module (in place, as the config asks), float32; every other parameter frozen
+        in the compute dtype."""
+        attach(model, self.config.lora)
+        base = self.config.load_dtype
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.to(torch.float32 if p.requires_grad else base)
+
+    def _frozen_copy(self, model: nn.Module) -> nn.Module:
+        """A frozen copy of the model for the teacher or the reference. With LoRA on one rank the frozen base is shared,
+        not copied (it never changes): only the adapters are the copy's own. FSDP shards each module's parameters
+        itself, so with N ranks the copy is whole."""
+        shared = {id(p): p for p in model.parameters() if not p.requires_grad} if self.world == 1 else {}
+        return copy.deepcopy(model, shared).eval().requires_grad_(False)
+
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         o = self.config.optim
-        if o.name == "adamw":
-            return [torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                      weight_decay=o.weight_decay, fused=True)]
+        if o.name == "adamw":  # the trainable parameters: all, or with LoRA the adapters
+            trainable = [p for p in self.model.parameters() if p.requires_grad]
+            return [torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                                      fused=True)]
         muon_groups, adamw_groups = muon_param_groups(self.model, per_head=o.per_head)
         opts: list[torch.optim.Optimizer] = [Muon(muon_groups, lr=o.lr, weight_decay=o.weight_decay,
                                                   momentum=o.momentum)]
@@ -400,20 +444,36 @@ class Trainer:
             return
         decay = self.config.distill.ema_decay
         for t, p in zip(self.ema.parameters(), self.model.parameters(), strict=True):
-            _local(t).lerp_(_local(p).to(t.dtype), 1 - decay)
+            if p.requires_grad:  # a frozen parameter (LoRA's base) is the policy's own, or equal to it
+                _local(t).lerp_(_local(p).to(t.dtype), 1 - decay)
 
     # Weights -----------------------------------------------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded weights (collective: every rank calls it; every rank gets them). Tied weights (the head and
-        the embedding) come back as one tensor under both names."""
+    def full_state_dict(self, adapter_only: bool = False) -> dict[str, torch.Tensor]:
+        """Unsharded weights (collective: every rank calls it; every rank gets them), or with `adapter_only` the LoRA
+        adapter's alone (only they are gathered). Tied weights (the head and the embedding) come back as one tensor
+        under both names."""
         first: dict[int, str] = {}  # tied parameters are one parameter under several names; FSDP2's state_dict
         alias = {name: first.setdefault(id(p), name)  # gives each name its own DTensor, so tie by the parameters
                  for name, p in self.model.named_parameters(remove_duplicate=False)}
         full: dict[str, torch.Tensor] = {}
         out = {}
         for k, v in self.model.state_dict().items():
+            if adapter_only and not is_adapter(k):
+                continue
             source = alias.get(k, k)
             if source not in full:
                 full[source] = (v.full_tensor() if isinstance(v, DTensor) else v).detach()
             out[k] = full[source]
         return out
+
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """What a weight push sends the engines (collective): every weight, or with LoRA the adapter's tensors only,
+        under the adapted model's state-dict names — an engine with the same adapter attached
+        (`make_engine(..., lora=…)`) loads them as they are."""
+        return self.full_state_dict(adapter_only=self.config.lora.enabled)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """A plain transformers state dict of the policy (collective): the full weights, or with LoRA the base with
+        the adapter merged in (float32; `shipyard.models.lora.merged`), which transformers loads without peft."""
+        full = self.full_state_dict()
+        return merged(self.model, full) if self.config.lora.enabled else full

@@ -10,10 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import typer
 from typer.testing import CliRunner
 
 from shipyard.models.bundled import DEFAULT_MODEL
+from shipyard.models.lora import LoraConfig
 from shipyard.rl.config import ConfigError, RLConfig, engine_spec, load_config, save_config
 from shipyard.rollout.demo import EXAMPLE_REPO
 
@@ -223,7 +225,25 @@ def test_cpu_example_is_the_bundled_model_on_cpu_with_adamw_on_the_example_repo(
     assert config.run.device == "cpu" and config.run.world_size == 1 and config.ray is None
     assert config.trainer.optim.name == "adamw" and not config.trainer.mxfp8
     assert config.rollout.group_size <= 4 and config.run.synth_from == EXAMPLE_REPO
-    assert engine_spec(config) == (DEFAULT_MODEL, {"device": "cpu", "tokenizer": None})
+    assert engine_spec(config) == (DEFAULT_MODEL, {"device": "cpu", "tokenizer": None, "lora": LoraConfig()})
+
+
+def test_a_lora_section_reaches_the_trainer_and_the_local_engine(tmp_path):
+    path = write(tmp_path, "[trainer]\ncompute_dtype = \"bfloat16\"\n\n[trainer.lora]\nenabled = true\nrank = 1\n")
+    config = load_config(path, ["--trainer.lora.alpha", "8"])
+    assert config.trainer.lora == LoraConfig(enabled=True, rank=1, alpha=8.0)
+    assert engine_spec(config)[1]["lora"] == config.trainer.lora  # the engine gets the adapter the pushes fill
+    save_config(config, tmp_path / "saved.toml")
+    assert load_config(tmp_path / "saved.toml") == config
+    assert "lora.rank must be >= 1" in error(write(tmp_path, "[trainer.lora]\nenabled = true\nrank = 0\n"))
+    assert "AdamW" in error(write(tmp_path, "[trainer.lora]\nenabled = true\n[trainer.optim]\nname = \"muon\"\n"))
+
+
+def test_the_cpu_examples_lora_command_line_loads():
+    line = next(line for line in CPU.read_text().splitlines() if "--trainer.lora.enabled" in line)
+    config = load_config(CPU, line.split("configs/cpu.toml", 1)[1].split())
+    assert config.trainer.lora.enabled and config.trainer.load_dtype == torch.bfloat16
+    assert config.trainer.optim.lr == 10 * load_config(CPU).trainer.optim.lr
 
 
 def test_gpu_node_example_is_vllm_muon_mxfp8_ray_and_hints():

@@ -13,6 +13,7 @@ import torch
 from shipyard.harness.tools import default_tools
 from shipyard.harness.wire import ChatFormat
 from shipyard.models.local import LocalEngine
+from shipyard.models.lora import ADAPTER_WEIGHTS, LoraConfig, attach
 from shipyard.models.resolve import TINY, tiny_model
 from shipyard.rl.config import RunConfig
 from shipyard.rl.loop import RLLoop, export_policy
@@ -38,9 +39,10 @@ def closing():
         thing.close()
 
 
-def make_loop(tasks_dir, run: RunDir, steps: int, closing: list, **settings) -> tuple[RLLoop, LocalEngine]:
+def make_loop(tasks_dir, run: RunDir, steps: int, closing: list, lora: LoraConfig = LoraConfig(),
+              **settings) -> tuple[RLLoop, LocalEngine]:
     model, tok = tiny_model(seed=3)
-    engine = LocalEngine(tiny_model(seed=3)[0], tok, name=TINY)
+    engine = LocalEngine(attach(tiny_model(seed=3)[0], lora) if lora.enabled else tiny_model(seed=3)[0], tok, name=TINY)
     env = LocalEnvironment()
     closing += [engine, env]
     config = episode_config(TINY, max_turns=2, max_new_tokens=12, grade_timeout=300, seed=0)
@@ -49,7 +51,7 @@ def make_loop(tasks_dir, run: RunDir, steps: int, closing: list, **settings) -> 
     sched = Scheduler(SchedulerConfig(group_size=2, groups_per_step=1, max_staleness=0, dynamic_sampling=False,
                                       run_seed=5), transport, tasks_dir)
     header = ChatFormat(tok, default_tools()).assistant_header_ids()
-    trainer = Trainer(model, TrainConfig(optim=OptimConfig(name="adamw", lr=1e-3)), pad_id=tok.pad_token_id,
+    trainer = Trainer(model, TrainConfig(optim=OptimConfig(name="adamw", lr=1e-3), lora=lora), pad_id=tok.pad_token_id,
                       header_ids=header)
     settings = RunConfig(steps=steps, eval_every=0, eval_samples=1, checkpoint_every=1, **settings)
     loop = RLLoop(sched, trainer, run, settings, eval_tasks=tasks[:1],
@@ -88,6 +90,23 @@ def test_the_loop_trains_syncs_checkpoints_evaluates_and_exports(taskset, tmp_pa
         assert torch.equal(tensor, trained[name].to(tensor.dtype)), name
     assert json.loads((run.export_dir / "shipyard.json").read_text())["policy_version"] == 2
     assert wire_defaults(str(run.export_dir)) == WireSettings("accept", "spelled")  # evaluated and served as trained
+
+
+def test_a_lora_run_pushes_the_adapter_checkpoints_it_and_exports_the_merged_model(taskset, tmp_path, closing):
+    run = RunDir.create(tmp_path / "run")
+    loop, engine = make_loop(taskset[0], run, steps=2, closing=closing, lora=LoraConfig(enabled=True, rank=2))
+    lines = asyncio.run(asyncio.wait_for(loop.run_loop(), timeout=600))
+    assert [line["train/version"] for line in lines[1:]] == [1, 2] and engine.policy_version == 2
+    own = engine.model.state_dict()  # the engine's adapter is the trainer's (its own A was drawn from another seed)
+    assert all(torch.equal(own[k], v) for k, v in loop.trainer.engine_weights().items())
+    checkpoint = run.checkpoints_dir / "step-00000002"
+    assert (checkpoint / ADAPTER_WEIGHTS).exists() and not (checkpoint / "model.safetensors").exists()
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(run.export_dir)
+    merged = loop.trainer.export_weights()
+    assert set(exported.state_dict()) == set(merged)
+    assert all(torch.equal(t, merged[k]) for k, t in exported.state_dict().items())
 
 
 def test_a_time_budget_makes_the_step_that_reaches_it_the_last(taskset, tmp_path, closing):
