@@ -16,17 +16,21 @@ from pathlib import Path
 import typer
 
 from shipyard.console import (
+    EXTRA_ARGS,
     MODEL_HELP,
     SEARCH_HELP,
     TAGS_HELP,
     UNTAGGED_HELP,
     console,
+    need,
     out,
     print_hits,
     print_notes,
     progress_bar,
     run_bench,
+    run_configured,
     run_eval_shown,
+    sft_shown,
     status_line,
     synth_shown,
     train_shown,
@@ -64,12 +68,10 @@ def agent(
     from shipyard.rollout.interactive import run_shown
 
     with user_errors():
-        if artifacts is not None and not sandbox:
-            raise UserError("--artifacts only applies with --sandbox")
+        need(artifacts is None or sandbox, "--artifacts only applies with --sandbox")
         if sandbox and artifacts is None:
             artifacts = Path("shipyard-runs") / time.strftime("%Y%m%d-%H%M%S")
-        if not repo.is_dir():
-            raise UserError(f"--repo {repo} is not a directory")
+        need(repo.is_dir(), f"--repo {repo} is not a directory")
         config = episode_config(model, max_turns=max_turns, temperature=temperature, seed=seed,
                                 max_new_tokens=max_new_tokens, untagged_calls=untagged, tags=tags, search=search)
         with console.status(f"loading model {model}"):
@@ -100,8 +102,7 @@ def search(
     from shipyard.search.service import open_repo_index
 
     with user_errors():
-        if not repo.is_dir():
-            raise UserError(f"--repo {repo} is not a directory")
+        need(repo.is_dir(), f"--repo {repo} is not a directory")
         with console.status(f"loading embedder {embedder}"):
             model = SentenceEmbedder(embedder)
         with progress_bar("[bold]embedding[/]", "") as bar:
@@ -134,8 +135,8 @@ def train_embedder(
     from shipyard.search.finetune import train_embedder as run
 
     with user_errors():
-        if missing := [path for path in rollouts if not path.is_file()]:
-            raise UserError(f"{missing[0]} is not a file of saved rollouts")
+        for path in rollouts:
+            need(path.is_file(), f"{path} is not a file of saved rollouts")
         with console.status("pairs, base recall, training, tuned recall"):
             report = run(rollouts, tasks, out_dir, base=base, epochs=epochs, lr=lr, held_out=held_out, seed=seed)
     out.print_json(json.dumps(report))
@@ -145,7 +146,7 @@ def train_embedder(
         raise typer.Exit(1)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings=EXTRA_ARGS)
 def demo(ctx: typer.Context) -> None:
     """The whole RL loop on this machine: tasks synthesized from the example library, the bundled model evaluated,
     trained for a few steps and evaluated again; a before/after table. configs/demo.toml; any key may follow as
@@ -202,8 +203,7 @@ def serve(
     from shipyard.rollout.episode import wire_defaults
 
     with user_errors():
-        if model.startswith("openai:"):
-            raise UserError("serve needs a local model, not openai:")
+        need(not model.startswith("openai:"), "serve needs a local model, not openai:")
         token, where = server_token(TOKEN_ENV)
         where = where or store_token(token_path(port), token, TOKEN_ENV)
         wire = wire_defaults(model)
@@ -238,8 +238,7 @@ def sandbox_exec(
     from shipyard.sandbox.snapshot import snapshot_of
 
     with user_errors():
-        if not repo.is_dir():
-            raise UserError(f"--repo {repo} is not a directory")
+        need(repo.is_dir(), f"--repo {repo} is not a directory")
         print_notes(host().notes)
         with snapshot_of(repo, host()) as snapshot:
             limits = Limits(memory_mb=memory, pids=pids, disk_mb=disk)
@@ -270,8 +269,7 @@ def dashboard(
     from shipyard.httpguard import server_token
 
     with user_errors():
-        if not runs.is_dir():
-            raise UserError(f"--runs {runs} is not a directory")
+        need(runs.is_dir(), f"--runs {runs} is not a directory")
         token, where = server_token(TOKEN_ENV)
         served = create_app(runs, token=token, env_server=env_server, host=host_)
     for line in announce(runs, host_, port, token, shown_token=where is None):
@@ -384,8 +382,7 @@ def grade(
     from shipyard.tasks.taskset import load_task
 
     with user_errors():  # a malformed task set or task is a TaskFormatError (a UserError): one line, exit 2
-        if not patch.is_file():
-            raise UserError(f"--patch {patch} is not a file")
+        need(patch.is_file(), f"--patch {patch} is not a file")
         loaded, task_dir = load_task(tasks, task)
         verdict = grade_patch(loaded, task_dir, patch.read_text(errors="replace"), timeout=timeout)
     out.print_json(json.dumps(verdict.to_json()))
@@ -445,8 +442,8 @@ def eval_(
             doc = evaluation.compare(*(evaluation.load_results(p) for p in compare_files))
             table = evaluation.compare_markdown(doc)
         else:
-            if tasks is None or model is None:
-                raise UserError("eval needs --tasks DIR and --model M (or --compare A.json B.json)")
+            need(tasks is not None and model is not None, "eval needs --tasks DIR and --model M (or --compare A.json "
+                 "B.json)")
             config = evaluation.EvalConfig(samples=samples, ks=k or None, seed=seed, concurrency=concurrency,
                                            max_infra_retries=retries, rollout_time_budget=rollout_timeout)
             task_ids = select_tasks(tasks, task)
@@ -472,19 +469,26 @@ def eval_(
             raise typer.Exit(1) from None
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings=EXTRA_ARGS)
 def train(ctx: typer.Context,
           config: Path = typer.Argument(..., help="The run's TOML (configs/cpu.toml). Any field may follow as "
                                         "--SECTION.KEY VALUE; `shipyard train CONFIG -- --help` lists them.")) -> None:
     """Train the agent with RL: rollouts, rewards, trainer steps, weight sync, checkpoints, held-out evals."""
-    from shipyard.rl.config import load_config
-
-    with user_errors():
-        cfg = load_config(config, ctx.args)
-        lines = train_shown(cfg, [str(config), *ctx.args])
+    cfg, lines = run_configured(train_shown, config, ctx.args)
     evals = [line for line in lines if any(k.startswith("eval/") for k in line)]
     out.print_json(json.dumps({"run": str(cfg.run.dir), "steps": cfg.run.steps, "last": lines[-1] if lines else None,
                                "evals": evals}))
+
+
+@app.command(context_settings=EXTRA_ARGS)
+def sft(ctx: typer.Context,
+        config: Path = typer.Argument(..., help="The run's TOML (configs/cpu-sft.toml): its sft section names the "
+                                      "demonstrations; any field may follow as --SECTION.KEY VALUE.")) -> None:
+    """Supervised fine-tuning on successful trajectories (gold replays, rejection-sampled or the policy's own): the
+    cold start before RL, with the same trainer, run directory, checkpoints and export as `shipyard train`."""
+    cfg, lines = run_configured(sft_shown, config, ctx.args)
+    out.print_json(json.dumps({"run": str(cfg.run.dir), "export": str(cfg.run.dir / "export"), "steps": len(lines),
+                               "last": lines[-1] if lines else None}))
 
 
 @app.command()

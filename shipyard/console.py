@@ -140,6 +140,40 @@ def run_bench(name: str, args: list[str]) -> None:
     runpy.run_module(f"shipyard.bench.{name}", run_name="__main__", alter_sys=True)
 
 
+def need(condition: bool, message: str) -> None:
+    """A command's check of its own arguments: a `UserError` (one line, exit 2) with `message` unless `condition`."""
+    if not condition:
+        raise UserError(message)
+
+
+EXTRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}  # a command whose config keys follow it
+
+
+def run_configured(shown, config: Path, args: list[str]):
+    """`shipyard train|sft CONFIG [--SECTION.KEY VALUE …]`: the config tree with its overrides, run by `shown`
+    (`train_shown`, `sft_shown`); (the config, its metrics lines). A mistake is one line and exit 2."""
+    from shipyard.rl.config import load_config
+
+    with user_errors():
+        cfg = load_config(config, args)
+        return cfg, shown(cfg, [str(config), *args])
+
+
+def sft_shown(cfg, argv: list[str]) -> list[dict]:
+    """Run a configured fine-tuning (`shipyard.rl.sft.sft`) with its steps shown; its metrics lines."""
+    from shipyard.rl.sft import sft as run_sft
+
+    with progress_bar("[bold]SFT steps", "{task.fields[last]}") as bar:
+        job = bar.add_task("sft", total=None, last="")
+
+        def on_step(step: int, line: dict) -> None:
+            loss = line.get("train/sft_loss")
+            bar.update(job, completed=step, last=f"epoch {line.get('sft/epoch')} loss={loss:.3g}"
+                       if isinstance(loss, int | float) else "")
+
+        return run_sft(cfg, argv=argv, status=bar.console.print, on_step=on_step)
+
+
 def train_shown(cfg, argv: list[str]) -> list[dict]:
     """Run a configured training (`shipyard.rl.build.train`) under a progress bar; its metrics lines."""
     from shipyard.rl.build import train as run_training

@@ -120,7 +120,7 @@ def group_shaping_terms(config: RLConfig) -> tuple[GroupShapingTerm, ...]:
     return (EffortCalibration(s.effort, s.effort_turn_tokens, tuple(s.effort_tier_scale)),)
 
 
-def _run_dir(config: RLConfig) -> RunDir:
+def run_dir(config: RLConfig) -> RunDir:
     if not config.run.resume:
         return RunDir.create(config.run.dir, keep=[config.run.tasks])
     checkpoint = latest_checkpoint(Path(config.run.dir) / "checkpoints")
@@ -201,7 +201,7 @@ def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[st
         if set(evals) != set(config.run.held_out):
             config = replace(config, run=replace(config.run, held_out=tuple(evals), held_out_count=0))
 
-        run = _run_dir(config)
+        run = run_dir(config)
         stack.callback(run.close)
         try:
             loop = _wired_loop(config, run, tasks_dir, evals, curriculum, stack, status, argv)

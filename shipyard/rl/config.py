@@ -2,13 +2,13 @@
 overridable from the command line, the resolved tree saved in the run directory (docs/training.md, "Configuration").
 
     [model] ModelConfig    [engine] EngineConfig    [hints] HintsConfig    [shaping] ShapingConfig    [run] RunConfig
-                                                                                                   (new here)
+    [sft] SFTConfig (`shipyard sft`)                                                               (new here)
     [rollout] SchedulerConfig    [episode] EpisodeConfig, [episode.loop] LoopConfig
     [trainer] TrainConfig, [trainer.optim] OptimConfig (the optimiser), [trainer.policy] PolicyLossConfig,
               [trainer.distill] DistillConfig (the hints' self-distillation), [trainer.lora] LoraConfig (adapters)
     [curriculum] CurriculumConfig    [synth] SynthConfig    [ray] RayConfig (optional: present = rollouts on Ray)
 
-Every section but the four new ones is the dataclass its component already takes: a field added there is a TOML key
+Every section but the five new ones is the dataclass its component already takes: a field added there is a TOML key
 and a command-line option with no change here.
 
 **Reading a file.** `tomllib` parses it; `_Reader` walks the dataclasses' type hints and builds each table. TOML is
@@ -222,6 +222,21 @@ class RunConfig:
 
 
 @dataclass
+class SFTConfig:
+    """`shipyard sft` (shipyard.rl.sft): where the demonstrations come from and how long to train on them."""
+
+    sources: tuple[str, ...] = ("gold",)  # "gold" (the training tasks' gold patches, replayed) and/or rollout files
+    epochs: int = 2  # passes over the demonstrations
+    batch_size: int = 8  # demonstrations per trainer step
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise ValueError("sft.sources is empty: give \"gold\" and/or rollout files (shipyard eval --rollouts)")
+        if self.epochs < 1 or self.batch_size < 1:
+            raise ValueError("sft.epochs and sft.batch_size must be at least 1")
+
+
+@dataclass
 class RLConfig:
     """The whole run (module docstring). `ray` is typed Any so that this module imports without Ray; tyro takes the
     section's options from the RayConfig instance a [ray] section makes."""
@@ -236,6 +251,7 @@ class RLConfig:
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     synth: SynthConfig = field(default_factory=SynthConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     ray: Any = None  # RayConfig: rollouts on Ray, when the file has a [ray] section (None: in this process)
 
 

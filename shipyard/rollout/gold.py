@@ -1,31 +1,45 @@
-"""Gold trajectories: the assistant messages that solve a task with the harness's own tools, for a `replay:` engine.
+"""Gold trajectories: a task solved with the harness's own tools, the way a good agent works, for a `replay:` engine.
 
-`shipyard eval --model replay:gold` must score pass@1 = 1.0 on any valid task set: it is the end-to-end check that
-the episode runner, the sandboxes, the patch the workspace produces and the grader agree with each other (a gold
-trajectory that scores 0 is a bug in one of them, or a broken task). Its messages do what an agent would do, through
-the tools rather than around them:
+Two users. `shipyard eval --model replay:gold` must score pass@1 = 1.0 on any valid task set: the end-to-end check
+that the episode runner, the sandboxes, the patch the workspace produces and the grader agree (a gold trajectory
+that scores 0 is a bug in one of them, or a broken task). And `shipyard sft` learns from these trajectories (the
+cold start before RL, as in SWE-Gym, arXiv 2412.21139, and SWE-smith, arXiv 2504.21798): so a replay is a
+*demonstration* — it does what a good agent does, in the order one would, and says nothing an agent could not know:
 
-1. The final contents of every file the task's `gold.patch` changes are computed on the host: the files it names are
-   copied out of the task's `snapshot/` (read without following a link, `harness.confined.Tree`) into a private
-   temporary directory and the patch is applied there with `git apply` (outside any repository:
-   `GIT_CEILING_DIRECTORIES`). Binary sections, links and submodules are refused (`GoldError`): `write_file` writes
-   text. A task without a gold patch has no gold trajectory.
-2. One assistant turn per file: a `write_file` call with the file's final contents (or `delete_file`), so a turn is
-   never longer than one file (a turn's token budget bounds what the engine may emit; `ReplayEngine.longest` says
-   how much a script needs).
-3. A final turn without a tool call, which ends the episode; the workspace's diff is then the gold patch.
+1. **Look**: read each file the patch changes (`read_file`, at the deleted code when the file is long), in one turn
+   of parallel calls; some tasks also `grep` the tests for the symbol, or run the failing tests first to see them fail.
+2. **Edit**: one `search_replace` per changed region (`difflib` over the file's lines, each region's old text grown
+   by context lines until it occurs once in the file as it is when the call runs — checked by replaying the edits on
+   the host, which must end at the gold contents). A file no sequence of unique replacements reproduces, a new file,
+   a deleted file: `write_file` / `delete_file`.
+3. **Check**: run the task's failing tests (`.venv/bin/python -m pytest -q` with their ids, or their files when
+   there are many) — the statement's own instruction.
+4. **Stop**: a one- or two-sentence summary of what changed, with no tool call (which ends the episode).
 
-The scripts are keyed by task id (`{"task": ID, "messages": [...]}`, see `shipyard.models.replay`), so one replay
-engine serves every task and every sample of a task set.
+The wording and the order of the look step vary across tasks (a `random.Random` seeded by the task id: the same
+task always replays the same script), so a model fine-tuned on them learns the pattern, not one sentence. Nothing
+says "gold", nothing quotes the grader.
+
+The final contents of every file `gold.patch` changes are computed on the host: the files it names are copied out of
+the task's `snapshot/` (read without following a link, `harness.confined.Tree`) into a private temporary directory
+and the patch is applied there with `git apply` (outside any repository: `GIT_CEILING_DIRECTORIES`). Binary
+sections, links and submodules are refused (`GoldError`): the tools write text. A task without a gold patch has no
+gold trajectory. The scripts are keyed by task id (`{"task": ID, "messages": [...]}`, see `shipyard.models.replay`),
+so one replay engine serves every task and every sample of a task set.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import random
+import re
+import shlex
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from shipyard.errors import FileFormatError
 from shipyard.harness.confined import Tree
@@ -33,11 +47,10 @@ from shipyard.harness.workspace import MAX_FILE_BYTES, PathError
 from shipyard.models.replay import ReplayEngine
 from shipyard.tasks.grade import read_gold
 from shipyard.tasks.patchparse import parse_patch
-from shipyard.tasks.taskset import TaskFormatError, list_tasks, load_task
+from shipyard.tasks.taskset import Task, TaskFormatError, list_tasks, load_task
 
 LINK_MODES = ("120000", "160000")
 APPLY_TIMEOUT = 60.0
-FINAL_MESSAGE = "The deleted code is restored: this is the task's gold patch, written with the harness's tools."
 
 
 class GoldError(FileFormatError):
@@ -96,19 +109,130 @@ def final_files(task_dir: Path) -> dict[str, str | None]:
     return final
 
 
-def _call(name: str, arguments: dict[str, str]) -> str:
+def _call(name: str, arguments: dict[str, Any]) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>\n"
 
 
-def gold_messages(task_dir: Path) -> list[str]:
-    """The assistant turns of the gold trajectory of the task in `task_dir` (module docstring)."""
-    messages = []
-    for path, content in final_files(task_dir).items():
+def _turn(text: str, calls: list[tuple[str, dict[str, Any]]]) -> str:
+    return text + "\n" + "".join(_call(name, args) for name, args in calls)
+
+
+def edits(old: str, new: str) -> list[tuple[str, str]] | None:
+    """`search_replace` arguments (old_string, new_string) that turn `old` into `new`, applied in order: one per
+    changed region (`difflib`, 2 lines of context), each old text grown by a line of context either side until it
+    occurs exactly once in the text as it is when it is applied. None when no such sequence reproduces `new` (a region
+    that stays ambiguous however far it grows, regions that merge): the caller writes the whole file instead."""
+    a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)
+    groups = difflib.SequenceMatcher(None, a, b, autojunk=False).get_grouped_opcodes(2)
+    spans = [(g[0][1], g[-1][2], g[0][3], g[-1][4]) for g in groups]
+    out: list[tuple[str, str]] = []
+    text = old
+    shift = 0  # lines the edits so far added (new − old) before the current region
+    for i1, i2, j1, j2 in spans:
+        cur = text.splitlines(keepends=True)
+        lo, hi = i1 + shift, i2 + shift
+        while True:
+            search = "".join(cur[lo:hi])
+            if search and text.count(search) == 1:
+                break
+            if lo == 0 and hi == len(cur):
+                return None
+            lo, hi = max(lo - 1, 0), min(hi + 1, len(cur))
+        replacement = "".join(cur[lo:i1 + shift]) + "".join(b[j1:j2]) + "".join(cur[i2 + shift:hi])
+        text = text.replace(search, replacement, 1)
+        out.append((search, replacement))
+        shift += (j2 - j1) - (i2 - i1)
+    return out if text == new else None
+
+
+def _names(task: Task | None, files: list[str]) -> str:
+    """How the summary names what was implemented: the deleted symbols (a few), else the files."""
+    names = [f"`{d.qualname}`" for d in task.deleted] if task is not None else [f"`{f}`" for f in files]
+    if len(names) > 3:
+        return ", ".join(names[:3]) + f" and {len(names) - 3} more"
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _test_command(task: Task) -> str:
+    """The statement's way of running the failing tests: their ids, or their files when there are many."""
+    ids = list(task.fail_to_pass)
+    if len(ids) > 6:
+        ids = sorted({t.split("::", 1)[0] for t in ids})
+    return ".venv/bin/python -m pytest -q " + " ".join(shlex.quote(t) for t in ids)
+
+
+LOOK = ("Let me look at {where} first.", "I'll start by reading {where}.", "First, the code around {what}: {where}.",
+        "To see what is missing, I'll open {where}.")
+LOOK_FAILING = ("Let me run the failing tests first to see how they fail.",
+                "First I'll run the tests that fail, to see what they expect.")
+EDIT = ("Now I'll implement {what}.", "I have what I need; implementing {what}.", "Writing {what} now.",
+        "I can write {what} from the docstring and the code around it. Editing.")
+CHECK = ("Let me run the tests that were failing.", "Now the failing tests again.", "Checking with the tests.")
+DONE = ("I implemented {what} in {where}; the tests that were failing now pass.",
+        "Done: implemented {what} in {where}, and its tests pass.",
+        "Implemented {what} in {where}. The failing tests pass now.")
+
+
+def _read_args(snapshot: Tree, path: str, task: Task | None) -> dict[str, Any]:
+    """`read_file` on `path`: the whole file, or the window around its deleted code when the file is long."""
+    try:
+        lines = snapshot.read(path, MAX_FILE_BYTES).count(b"\n")
+    except (PathError, OSError):
+        return {"path": path}
+    starts = [d.start for d in task.deleted if d.file == path] if task is not None else []
+    if lines <= 400 or not starts:
+        return {"path": path}
+    return {"path": path, "offset": max(1, min(starts) - 20), "limit": 200}
+
+
+def gold_messages(task_dir: Path, task: Task | None = None) -> list[str]:
+    """The assistant turns of the gold demonstration of the task in `task_dir` (module docstring). Without its `Task`
+    record (a bare task directory) the demonstration names files instead of symbols and runs no tests."""
+    task_dir = Path(task_dir)
+    final = final_files(task_dir)
+    snapshot = Tree(task_dir / "snapshot")
+    rng = random.Random(f"gold:{task.id if task is not None else task_dir.name}")
+    changed = [p for p, c in final.items() if c is not None]
+    existing = [p for p in changed if _exists(snapshot, p)]
+    where = ", ".join(f"`{p}`" for p in (existing or changed))
+    what = _names(task, changed)
+    turns: list[str] = []
+    if existing:
+        look = [("read_file", _read_args(snapshot, p, task)) for p in existing]
+        if task is not None and task.deleted and rng.random() < 0.3:
+            name = task.deleted[0].qualname.rsplit(".", 1)[-1]
+            tests = sorted({t.split("::", 1)[0].rsplit("/", 1)[0] for t in task.fail_to_pass}) or ["."]
+            look.append(("grep", {"pattern": re.escape(name), "path": tests[0]}))
+        if task is not None and rng.random() < 0.25:
+            turns.append(_turn(rng.choice(LOOK_FAILING), [("run_terminal", {"command": _test_command(task)})]))
+        turns.append(_turn(rng.choice(LOOK).format(where=where, what=what), look))
+    calls: list[tuple[str, dict[str, Any]]] = []
+    for path, content in final.items():
         if content is None:
-            messages.append(f"Removing {path}.\n" + _call("delete_file", {"path": path}))
+            calls.append(("delete_file", {"path": path}))
+            continue
+        old = _read_text(snapshot, path) if path in existing else None
+        steps = edits(old, content) if old is not None else None
+        if steps is None:
+            calls.append(("write_file", {"path": path, "content": content}))
         else:
-            messages.append(f"Writing {path}.\n" + _call("write_file", {"path": path, "content": content}))
-    return [*messages, FINAL_MESSAGE]
+            calls += [("search_replace", {"path": path, "old_string": o, "new_string": n}) for o, n in steps]
+    turns.append(_turn(rng.choice(EDIT).format(what=what), calls))
+    if task is not None:
+        turns.append(_turn(rng.choice(CHECK), [("run_terminal", {"command": _test_command(task)})]))
+    turns.append(rng.choice(DONE).format(what=what, where=where))
+    return turns
+
+
+def _exists(snapshot: Tree, path: str) -> bool:
+    return _read_text(snapshot, path) is not None
+
+
+def _read_text(snapshot: Tree, path: str) -> str | None:
+    try:
+        return snapshot.read(path, MAX_FILE_BYTES).decode("utf-8")
+    except (PathError, OSError, UnicodeDecodeError):
+        return None
 
 
 def gold_scripts(tasks_dir: Path, task_ids: list[str] | None = None) -> dict[str, list[str]]:
@@ -116,10 +240,10 @@ def gold_scripts(tasks_dir: Path, task_ids: list[str] | None = None) -> dict[str
     scripts = {}
     for task_id in task_ids if task_ids is not None else list_tasks(tasks_dir):
         try:
-            _, task_dir = load_task(tasks_dir, task_id)
+            task, task_dir = load_task(tasks_dir, task_id)
         except TaskFormatError as e:
             raise GoldError(str(e)) from None
-        scripts[task_id] = gold_messages(task_dir)
+        scripts[task_id] = gold_messages(task_dir, task)
     return scripts
 
 

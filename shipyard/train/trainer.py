@@ -42,7 +42,9 @@ A step:
    two-token micro-batch that counts for nothing — so the FSDP collectives stay in step. Per micro-batch: forward,
    per-token log-probabilities and entropies, the policy loss (`losses.policy_loss`; one optimizer step per batch, so
    π_old = π_θ and the importance weights carry the sampler/trainer mismatch), the k3 KL to the frozen initial policy
-   when `kl_coef > 0`;
+   when `kl_coef > 0` — or, with `objective = "cross_entropy"` (supervised fine-tuning on demonstrations, `shipyard
+   sft`), the negative log-likelihood −log π_θ(y_t) of the same loss-masked tokens, aggregated the same way: one
+   trainer, one batch format, one set of checkpoints for the cold start and for RL;
 2. for rows with hints (`distill.enabled`): the teacher (EMA of the policy by default, frozen initial weights, or
    the live policy) runs without gradient on the hinted contexts (`distill.teacher_logits_at_hints`);
    `distill.distill_term` on the target turn's tokens, weight λ, hints without lift dropped. Every rank runs the
@@ -76,7 +78,7 @@ from shipyard.models.lora import LoraConfig, attach, is_adapter, merged
 from shipyard.rollout.record import Hint
 from shipyard.train.batch import Batch
 from shipyard.train.distill import DistillConfig, distill_term, teacher_logits_at_hints
-from shipyard.train.losses import PolicyLossConfig, policy_loss, token_logprobs
+from shipyard.train.losses import PolicyLossConfig, aggregate, policy_loss, token_logprobs
 from shipyard.train.memory import step_heap
 from shipyard.train.muon import Muon, muon_param_groups
 from shipyard.train.mx import convert_to_mxfp8
@@ -131,8 +133,15 @@ class TrainConfig:
     in_place: bool = True
     # LoRA adapters instead of full fine-tuning ([trainer.lora]; off by default).
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # What a step minimises: "policy_gradient" (RL: `losses.policy_loss` with the rows' advantages) or
+    # "cross_entropy" (supervised fine-tuning, `shipyard sft`: the negative log-likelihood of the loss-masked tokens —
+    # the policy's own turns of a demonstration — aggregated like the policy loss; advantages and sampler
+    # log-probabilities are not read).
+    objective: Literal["policy_gradient", "cross_entropy"] = "policy_gradient"
 
     def __post_init__(self) -> None:
+        if self.objective not in ("policy_gradient", "cross_entropy"):
+            raise ValueError(f"objective must be policy_gradient or cross_entropy, got {self.objective!r}")
         if self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
         if self.micro_batch_tokens < 0:
@@ -423,9 +432,13 @@ class Trainer:
             logits = forward_layout(self.model, packed, keep)
         flat_lp, flat_entropy = token_logprobs(logits[None], targets[None])
         lp = _dense(flat_lp[0], keep[:, :-1])
-        loss, metrics = policy_loss(lp, lp.detach(), mb.sampler_logprobs[:, 1:], mb.advantages[:, 1:], mask,
-                                    policy, ref_lp, denominator=den)
         n = float(mask.sum())
+        if cfg.objective == "cross_entropy":
+            loss = aggregate(-lp, mask, policy.aggregation, policy.norm_length, den)
+            metrics = {"nll": float((-lp.detach() * mask).sum()) / max(n, 1.0)}
+        else:
+            loss, metrics = policy_loss(lp, lp.detach(), mb.sampler_logprobs[:, 1:], mb.advantages[:, 1:], mask,
+                                        policy, ref_lp, denominator=den)
         add = _adder(sums)
         for k, v in metrics.items():
             if k != "tokens":
@@ -433,7 +446,8 @@ class Trainer:
         add("t:entropy", float(flat_entropy.sum()))
         add("tokens", n)
         add("forward_tokens", float(packed.tokens))
-        add("s:policy_loss", float(loss.detach()))  # micro-batch losses sum to the full-batch loss
+        add("s:sft_loss" if cfg.objective == "cross_entropy" else "s:policy_loss",
+            float(loss.detach()))  # micro-batch losses sum to the full-batch loss
         if distilling:
             loss = loss + distill_term(mb, logits, keep, teacher_logits, dden, cfg.distill, add)
         (loss * self.world).backward()

@@ -348,3 +348,13 @@ def test_saving_refuses_a_none_that_would_read_back_as_something_else(tmp_path):
     config.model.name = None  # defaults to a name: left out, it would read back as that name
     with pytest.raises(ValueError, match="model_config.name|ModelConfig.name"):
         save_config(config, tmp_path / "bad.toml")
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.toml")))
+def test_every_checked_in_config_loads(name):
+    """A config the docs tell users to run is a valid tree (the GPU node's needs Ray, as its [ray] section says)."""
+    if name == "gpu-node.toml":
+        pytest.importorskip("ray")
+    config = load_config(ROOT / "configs" / name)
+    if name == "cpu-sft.toml":
+        assert config.sft.sources == ("gold",) and config.run.held_out_count == 2

@@ -286,25 +286,66 @@ new file mode 100644
 """
 
 
-def test_gold_messages_write_each_changed_file_then_stop(tmp_path):
+def test_gold_messages_read_edit_and_stop_like_an_agent(tmp_path):
     from shipyard.harness.parse import ToolCallParser
     from shipyard.harness.tools import default_tools
-    from shipyard.rollout.gold import FINAL_MESSAGE, final_files, gold_messages
+    from shipyard.rollout.gold import final_files, gold_messages
 
     task_dir = fake_task(tmp_path, {"pkg/a.py": "def f():\n    pass\n", "old.py": "z = 2\n", "gone.py": "x = 1\n"},
                          EDIT_RENAME_DELETE_ADD)
     assert final_files(task_dir) == {"pkg/a.py": "def f():\n    return 1\n\n", "old.py": None, "new.py": "z = 2\n",
                                      "gone.py": None, "pkg/b.py": 'y = "é"\n'}
     messages = gold_messages(task_dir)
-    assert messages[-1] == FINAL_MESSAGE and len(messages) == 6
     parser = ToolCallParser(default_tools())
-    calls = [parser.parse(m).calls for m in messages]
-    assert all(len(c) == 1 and c[0].error is None for c in calls[:-1]) and calls[-1] == []
-    assert [(c[0].name, c[0].arguments["path"]) for c in calls[:-1]] == [
-        ("delete_file", "old.py"), ("delete_file", "gone.py"), ("write_file", "pkg/a.py"), ("write_file", "new.py"),
-        ("write_file", "pkg/b.py")]  # deletions first, then each file's final contents
-    assert calls[2][0].arguments["content"] == "def f():\n    return 1\n\n"
+    calls = [[(c.name, c.arguments) for c in parser.parse(m).calls if c.error is None] for m in messages]
+    assert [len(parser.parse(m).calls) for m in messages] == [len(c) for c in calls]  # every call well formed
+    # look (each file to edit), edit (replace what changed, write the new, delete the gone), stop
+    assert calls[0] == [("read_file", {"path": "pkg/a.py"})]
+    assert calls[1] == [("delete_file", {"path": "old.py"}), ("delete_file", {"path": "gone.py"}),
+                        ("search_replace", {"path": "pkg/a.py", "old_string": "def f():\n    pass\n",
+                                            "new_string": "def f():\n    return 1\n\n"}),
+                        ("write_file", {"path": "new.py", "content": "z = 2\n"}),
+                        ("write_file", {"path": "pkg/b.py", "content": 'y = "é"\n'})]
+    assert calls[-1] == [] and len(messages) == 3 and "gold" not in " ".join(messages).lower()
     assert (task_dir / "snapshot" / "pkg" / "a.py").read_text() == "def f():\n    pass\n"  # the task is untouched
+
+
+@pytest.mark.parametrize("old, new", [
+    ("def f():\n    raise NotImplementedError\n\n\ndef g():\n    raise NotImplementedError\n",
+     "def f():\n    return 1\n\n\ndef g():\n    return 2\n"),  # two regions, each unique with its def line
+    ("a\nb\nX\nb\na\n" * 3, ("a\nb\nX\nb\na\n" * 3).replace("X", "Y", 1)),  # context grows until unique
+    ("x\n", "x\ny\n"),  # an insertion at the end
+    ("", "new\n"),  # nothing to search for
+    ("same\nsame\n", "same\n"),  # ambiguous however far it grows? the whole file is unique
+])
+def test_edits_replay_to_the_gold_contents_or_give_up(old, new):
+    from shipyard.rollout.gold import edits
+
+    steps = edits(old, new)
+    if steps is None:
+        assert old == ""  # only a file with no text to search gives up here
+        return
+    text = old
+    for search, replacement in steps:
+        assert text.count(search) == 1 and search  # what search_replace requires
+        text = text.replace(search, replacement, 1)
+    assert text == new
+
+
+def test_gold_demonstrations_vary_and_run_the_failing_tests(taskset):
+    from shipyard.rollout.gold import gold_scripts
+    from shipyard.tasks.taskset import load_task
+
+    tasks_dir, _, _ = taskset
+    scripts = gold_scripts(tasks_dir)
+    assert gold_scripts(tasks_dir) == scripts  # the same task replays the same script
+    for task_id, messages in scripts.items():
+        task, _ = load_task(tasks_dir, task_id)
+        assert "<tool_call>" not in messages[-1] and "gold" not in " ".join(messages).lower()
+        assert any(".venv/bin/python -m pytest -q" in m and "run_terminal" in m for m in messages[-3:-1])
+        assert any(d.qualname.rsplit(".", 1)[-1] in messages[-1] for d in task.deleted)
+    if len(scripts) >= 3:
+        assert len({m[-1] for m in scripts.values()}) > 1 or len({m[0] for m in scripts.values()}) > 1
 
 
 BINARY = "diff --git a/x.bin b/x.bin\nnew file mode 100644\nindex 0000000..1111111\nGIT binary patch\nliteral 1\n" \
@@ -356,7 +397,7 @@ def test_gold_replay_file_round_trips_through_the_replay_engine(taskset, tmp_pat
     path = write_gold_replay(tasks_dir, tmp_path / "gold.jsonl")
     engine = ReplayEngine.from_file(path)
     assert engine.scripts == gold_scripts(tasks_dir) and sorted(engine.scripts) == sorted(ids)
-    assert all(script[-1].startswith("The deleted code is restored") for script in engine.scripts.values())
+    assert all("<tool_call>" not in script[-1] for script in engine.scripts.values())
 
 
 # through real sandboxes --------------------------------------------------------------------------------------------

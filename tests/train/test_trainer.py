@@ -51,6 +51,32 @@ def test_step_optimizes_the_hand_computed_loss(episodes):
     assert "model.layers.0.self_attn.q_proj.weight" in changed and "model.embed_tokens.weight" in changed
 
 
+def test_cross_entropy_is_the_nll_of_the_policy_tokens_only(episodes):
+    """The SFT objective: −log π of the loss-masked tokens (the policy's turns), averaged over them; prompt and
+    observation tokens are context only. Oracle: torch's cross-entropy, masked by hand."""
+    trainer = _trainer(objective="cross_entropy")
+    model = copy.deepcopy(tiny_model(seed=1)[0].float())
+    batch = Batch.from_trajectories(episodes, [0.0] * len(episodes), pad_id=trainer.pad_id)  # advantages unread
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), batch.input_ids[:, 1:], reduction="none")
+    mask = batch.loss_mask[:, 1:]
+    assert 0 < mask.sum() < batch.attention_mask[:, 1:].sum()  # observations and prompts are in the rows
+    want = float((nll * mask).sum() / mask.sum())
+    metrics = trainer.step(batch)
+    assert metrics["sft_loss"] == pytest.approx(want, rel=1e-4)
+    assert metrics["nll"] == pytest.approx(want, rel=1e-4)
+    assert "policy_loss" not in metrics and metrics["tokens"] == float(mask.sum())
+    # A row whose policy tokens are all masked out contributes nothing: the same step without it.
+    none = Batch.from_trajectories(episodes, [0.0] * len(episodes), pad_id=trainer.pad_id)
+    none.loss_mask[0] = 0
+    a, b = _trainer(objective="cross_entropy"), _trainer(objective="cross_entropy")
+    ma, mb = a.step(none), b.step(none.rows(list(range(1, none.size))))
+    assert ma["sft_loss"] == pytest.approx(mb["sft_loss"], rel=1e-6) and ma["tokens"] == mb["tokens"]
+    with pytest.raises(ValueError, match="objective"):
+        TrainConfig(objective="dpo")
+
+
 def test_token_budget_micro_batches_give_the_same_step(episodes):
     lengths = sorted(len(t.token_ids()) for t in episodes)
     tokens = lengths[-1] + lengths[0] - 1  # the longest trajectory runs alone, the others share micro-batches

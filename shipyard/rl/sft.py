@@ -1,0 +1,280 @@
+"""`shipyard sft`: supervised fine-tuning on successful trajectories — the cold start before RL — on RL's code path.
+
+RL sharpens what a policy already does sometimes: a group in which no rollout succeeds carries no task signal. A
+small model that never reads the file, edits it and runs the tests never gets a reward to learn from. The recipe of
+agent-RL work is a cold start first: fine-tune on trajectories that solved tasks, then RL (SWE-Gym, arXiv
+2412.21139; SWE-smith, arXiv 2504.21798; Skywork-SWE, arXiv 2506.19290; Kimi-Dev, arXiv 2509.23045).
+
+Nothing here is a second trainer. A demonstration is a `Rollout` whose `Trajectory` the harness produced in a
+sandbox: the same wire format (chat template, tool schemas, tags) and the same token layout as an RL rollout, so it
+becomes a `Batch` by `Batch.from_trajectories` and trains in the same `Trainer`, with `objective = "cross_entropy"`:
+
+    L = − Σ_t m_t log π_θ(y_t) / Σ_t m_t        m_t = 1 on the policy's own tokens (each turn's completion)
+
+— the prompt and the tool outputs are context, never targets. The run directory, config tree, checkpoints (resume
+with `--run.resume true`) and Hugging Face export are a training run's, so `shipyard train` starts from the result
+with `[model] name = "RUN/export"`.
+
+Sources (`[sft] sources`), all from the run's **training** tasks:
+
+- `"gold"`: each training task's gold patch replayed through the harness as a demonstration
+  (`shipyard.rollout.gold`: read the file, `search_replace` the body, run the failing tests, summarise), run and graded
+  in sandboxes like any eval; written to RUN/sft/gold.jsonl (reused on resume).
+- a path: rollout records, one JSON object a line — `shipyard eval --rollouts FILE` (rejection sampling from any
+  engine: the bundled 1.5B, a bigger model behind `openai:`), or a training run's RUN/trajectories/ directory (its
+  own successes: expert iteration). The rollouts must be tokenized with the policy's tokenizer (eval's
+  `--tokenizer`): a prompt that does not decode to its task's statement is refused.
+
+A record is kept when the grader scored it 1.0, no reward-hacking monitor flagged it and it has sampled tokens; the
+rest are counted by reason. A record of a held-out task — or of a task the set does not have — is an error, never
+skipped: a held-out id anywhere in the data would make the held-out evaluation a measurement of memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from shipyard.errors import FileFormatError, InputNotFound, UserError
+from shipyard.harness.tools import default_tools
+from shipyard.harness.wire import ChatFormat
+from shipyard.models.resolve import load_tokenizer
+from shipyard.rl.build import run_dir, split, task_set
+from shipyard.rl.config import RLConfig, save_config
+from shipyard.rl.loop import export_policy
+from shipyard.rl.ranks import RankSpec, trainer_ranks
+from shipyard.rl.rundir import RunDir
+from shipyard.rollout.episode import WireSettings
+from shipyard.rollout.record import Rollout
+from shipyard.tasks.taskset import list_tasks, load_task
+from shipyard.train.batch import Batch
+from shipyard.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from shipyard.train.trainer import Trainer
+
+Status = Callable[[str], None]
+SFT_STATE = "sft.json"
+GOLD = "gold"
+
+
+class HeldOutInData(UserError):
+    """SFT data holds a rollout of a held-out task (or of a task outside the run's task set)."""
+
+
+@dataclass
+class Demonstrations:
+    """The kept rollouts, and how many of each source were dropped and why."""
+
+    rollouts: list[Rollout]
+    dropped: dict[str, dict[str, int]]  # source → reason → count
+    read: dict[str, int]  # source → records read
+
+    def summary(self) -> dict[str, Any]:
+        tasks = Counter(r.task_id for r in self.rollouts)
+        return {"demonstrations": len(self.rollouts), "tasks": len(tasks), "read": self.read, "dropped": self.dropped,
+                "tokens": sum(r.trajectory.sampled_tokens for r in self.rollouts if r.trajectory)}
+
+
+def read_rollouts(path: Path) -> list[Rollout]:
+    """Rollout records from a JSON-lines file, or from every `*.jsonl` file of a directory (a run's trajectories/).
+    Keys a run adds beside the record (`hints`) are ignored; a line that is not a record is an error naming it."""
+    path = Path(path)
+    if not path.exists():
+        raise InputNotFound(f"SFT source {path} does not exist: give `gold`, a rollouts file (`shipyard eval "
+                            f"--rollouts FILE`) or a run's trajectories/ directory")
+    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    out = []
+    for file in files:
+        for number, line in enumerate(file.read_text(errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+                data.pop("hints", None)
+                out.append(Rollout.from_json(data))
+            except (ValueError, TypeError, KeyError, AttributeError) as e:
+                raise FileFormatError(f"{file}:{number}: not a rollout record ({type(e).__name__}: {e}); SFT reads "
+                                      f"the lines `shipyard eval --rollouts` and a run's trajectories/ hold") from None
+    return out
+
+
+def why_dropped(rollout: Rollout, gold: bool = False) -> str | None:
+    """Why a rollout is no demonstration (None: it is one). A gold replay writes the deleted code back by definition,
+    so the `verbatim` monitor's flag (the patch restores the deleted lines word for word) is expected of it and does
+    not drop it; any other flag does."""
+    if rollout.trajectory is None or not rollout.trajectory.turns:
+        return "no_trajectory"
+    if rollout.reward != 1.0:
+        return "not_solved"
+    if any(not (gold and f.get("kind") == "verbatim") for f in rollout.monitor_flags):
+        return "flagged"
+    if rollout.trajectory.sampled_tokens == 0:
+        return "no_tokens"
+    return None
+
+
+def select(sources: dict[str, list[Rollout]], train_ids: set[str], held: set[str], tasks_dir: Path,
+           chat: ChatFormat) -> Demonstrations:
+    """The demonstrations among `sources` (name → records): see the module docstring. Raises `HeldOutInData` for a
+    record of a held-out task or of no task of the set, `UserError` for one tokenized for another model."""
+    kept, dropped, read = [], {}, {}
+    statements: dict[str, str] = {}
+    for name, rollouts in sources.items():
+        reasons: Counter[str] = Counter()
+        for r in rollouts:
+            if r.task_id in held:
+                raise HeldOutInData(f"SFT source {name}: rollout {r.rollout_id} is of held-out task {r.task_id}; the "
+                                    f"held-out tasks are never trained on: drop its records, or change run.held_out")
+            if r.task_id not in train_ids:
+                raise HeldOutInData(f"SFT source {name}: rollout {r.rollout_id} is of task {r.task_id}, which the "
+                                    f"task set {tasks_dir} does not have: was it sampled from another task set?")
+            reason = why_dropped(r, gold=name == GOLD)
+            if reason is not None:
+                reasons[reason] += 1
+                continue
+            if r.task_id not in statements:
+                statements[r.task_id] = load_task(tasks_dir, r.task_id)[0].statement
+            _check_rendering(name, r, statements[r.task_id], chat)
+            kept.append(r)
+        dropped[name], read[name] = dict(reasons), len(rollouts)
+    return Demonstrations(kept, dropped, read)
+
+
+def _check_rendering(source: str, rollout: Rollout, statement: str, chat: ChatFormat) -> None:
+    """The trajectory was tokenized with the policy's tokenizer and chat format: its ids are in the vocabulary, its
+    prompt ends with the policy's assistant header and decodes to text that holds the task's statement."""
+    traj = rollout.trajectory
+    vocab = len(chat.tokenizer)
+    ids = traj.token_ids()
+    header = chat.assistant_header_ids()
+    bad = max(ids, default=0) >= vocab or tuple(traj.prompt_ids[-len(header):]) != header or \
+        statement.strip()[:200] not in chat.tokenizer.decode(traj.prompt_ids)
+    if bad:
+        raise UserError(f"SFT source {source}: rollout {rollout.rollout_id} was not rendered with this policy's "
+                        f"tokenizer and chat format (model {traj.model!r}); sample it with the policy's tokenizer "
+                        f"(`shipyard eval --tokenizer MODEL`) and the same episode settings")
+
+
+def gold_rollouts(config: RLConfig, tasks_dir: Path, task_ids: list[str], tokenizer, out: Path,
+                  status: Status) -> list[Rollout]:
+    """Replay the gold demonstration of every task in `task_ids` through the harness in sandboxes (an eval with the
+    `replay:gold` engine), its records appended to `out`; an existing `out` (a resumed run) is read back instead."""
+    if out.exists():
+        return read_rollouts(out)
+    from shipyard.rollout.environment import LocalEnvironment
+    from shipyard.rollout.eval import EvalConfig, run_eval
+    from shipyard.rollout.gold import gold_engine
+
+    engine = gold_engine(tasks_dir, task_ids, tokenizer=tokenizer)
+    loop = config.episode.loop
+    turns = max((len(s) for s in engine.scripts.values()), default=1)  # a replay is played whole: its turns fit
+    episode = replace(config.episode, loop=replace(loop, max_new_tokens=max(loop.max_new_tokens, engine.longest() + 8),
+                                                   max_turns=max(loop.max_turns, turns)))
+    env = LocalEnvironment()
+    partial = out.with_name(out.name + ".partial")
+    partial.unlink(missing_ok=True)
+    status(f"replaying {len(task_ids)} gold demonstrations in sandboxes")
+    try:
+        run_eval(engine, env, tasks_dir, task_ids, episode,
+                 EvalConfig(samples=1, seed=config.run.seed, concurrency=max(1, config.rollout.max_in_flight or 2)),
+                 rollouts_path=partial)
+    finally:
+        env.close()
+        engine.close()
+    partial.rename(out)
+    return read_rollouts(out)
+
+
+def batches(n: int, batch_size: int, epochs: int, seed: int) -> Iterator[tuple[int, list[int]]]:
+    """(epoch, indices) of each step: every epoch a fresh permutation (seeded by `seed` and the epoch, so a resumed
+    run replays the same order), cut into batches of `batch_size` (the last one of an epoch may be smaller)."""
+    for epoch in range(epochs):
+        order = list(range(n))
+        random.Random(f"{seed}:{epoch}").shuffle(order)
+        for i in range(0, n, batch_size):
+            yield epoch, order[i:i + batch_size]
+
+
+def sft(config: RLConfig, *, argv: list[str] | None = None, status: Status = lambda _: None,
+        on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
+    """Fine-tune `config.model` on the demonstrations of `config.sft` (module docstring); the logged lines."""
+    config = replace(config, trainer=replace(config.trainer, objective="cross_entropy",
+                                             distill=replace(config.trainer.distill, enabled=False)))
+    tasks_dir = task_set(config, status)
+    _, evals = split(config, tasks_dir)
+    held = set(evals)
+    train_ids = [t for t in list_tasks(tasks_dir) if t not in held]
+    if not config.run.held_out:
+        config = replace(config, run=replace(config.run, held_out=tuple(evals), held_out_count=0,
+                                             held_out_projects=()))
+    run = run_dir(config)
+    try:
+        return _run(config, run, tasks_dir, train_ids, held, argv, status, on_step)
+    except BaseException as e:
+        run.fail(e)
+        raise
+    finally:
+        run.close()
+
+
+def _run(config: RLConfig, run: RunDir, tasks_dir: Path, train_ids: list[str], held: set[str],
+         argv: list[str] | None, status: Status, on_step: Callable[[int, dict], None] | None) -> list[dict]:
+    save_config(config, run.config_path, note="shipyard sft " + " ".join(argv or []))
+    tokenizer = load_tokenizer(config.model.tokenizer or config.model.name, status)
+    loop = config.episode.loop
+    chat = ChatFormat(tokenizer, default_tools(), tags=loop.tags)
+    sources: dict[str, list[Rollout]] = {}
+    for source in config.sft.sources:
+        if source == GOLD:
+            sources[GOLD] = gold_rollouts(config, tasks_dir, train_ids, tokenizer, run.root / "sft" / "gold.jsonl",
+                                          status)
+        else:
+            sources[source] = read_rollouts(Path(source))
+    data = select(sources, set(train_ids), held, tasks_dir, chat)
+    (run.root / "sft").mkdir(exist_ok=True)
+    (run.root / "sft" / "data.json").write_text(json.dumps(data.summary(), indent=1) + "\n")
+    status(f"{len(data.rollouts)} demonstrations of {data.summary()['tasks']} tasks ({data.dropped} dropped)")
+    if not data.rollouts:
+        raise UserError(f"no demonstration to train on (read {data.read}, dropped {data.dropped}): a demonstration is "
+                        f"a rollout of a training task scored 1.0 and not flagged")
+    sft_cfg = config.sft
+    total = sft_cfg.epochs * math.ceil(len(data.rollouts) / sft_cfg.batch_size)
+    with ExitStack() as stack:
+        header = chat.assistant_header_ids()
+        spec = RankSpec(config.model.name, config.run.device, config.trainer, tokenizer.pad_token_id, header,
+                        config.run.world_size)
+        group = stack.enter_context(trainer_ranks(spec, status))
+        trainer = Trainer(group.model, config.trainer, pad_id=tokenizer.pad_token_id, header_ids=header,
+                          device=group.device)
+        ranks = group.ranks(trainer)
+        checkpoint = latest_checkpoint(run.checkpoints_dir)
+        if checkpoint is not None:
+            ranks(load_checkpoint, checkpoint)
+        wire = WireSettings(loop.untagged_calls, loop.tags)
+        lines = []
+        for step, (epoch, picked) in enumerate(batches(len(data.rollouts), sft_cfg.batch_size, sft_cfg.epochs,
+                                                       config.run.seed), 1):
+            if step <= trainer.step_count:  # done before the checkpoint this run resumed from
+                continue
+            chunk = [data.rollouts[i] for i in picked]
+            batch = Batch.from_trajectories([r.trajectory for r in chunk], [1.0] * len(chunk), pad_id=trainer.pad_id)
+            train = ranks(Trainer.step, batch)
+            lines.append(run.log(step, {"train": train, "sft": {"epoch": epoch, "demonstrations": len(chunk),
+                                                                "tasks": len({r.task_id for r in chunk})}}))
+            last = step == total
+            if step % config.run.checkpoint_every == 0 or last:
+                ranks(save_checkpoint, run.checkpoints_dir, extra={SFT_STATE: json.dumps({"step": step,
+                                                                                          "total": total})})
+                if config.run.export or last:
+                    export_policy(trainer, ranks(Trainer.export_weights), tokenizer, run.export_dir, wire)
+            run.set_status("running", step=step, steps=total)
+            if on_step is not None:
+                on_step(step, lines[-1])
+    run.set_status("finished", step=total, steps=total, export=str(run.export_dir))
+    return lines

@@ -1,0 +1,149 @@
+"""`shipyard sft`: demonstrations from gold replays and rollout files, trained with the RL trainer's cross-entropy
+objective into a run directory whose export `shipyard train` starts from; a held-out task in the data is refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from tiny_run import CONFIG
+
+from shipyard.harness.trajectory import Trajectory, Turn
+from shipyard.rl.config import SFTConfig, load_config
+from shipyard.rollout.record import Rollout
+from shipyard.sandbox.run import sandbox_problem
+
+_problem = sandbox_problem()
+
+
+def _rollout(task: str, reward: float | None = 1.0, flags: list | None = None, turns: int = 1) -> Rollout:
+    traj = Trajectory(task=task, model="m", prompt_ids=[1, 2],
+                      turns=[Turn(index=i, text="x", completion_ids=[3, 4], logprobs=[0.0, 0.0], finish_reason="stop",
+                                  observation_ids=[5], calls=[], parallel_width=0, generate_seconds=0.0,
+                                  tools_seconds=0.0) for i in range(turns)])
+    return Rollout(task_id=task, group_id=f"{task}@eval", index=0, seed=0, status="passed" if reward else "failed",
+                   reward=reward, trajectory=traj, monitor_flags=flags or [])
+
+
+def _write(path: Path, rollouts: list[Rollout], extra: str = "") -> Path:
+    path.write_text("".join(json.dumps({**r.to_json(), "hints": []}) + "\n" for r in rollouts) + extra)
+    return path
+
+
+def test_why_dropped_keeps_only_clean_solved_trajectories():
+    from shipyard.rl.sft import why_dropped
+
+    assert why_dropped(_rollout("a")) is None
+    assert why_dropped(_rollout("a", reward=0.0)) == "not_solved"
+    assert why_dropped(_rollout("a", reward=None)) == "not_solved"  # masked: unknown is never a success
+    assert why_dropped(_rollout("a", flags=[{"kind": "test_fitting"}])) == "flagged"
+    verbatim = _rollout("a", flags=[{"kind": "verbatim"}])  # what a gold replay is by definition
+    assert why_dropped(verbatim) == "flagged" and why_dropped(verbatim, gold=True) is None
+    assert why_dropped(_rollout("a", flags=[{"kind": "verbatim"}, {"kind": "tamper"}]), gold=True) == "flagged"
+    assert why_dropped(_rollout("a", turns=0)) == "no_trajectory"
+    assert why_dropped(replace(_rollout("a"), trajectory=None)) == "no_trajectory"
+
+
+def test_read_rollouts_reads_eval_files_and_run_directories_and_names_a_bad_line(tmp_path):
+    from shipyard.errors import FileFormatError, InputNotFound
+    from shipyard.rl.sft import read_rollouts
+
+    one = _write(tmp_path / "eval.jsonl", [_rollout("a"), _rollout("b", reward=0.0)])
+    assert [r.task_id for r in read_rollouts(one)] == ["a", "b"]
+    run = tmp_path / "trajectories"
+    run.mkdir()
+    _write(run / "step-000001.jsonl", [_rollout("a")])
+    _write(run / "step-000002.jsonl", [_rollout("c")])
+    assert [r.task_id for r in read_rollouts(run)] == ["a", "c"]
+    bad = _write(tmp_path / "bad.jsonl", [_rollout("a")], extra='{"task_id": "x"}\n')
+    with pytest.raises(FileFormatError, match=r"bad.jsonl:2: not a rollout record"):
+        read_rollouts(bad)
+    with pytest.raises(FileFormatError, match=r"bad2.jsonl:1"):
+        read_rollouts(_write(tmp_path / "bad2.jsonl", [], extra="[1, 2]\n"))
+    with pytest.raises(InputNotFound, match="does not exist"):
+        read_rollouts(tmp_path / "missing.jsonl")
+
+
+def test_a_held_out_or_unknown_task_in_the_data_is_refused(tmp_path):
+    from shipyard.rl.sft import HeldOutInData, select
+
+    with pytest.raises(HeldOutInData, match="held-out task h"):
+        select({"f.jsonl": [_rollout("a", reward=0.0), _rollout("h", reward=0.0)]}, {"a"}, {"h"}, tmp_path, None)
+    with pytest.raises(HeldOutInData, match="task z, which the task set"):
+        select({"f.jsonl": [_rollout("z", reward=0.0)]}, {"a"}, {"h"}, tmp_path, None)
+    # dropped records are counted by reason (nothing here is kept, so nothing is rendered)
+    records = [_rollout("a", reward=0.0), _rollout("a", flags=[{"kind": "verbatim"}])]
+    data = select({"f.jsonl": records}, {"a"}, set(), tmp_path, None)
+    assert data.rollouts == [] and data.dropped == {"f.jsonl": {"not_solved": 1, "flagged": 1}}
+
+
+def test_batches_visit_every_demonstration_once_an_epoch_in_a_seeded_order():
+    from shipyard.rl.sft import batches
+
+    plan = list(batches(5, 2, 3, seed=7))
+    assert [len(b) for _, b in plan] == [2, 2, 1] * 3 and [e for e, _ in plan] == [0] * 3 + [1] * 3 + [2] * 3
+    for epoch in range(3):
+        assert sorted(i for e, b in plan if e == epoch for i in b) == list(range(5))
+    assert plan == list(batches(5, 2, 3, seed=7)) and plan != list(batches(5, 2, 3, seed=8))
+    with pytest.raises(ValueError, match="at least 1"):
+        SFTConfig(epochs=0)
+    with pytest.raises(ValueError, match="empty"):
+        SFTConfig(sources=())
+
+
+SFT = """
+[sft]
+sources = ["gold"]
+epochs = 3
+batch_size = 2
+"""
+
+
+@pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+def test_sft_on_gold_replays_trains_the_policy_tokens_and_exports(taskset, tmp_path):
+    from safetensors.torch import load_file
+
+    from shipyard.rl.sft import sft
+
+    config_path = tmp_path / "tiny.toml"
+    config_path.write_text(CONFIG.format(tasks=taskset[0]) + SFT)
+    config = load_config(config_path, ["--run.dir", str(tmp_path / "run")])
+    lines = sft(config)
+    run = tmp_path / "run"
+    data = json.loads((run / "sft" / "data.json").read_text())
+    held = load_config(run / "config.toml").run.held_out
+    assert len(held) == 1
+    # every training task's gold replay ran in a sandbox, scored 1.0 and became a demonstration
+    gold = [json.loads(x) for x in (run / "sft" / "gold.jsonl").read_text().splitlines()]
+    assert sorted(r["task_id"] for r in gold) == sorted(set(json.loads(x)["id"] for x in
+                                                         (taskset[0] / "tasks.jsonl").read_text().splitlines())
+                                                        - set(held))
+    assert all(r["reward"] == 1.0 for r in gold) and data["demonstrations"] == len(gold) == 2
+    assert [line["step"] for line in lines] == [1, 2, 3]  # 3 epochs of one batch of 2
+    losses = [line["train/sft_loss"] for line in lines]
+    assert losses[-1] < losses[0]  # the same demonstrations, three times: their NLL falls
+    assert all(line["train/tokens"] == lines[0]["train/tokens"] > 0 for line in lines)
+    assert json.loads((run / "run.json").read_text())["status"] == "finished"
+    exported = load_file(run / "export" / "model.safetensors")
+    assert exported and (run / "export" / "shipyard.json").exists()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001", "step-00000002",
+                                                                        "step-00000003"]
+
+
+@pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+def test_the_sft_command_refuses_a_held_out_task_in_its_data(taskset, tmp_path):
+    config_path = tmp_path / "tiny.toml"
+    config_path.write_text(CONFIG.format(tasks=taskset[0]))
+    ids = [json.loads(x)["id"] for x in (taskset[0] / "tasks.jsonl").read_text().splitlines()]
+    data = _write(tmp_path / "eval.jsonl", [_rollout(ids[0])])
+    proc = subprocess.run([sys.executable, "-m", "shipyard.cli", "sft", str(config_path), "--run.dir",
+                           str(tmp_path / "run"), "--run.held_out_count", "0", "--run.held_out", ids[0],
+                           "--sft.sources", str(data)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"held-out task {ids[0]}" in proc.stderr and "Traceback" not in proc.stderr
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "failed"
