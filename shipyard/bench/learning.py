@@ -1,34 +1,50 @@
-"""`shipyard bench learning`: does targeted textual feedback make the agent learn faster than the reward alone?
+"""`shipyard bench learning`: does the recipe make the agent *solve* more tasks of projects it never trained on?
 
-Arms, each a real `shipyard train` run of one configuration (default `configs/demo.toml`: the bundled 0.5B, tasks
-synthesized from the example repository, AdamW) with the same seeds, tasks and held-out split, and the same budget
-(`--steps`, or `--minutes` of wall time: the run stops itself after the step that reaches the budget less
-`--eval-reserve` and evaluates — `run.max_minutes` —, and is killed only if that overruns the budget; either way the
-arm is reported with the steps it made):
+RL sharpens what a policy already does sometimes; the bundled 0.5B solves none of the tasks before training, so RL
+alone has no success to learn from (issue 29). The recipe of agent-RL work is a cold start first — supervised
+fine-tuning on solved trajectories — then RL. This benchmark measures each stage of it on held-out projects.
 
-    reward     the configuration as it is (the grader's reward and its shaping terms)
-    feedback   + hints (`--hints.enabled true`: hint detectors, targeted self-distillation; shipyard/rl/hints.py)
-    effort     + effort calibration (`--shaping.effort E`: a group-relative length/turn cost by tier)
+**Arms**, from one configuration (default `configs/learning.toml`: the bundled 0.5B, the task pool with
+`[run] held_out_projects`, `[sft] sources = ["gold"]`), each the real command as a user runs it, in a subprocess:
 
-Figures (issue 16):
+    base            the starting model (`[model] name`), evaluated as it is
+    sft             `shipyard sft CONFIG`: fine-tuned on the training tasks' demonstrations, from the base
+    sft+rl          `shipyard train CONFIG --model.name SFT/export`: RL from the SFT export
+    rl              `shipyard train CONFIG`: RL from the base (optional)
+    sft+rl+hints    as sft+rl with `--hints.enabled true` (optional)
 
-(a) the **behaviour rate** per training step — grounded tool-call validity (`tools/grounded_fraction`: a real tool,
-    the wire format, arguments that refer to the task, ran without error; shipyard/harness/validity.py) — and the
-    **invalid rate**, the share of calls the harness could not take as written (untagged, truncated, malformed,
-    unknown tool, bad arguments), smoothed over `--window` steps. `steps_ratio` = (first step at which the feedback
-    arm's smoothed rate reaches the reward arm's final one) / (the reward arm's steps); null, with the reason, when
-    the reward arm did not improve the rate at all (then there is nothing to reach) or the feedback arm never gets
-    there. `invalid_halved`: the feedback arm's final invalid rate is at most half its first;
-(b) held-out **pass@1** before and after each arm (`eval/step-*.json`), with a 95% bootstrap interval of the change
-    (tasks resampled with replacement, `--bootstrap` resamples);
-(c) **tokens and turns per solved task by tier**, training rollouts and held-out ones, per arm (null where nothing
-    was solved).
+Every arm is evaluated the same way: `shipyard eval` on the arm's model (the base name, or a stage's RUN/export)
+over the same held-out task ids (the configuration's split, computed once here; each training stage's recorded split
+is checked against it, so no stage trained on an evaluated task), with the same samples, seed and episode settings
+(`[episode.loop]` turns, tokens, temperature and wire, `[episode] grade_timeout`, `[run] seed`). One evaluation path
+for all arms: what differs between arms is the weights, nothing else.
 
-Curves are saved as PNG beside the runs; the last line is one JSON object. An arm's run directory can be reused
-(`--reuse reward=DIR`: a finished `shipyard train`/`shipyard demo` run of the same configuration, e.g. the 20-step
-curves run) instead of training it again; the tasks of the first arm (or `--tasks DIR`) are given to the others.
+**Budgets.** Each training stage gets `--minutes` of wall time: `shipyard train` stops itself after the step that
+reaches the budget less `--eval-reserve` (`run.max_minutes`), evaluates and checkpoints; a stage still running at
+the budget (`shipyard sft` does not stop itself) is killed, reported as such, and fails the measurement — the same
+command resumes it from its last checkpoint. Evaluations run to their end.
 
-    shipyard bench learning [-- --steps 20 --minutes 60 --arms reward,feedback --out DIR --reuse reward=DIR]
+**Cost.** An RL stage evaluates the held-out tasks itself before its first step and after its last (`shipyard
+train` always does; `run.eval_samples` sets how many samples), on top of the benchmark's own evaluations: that is
+the price of running the real command. configs/learning.toml keeps it at one sample a task.
+
+**Resuming.** A long measurement is resumed stage by stage: run the same command with the same `--out`. A training
+stage whose run directory there is finished (with an export) is reused, an unfinished one continues from its last
+checkpoint (`--run.resume true`), and an arm's evaluation file there is reused when it evaluated the same model, tasks,
+samples, seed and episode settings. `--reuse ARM=DIR` uses a finished run elsewhere as the arm's stage, `--reuse
+ARM=FILE.json` an evaluation elsewhere as the arm's results (checked the same way, but for the model).
+
+**Figures.** pass@1 per arm over the held-out tasks × samples, with a bootstrap 95 % interval over tasks; for every
+arm the paired difference from base, and `delta_rl` = (sft+rl) − sft, each with its paired bootstrap 95 % interval
+(tasks resampled, arms paired by task: `shipyard.rollout.eval.paired_difference`); tokens and turns per solved
+rollout per arm; the wall time of every stage and evaluation; the RL stages' grounded tool-call validity per step.
+A PNG beside the runs, tables, and one JSON line last. Exit 1 when a stage failed or an arm could not be evaluated.
+
+    shipyard bench learning [-- --config configs/learning.toml --arms base,sft,sft+rl --samples 2 --minutes 360
+                                --out DIR --reuse sft=DIR --sft-args "--trainer.optim.lr 1e-5" --run.steps 30 ...]
+
+Arguments the benchmark does not know are configuration overrides (`--SECTION.KEY VALUE`) for every stage and for
+the evaluations' settings; `--sft-args` and `--rl-args` add overrides to the SFT stage or to the RL stages only.
 """
 
 from __future__ import annotations
@@ -36,269 +52,399 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
+import shlex
 import signal
 import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.progress import Progress, TimeElapsedColumn
 
 from shipyard.bench._common import console, finish, table
-from shipyard.rl.demo import DEMO_CONFIG
+from shipyard.rollout.eval import bootstrap_mean, paired_difference, task_rates
 
-ARMS = {"reward": [], "feedback": ["--hints.enabled", "true"], "effort": ["--shaping.effort", "{effort}"]}
-FORMAT_PROBLEMS = ("untagged_ran", "untagged", "truncated", "malformed", "unknown_tool", "bad_arguments")
+ARMS = ("base", "sft", "sft+rl", "rl", "sft+rl+hints")
+# stage → (command, the stage whose export it starts from (None: the base model), its own overrides)
+STAGES: dict[str, tuple[str, str | None, list[str]]] = {
+    "sft": ("sft", None, []), "sft+rl": ("train", "sft", []), "rl": ("train", None, []),
+    "sft+rl+hints": ("train", "sft", ["--hints.enabled", "true"])}
+LOOP_SETTINGS = ("max_turns", "max_new_tokens", "temperature", "untagged_calls", "tags")
 
 
-def train_arm(name: str, config: Path, run_dir: Path, args: argparse.Namespace, tasks: Path | None) -> dict:
-    """Train one arm in a subprocess, cut at the wall-time budget; what happened."""
-    overrides = [a.format(effort=args.effort) for a in ARMS[name]]
-    # The run stops itself after the step that reaches the budget less the reserve, then evaluates and checkpoints
-    # (`run.max_minutes`); the benchmark kills it only if that overruns the whole budget.
-    soft = max(args.minutes - args.eval_reserve, 0.1)
-    cmd = [sys.executable, "-m", "shipyard.cli", "train", str(config), "--run.dir", str(run_dir), "--run.steps",
-           str(args.steps), "--run.eval_every", str(args.eval_every), "--run.checkpoint_every", str(args.steps),
-           "--run.max_minutes", str(soft),
-           *(["--run.tasks", str(tasks)] if tasks else []), *overrides]
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    log = run_dir.with_suffix(".log")
+def eval_settings(config, held_out: list[str], samples: int) -> dict[str, Any]:
+    """What two evaluations must share to be compared (as a results document's `config` records it)."""
+    loop = config.episode.loop
+    return {"task_ids": sorted(held_out), "samples": samples, "seed": config.run.seed,
+            "grade_timeout": config.episode.grade_timeout, **{k: getattr(loop, k) for k in LOOP_SETTINGS}}
+
+
+def eval_command(config, tasks: Path, model: str, held_out: list[str], samples: int, concurrency: int,
+                 out: Path) -> list[str]:
+    """`shipyard eval` of `model` with the configuration's episode settings (`eval_settings`)."""
+    loop = config.episode.loop
+    return [sys.executable, "-m", "shipyard.cli", "eval", "--tasks", str(tasks), "--model", model,
+            *(x for t in held_out for x in ("--task", t)), "--samples", str(samples), "--seed", str(config.run.seed),
+            "--concurrency", str(concurrency), "--max-turns", str(loop.max_turns), "--max-new-tokens",
+            str(loop.max_new_tokens), "--temperature", str(loop.temperature), "--grade-timeout",
+            str(config.episode.grade_timeout), "--untagged", loop.untagged_calls, "--tags", loop.tags,
+            "--device", config.engine.device, *(["--search"] if config.episode.search else []),
+            "--out", str(out), "--rollouts", str(out.with_suffix(".rollouts.jsonl"))]
+
+
+def eval_mismatch(doc: dict[str, Any], expected: dict[str, Any], model: str | None) -> str | None:
+    """Why an existing results document is not this arm's evaluation (None: it is)."""
+    c = doc.get("config", {})
+    seen = {"task_ids": sorted(c.get("task_ids", [])), "samples": c.get("samples"), "seed": c.get("seed"),
+            "grade_timeout": c.get("grade_timeout"), **{k: c.get("loop", {}).get(k) for k in LOOP_SETTINGS}}
+    if model is not None:
+        seen["model"], expected = c.get("model"), {**expected, "model": model}
+    wrong = [f"{k} {seen[k]!r} (here {v!r})" for k, v in expected.items() if seen[k] != v]
+    return "; ".join(wrong) or None
+
+
+def run_stage(label: str, cmd: list[str], log: Path, minutes: float | None, done: Callable[[], int],
+              total: int | None) -> dict[str, Any]:
+    """Run `cmd` with its output in `log`, killed (its whole process group) past `minutes`; what happened."""
+    log.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    deadline = start + args.minutes * 60
+    deadline = None if minutes is None else start + minutes * 60
     rc, cut = None, False
     with open(log, "w") as out, Progress(*Progress.get_default_columns(), TimeElapsedColumn(),
                                           console=console) as progress:
-        bar = progress.add_task(f"arm {name} (log: {log})", total=args.steps)
+        bar = progress.add_task(f"{label} (log: {log})", total=total)
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             while rc is None:
                 try:
                     rc = proc.wait(timeout=5)
                 except subprocess.TimeoutExpired:
-                    if time.monotonic() > deadline:
+                    if deadline is not None and time.monotonic() > deadline:
                         cut = True
                         break
-                progress.update(bar, completed=len(read_run(run_dir)[0]))
+                progress.update(bar, completed=done())
         finally:
-            if proc.poll() is None:  # cut at the budget, or the benchmark itself interrupted: stop the whole run
+            if proc.poll() is None:  # cut at the budget, or the benchmark itself interrupted: stop the whole stage
                 os.killpg(proc.pid, signal.SIGTERM)
                 try:
                     proc.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-    return {"command": " ".join(cmd), "returncode": rc, "cut_at_budget": cut, "seconds": time.monotonic() - start,
+    return {"command": shlex.join(cmd), "returncode": rc, "cut_at_budget": cut, "seconds": time.monotonic() - start,
             "log": str(log)}
 
 
-def read_run(run_dir: Path) -> tuple[list[dict], dict[int, dict]]:
-    """(metrics lines of the training steps, eval documents by step)."""
-    path = run_dir / "metrics.jsonl"
-    # lines end with a newline; what follows the last one is a line still being written (read while training)
-    lines = [json.loads(x) for x in path.read_text().split("\n")[:-1] if x.strip()] if path.exists() else []
-    evals = {int(p.stem.split("-")[1]): json.loads(p.read_text())
-             for p in sorted((run_dir / "eval").glob("step-*.json"))}
-    return [m for m in lines if m["step"] > 0 and "tools/calls" in m], evals
+def _lines(path: Path) -> list[dict[str, Any]]:
+    # lines end with a newline; what follows the last one is a line still being written (read while running)
+    return [json.loads(x) for x in path.read_text().split("\n")[:-1] if x.strip()] if path.exists() else []
 
 
-def rates(steps: list[dict]) -> tuple[list[float], list[float]]:
-    """Per step: grounded fraction and format-invalid fraction of the batch's tool calls (0 without calls)."""
-    grounded, invalid = [], []
-    for m in steps:
-        calls = m.get("tools/calls", 0) or 0
-        grounded.append(m.get("tools/grounded_fraction", 0.0) or 0.0)
-        bad = sum(m.get(f"tools/not_grounded_{p}", 0) or 0 for p in FORMAT_PROBLEMS)
-        invalid.append(bad / calls if calls else 0.0)
-    return grounded, invalid
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError:
+        return {}
 
 
-def smooth(values: list[float], window: int) -> list[float]:
-    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
-            for i in range(len(values))]
+def newer(a: Path, b: Path) -> bool:
+    """Whether `a` was written after `b` (False when either is missing): an export newer than what was made from
+    it means the stage before was trained again, and what follows it is stale."""
+    return a.is_file() and b.is_file() and a.stat().st_mtime > b.stat().st_mtime
 
 
-def steps_ratio(reward: list[float], feedback: list[float]) -> tuple[float | None, str]:
-    """(steps for the feedback arm to reach the reward arm's final smoothed rate / the reward arm's steps, why)."""
-    if not reward or not feedback:
-        return None, "an arm made no step"
-    target, start = reward[-1], reward[0]
-    if target <= start:
-        return None, f"the reward-only arm did not raise the rate (start {start:.3f}, final {target:.3f})"
-    reached = next((i + 1 for i, v in enumerate(feedback) if v >= target), None)
-    if reached is None:
-        return None, f"the feedback arm never reached the reward-only arm's final rate {target:.3f}"
-    return reached / len(reward), f"reached {target:.3f} at step {reached}; the reward-only arm made {len(reward)}"
+def run_state(run: Path) -> dict[str, Any]:
+    """A training run directory as the benchmark sees it: status, steps, its recorded split and starting model, the
+    grounded-validity curve of its steps."""
+    status = _json(run / "run.json")
+    saved = tomllib.loads((run / "config.toml").read_text()) if (run / "config.toml").is_file() else {}
+    steps = [m for m in _lines(run / "metrics.jsonl") if m.get("step", 0) > 0]
+    return {"status": status.get("status", "missing"), "stopped": status.get("stopped"),
+            "error": status.get("error"), "export": (run / "export" / "config.json").is_file(),
+            "held_out": sorted(saved.get("run", {}).get("held_out", [])), "model": saved.get("model", {}).get("name"),
+            "steps": len(steps), "grounded": [m.get("tools/grounded_fraction") for m in steps if "tools/calls" in m],
+            "recorded_seconds": status["updated"] - status["started"] if "started" in status else None}
 
 
-def pass_change(evals: dict[int, dict], resamples: int, seed: int = 0) -> dict:
-    """pass@1 at the first and last evaluation, and a bootstrap 95% interval of the change (tasks resampled)."""
-    if len(evals) < 2:
-        return {"before": None, "after": None, "change": None, "ci95": None, "note": "fewer than two evaluations"}
-    first, last = evals[min(evals)], evals[max(evals)]
-    tasks = sorted(set(first["tasks"]) & set(last["tasks"]))
-    per_task = {t: (first["tasks"][t]["pass_at"]["1"], last["tasks"][t]["pass_at"]["1"]) for t in tasks}
-    rng = random.Random(seed)
-    draws = []
-    for _ in range(resamples):
-        pick = [rng.choice(tasks) for _ in tasks]
-        draws.append(sum(per_task[t][1] - per_task[t][0] for t in pick) / len(pick))
-    draws.sort()
-    lo, hi = draws[int(0.025 * len(draws))], draws[min(len(draws) - 1, int(0.975 * len(draws)))]
-    return {"before": first["overall"]["pass_at"]["1"], "after": last["overall"]["pass_at"]["1"],
-            "change": last["overall"]["pass_at"]["1"] - first["overall"]["pass_at"]["1"], "ci95": [lo, hi],
-            "tasks": len(tasks), "steps": [min(evals), max(evals)]}
+class Bench:
+    """One measurement: the configuration, its held-out split, and the stages and evaluations run or reused."""
+
+    def __init__(self, args: argparse.Namespace, overrides: list[str]) -> None:
+        from shipyard.rl.build import split, task_set
+        from shipyard.rl.config import load_config
+
+        self.args, self.overrides, self.out = args, overrides, args.out
+        self.config = load_config(args.config, ["--run.dir", str(self.out), *overrides])
+        self.tasks = task_set(self.config, lambda m: console.print(f"[dim]· {m}[/]"))
+        self.held_out = sorted(split(self.config, self.tasks)[1])
+        self.expected = eval_settings(self.config, self.held_out, args.samples)
+        self.runs: dict[str, dict[str, Any]] = {}  # stage or "eval ARM" → what happened
+        self.failures: list[str] = []
+        self.seconds_path = self.out / "stages.json"  # wall seconds of what ran here, kept for a resumed measurement
+        self.seconds: dict[str, float] = _json(self.seconds_path)
+
+    def ran(self, key: str, record: dict[str, Any], resumed: bool = False) -> dict[str, Any]:
+        """Note the wall time of a stage run here (a resumed stage adds to what its earlier runs took)."""
+        self.seconds[key] = (self.seconds.get(key, 0.0) if resumed else 0.0) + record["seconds"]
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.seconds_path.write_text(json.dumps(self.seconds, indent=1) + "\n")
+        return {**record, "seconds": self.seconds[key]}
+
+    def model_of(self, arm: str) -> str:
+        return self.config.model.name if arm == "base" else str(self.stage_dir(arm).resolve() / "export")
+
+    def stage_dir(self, stage: str) -> Path:
+        reused = self.args.reuse_runs.get(stage)
+        return Path(reused) if reused else self.out / stage
+
+    def stage(self, stage: str) -> bool:
+        """Train `stage` (after the stage it starts from), or reuse it; whether its export can be evaluated."""
+        if stage in self.runs:
+            return self.runs[stage]["ok"]
+        command, parent, extra = STAGES[stage]
+        if parent is not None and not self.stage(parent):
+            self.runs[stage] = {"ok": False, "problem": f"not run: it starts from {parent}, which failed"}
+            self.failures.append(f"{stage}: not run ({parent} failed)")
+            return False
+        run = self.stage_dir(stage)
+        start = self.model_of(parent) if parent else self.config.model.name
+        state = run_state(run)
+        if stage in self.args.reuse_runs or (state["status"] == "finished" and state["export"]):
+            seconds = state["recorded_seconds"] if stage in self.args.reuse_runs else self.seconds.get(stage)
+            record = {"reused": str(run), "seconds": seconds}
+        else:
+            a = self.args
+            per_stage = shlex.split(a.sft_args if command == "sft" else a.rl_args)
+            resumed = (run / "run.json").exists()
+            cmd = [sys.executable, "-m", "shipyard.cli", command, str(a.config), *self.overrides, *per_stage,
+                   "--run.dir", str(run), "--run.tasks", str(self.tasks), "--model.name", start,
+                   "--run.max_minutes", str(max(a.minutes - a.eval_reserve, 0.1)), *extra,
+                   *(["--run.resume", "true"] if resumed else [])]
+            record = run_stage(stage, cmd, self.out / f"{stage}.log", a.minutes,
+                               lambda: len([m for m in _lines(run / "metrics.jsonl") if m.get("step", 0) > 0]),
+                               self.config.run.steps if command == "train" else None)
+            record = self.ran(stage, record, resumed)
+            state = run_state(run)
+        why = self._stage_problem(run, state, start, record)
+        self.runs[stage] = {**record, **{k: state[k] for k in ("status", "stopped", "steps", "grounded")},
+                            "ok": why is None, **({"problem": why} if why else {})}
+        if why:
+            self.failures.append(f"{stage}: {why}")
+        return why is None
+
+    def _stage_problem(self, run: Path, state: dict[str, Any], start: str, record: dict[str, Any]) -> str | None:
+        if record.get("cut_at_budget"):
+            return f"killed at its budget of {self.args.minutes:g} minutes (rerun with the same --out to resume it)"
+        if state["status"] != "finished":
+            return f"status {state['status']}: {state['error'] or 'see ' + str(record.get('log'))}"
+        if not state["export"]:
+            return "no export (run.export = false?)"
+        if state["held_out"] != self.held_out:
+            return (f"its held-out split ({len(state['held_out'])} tasks) is not the benchmark's "
+                    f"({len(self.held_out)}): it may have trained on an evaluated task")
+        if state["model"] not in (None, start) and Path(state["model"]).resolve() != Path(start).resolve():
+            return f"it started from {state['model']}, not {start}"
+        if newer(Path(start) / "config.json", run / "config.toml"):
+            return f"{start} was exported again after this run started from it: delete the run to train it again"
+        return None
+
+    def evaluate(self, arm: str) -> dict[str, Any] | None:
+        """The arm's results document: reused when it matches (module docstring), else `shipyard eval`."""
+        key = f"eval {arm}"
+        given = self.args.reuse_evals.get(arm)
+        path = Path(given) if given else self.out / "eval" / f"{arm}.json"
+        model = self.model_of(arm)
+        doc = _json(path)
+        why = eval_mismatch(doc, self.expected, None if given else model) if doc else "missing"
+        if why is None and not given and newer(Path(model) / "config.json", path):
+            why = "its model was exported again after it"
+        if given and why:
+            self.failures.append(f"{key}: {path} is not this benchmark's evaluation: {why}")
+            self.runs[key] = {"reused": str(path), "ok": False}
+            return None
+        if why is None:
+            seconds = self.seconds.get(key) if not given else None
+            self.runs[key] = {"reused": str(path), "seconds": seconds or doc.get("wall_seconds"), "ok": True}
+            return doc
+        path.with_suffix(".rollouts.jsonl").unlink(missing_ok=True)  # eval appends: a stale file would mix runs
+        path.unlink(missing_ok=True)
+        rollouts = path.with_suffix(".rollouts.jsonl")
+        record = run_stage(key, eval_command(self.config, self.tasks, model, self.held_out, self.args.samples,
+                                             self.args.concurrency, path), self.out / "eval" / f"{arm}.log", None,
+                           lambda: len(_lines(rollouts)), len(self.held_out) * self.args.samples)
+        record = self.ran(key, record)
+        doc = _json(path)
+        if record["returncode"] != 0 or not doc:
+            self.failures.append(f"{key}: `shipyard eval` exited {record['returncode']} (see {record['log']})")
+            self.runs[key] = {**record, "ok": False}
+            return None
+        self.runs[key] = {**record, "ok": True}
+        return doc
 
 
-def effort_by_tier(run_dir: Path, evals: dict[int, dict]) -> dict:
-    """Tokens and turns per rollout and per solved rollout, by tier (from the task index), training and held-out."""
-    index = {}
-    for tasks_dir in (run_dir / "tasks", Path(_config(run_dir).get("run", {}).get("tasks", run_dir / "tasks"))):
-        if (tasks_dir / "tasks.jsonl").exists():
-            index = {e["id"]: e["tier"] for e in map(json.loads, (tasks_dir / "tasks.jsonl").read_text().splitlines())}
-            break
-    rows = {"train": [json.loads(x) for x in (run_dir / "rollouts.jsonl").read_text().splitlines()]
-            if (run_dir / "rollouts.jsonl").exists() else [],
-            "held_out": [r for doc in evals.values() for r in doc.get("rollouts", [])]}
-    out: dict = {}
-    for where, rollouts in rows.items():
-        for r in rollouts:
-            if r.get("reward") is None:
-                continue
-            tier = str(index.get(r["task"], "?"))
-            cell = out.setdefault(where, {}).setdefault(tier, {"rollouts": 0, "solved": 0, "tokens": 0, "turns": 0,
-                                                                "solved_tokens": 0, "solved_turns": 0})
-            solved = r["reward"] >= 1.0
-            cell["rollouts"] += 1
-            cell["solved"] += solved
-            cell["tokens"] += r.get("sampled_tokens", 0)
-            cell["turns"] += r.get("turns", 0)
-            cell["solved_tokens"] += r.get("sampled_tokens", 0) * solved
-            cell["solved_turns"] += r.get("turns", 0) * solved
-    for cells in out.values():
-        for cell in cells.values():
-            n, s = cell["rollouts"], cell["solved"]
-            cell.update(tokens_per_rollout=cell["tokens"] / n, turns_per_rollout=cell["turns"] / n,
-                        tokens_per_solved=cell["solved_tokens"] / s if s else None,
-                        turns_per_solved=cell["solved_turns"] / s if s else None)
-    return out
+# Figures --------------------------------------------------------------------------------------------------------------
+def effort(doc: dict[str, Any]) -> dict[str, Any]:
+    """Tokens and turns per solved rollout (and per rollout) of an evaluation; null where nothing was solved."""
+    scored = [r for r in doc.get("rollouts", []) if r.get("reward") is not None]
+    solved = [r for r in scored if r["reward"] >= 1.0]
+
+    def mean(rows: list[dict], key: str) -> float | None:
+        return sum(r.get(key, 0) for r in rows) / len(rows) if rows else None
+
+    return {"solved_rollouts": len(solved), "scored_rollouts": len(scored),
+            "solved_tasks": len({r["task"] for r in solved}), "tokens_per_solved": mean(solved, "sampled_tokens"),
+            "turns_per_solved": mean(solved, "turns"), "tokens_per_rollout": mean(scored, "sampled_tokens"),
+            "turns_per_rollout": mean(scored, "turns")}
 
 
-def _config(run_dir: Path) -> dict:
-    path = run_dir / "config.toml"
-    return tomllib.loads(path.read_text()) if path.exists() else {}
+def pass_figures(docs: dict[str, dict[str, Any]], resamples: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(pass_at_1 per arm with its interval and its paired difference from base, delta_rl)."""
+    rates = {arm: task_rates(doc) for arm, doc in docs.items()}
+    out = {}
+    for arm, r in rates.items():
+        own = bootstrap_mean([r[t] for t in sorted(r) if r[t] is not None], resamples=resamples)
+        vs = paired_difference(rates["base"], r, resamples=resamples) if "base" in rates else None
+        out[arm] = {**own, "vs_base": vs}
+    if "sft" in rates and "sft+rl" in rates:
+        delta = paired_difference(rates["sft"], rates["sft+rl"], resamples=resamples)
+    else:
+        delta = {"mean": None, "ci95": None, "tasks": 0, "note": "needs the sft and sft+rl arms evaluated"}
+    return out, delta
 
 
-def plot(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
+def _ci(figure: dict[str, Any] | None) -> str:
+    if not figure or figure.get("ci95") is None:
+        return "–"
+    return f"[{figure['ci95'][0]:+.3f}, {figure['ci95'][1]:+.3f}]"
+
+
+def plot(pass_at_1: dict[str, Any], delta_rl: dict[str, Any], curves: dict[str, list], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for arm, c in curves.items():
-        steps = list(range(1, len(c["grounded"]) + 1))
-        axes[0].plot(steps, c["grounded"], marker="o", label=arm)
-        axes[1].plot(steps, c["invalid"], marker="o", label=arm)
-        axes[2].plot(steps, c["reward"], marker="o", label=arm)
-    for ax, title in zip(axes, ("grounded tool-call validity (smoothed)", "format-invalid calls (smoothed)",
-                                "grader reward mean"), strict=True):
+    fig, axes = plt.subplots(1, 3 if curves else 2, figsize=(15 if curves else 10, 4))
+    for ax, rows, title in ((axes[0], {a: f for a, f in pass_at_1.items()}, "held-out pass@1 (95 % CI over tasks)"),
+                            (axes[1], {**{f"{a} − base": f["vs_base"] for a, f in pass_at_1.items()
+                                          if a != "base" and f.get("vs_base")}, "(sft+rl) − sft": delta_rl},
+                             "paired differences (95 % CI)")):
+        shown = {name: f for name, f in rows.items() if f and f.get("mean") is not None}
+        means = [f["mean"] for f in shown.values()]
+        errors = [[m - f["ci95"][0] for m, f in zip(means, shown.values(), strict=True)],
+                  [f["ci95"][1] - m for m, f in zip(means, shown.values(), strict=True)]]
+        bars = ax.bar(list(shown), means, yerr=errors, capsize=6, color="tab:blue", alpha=0.75)
+        ax.bar_label(bars, labels=[f"{m:.3f}" for m in means], padding=2)
+        ax.axhline(0, color="black", linewidth=0.8)
+        if ax is axes[0]:  # a rate: from 0, with room above the highest interval
+            ax.set_ylim(0, max([0.1, *(1.15 * f["ci95"][1] for f in shown.values())]))
         ax.set_title(title)
-        ax.set_xlabel("training step")
-        ax.legend()
-        ax.grid(alpha=0.3)
+        ax.tick_params(axis="x", labelrotation=20)
+        ax.grid(alpha=0.3, axis="y")
+    if curves:
+        for stage, values in curves.items():
+            axes[2].plot(range(1, len(values) + 1), [v or 0.0 for v in values], marker="o", label=stage)
+        axes[2].set_title("RL stages: grounded tool-call validity")
+        axes[2].set_xlabel("training step")
+        axes[2].legend()
+        axes[2].grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(prog="shipyard bench learning")
-    p.add_argument("--config", type=Path, default=DEMO_CONFIG)
-    p.add_argument("--arms", default="reward,feedback")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--minutes", type=float, default=60.0, help="wall-time budget of each arm")
-    p.add_argument("--eval-every", type=int, default=10)
+def report(bench: Bench, docs: dict[str, dict[str, Any]], arms: list[str]) -> dict[str, Any]:
+    """Print the tables and draw the plot; the figures of the JSON line."""
+    pass_at_1, delta_rl = pass_figures(docs, bench.args.bootstrap)
+    efforts = {arm: effort(doc) for arm, doc in docs.items()}
+    n, samples = len(bench.held_out), bench.args.samples
+    table(f"held-out pass@1 per arm ({n} tasks × {samples} samples; bootstrap 95 % intervals over tasks, paired by "
+          f"task for differences)", ["arm", "pass@1", "95% CI", "vs base", "95% CI", "solved / scored", "tasks"],
+          [[a, f["mean"], _ci(f), (f["vs_base"] or {}).get("mean"), _ci(f["vs_base"]),
+            f"{efforts[a]['solved_rollouts']} / {efforts[a]['scored_rollouts']}", f["tasks"]]
+           for a, f in pass_at_1.items()])
+    shown = "–" if delta_rl["mean"] is None else f"{delta_rl['mean']:+.3f} {_ci(delta_rl)}"
+    console.print(f"delta_rl = (sft+rl) − sft: {shown} over {delta_rl['tasks']} tasks {delta_rl.get('note', '')}")
+    table("effort per arm (held-out rollouts)", ["arm", "solved tasks", "tokens/solved", "turns/solved",
+                                                 "tokens/rollout", "turns/rollout"],
+          [[a, e["solved_tasks"], e["tokens_per_solved"], e["turns_per_solved"], e["tokens_per_rollout"],
+            e["turns_per_rollout"]] for a, e in efforts.items()])
+    stages = {name: r.get("seconds") for name, r in bench.runs.items()}
+    table("stages", ["stage", "minutes", "status", "steps", "note"],
+          [[name, r["seconds"] / 60 if r.get("seconds") is not None else None, "ok" if r["ok"] else "FAILED",
+            r.get("steps", ""), r.get("problem") or ("reused " + r["reused"] if "reused" in r else r.get("log", ""))]
+           for name, r in bench.runs.items()])
+    png = bench.out / "learning.png"
+    curves = {s: r["grounded"] for s, r in bench.runs.items() if s in STAGES and STAGES[s][0] == "train"
+              and r.get("grounded")}
+    plot(pass_at_1, delta_rl, curves, png)
+    return {"pass_at_1": pass_at_1, "delta_rl": delta_rl, "stages": stages, "effort": efforts, "plot": str(png),
+            "arms": arms, "held_out": bench.held_out, "samples": samples, "config": str(bench.args.config),
+            "tasks": str(bench.tasks), "runs": bench.runs, "failures": bench.failures}
+
+
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    from shipyard.rl.demo import REPO
+
+    p = argparse.ArgumentParser(prog="shipyard bench learning", allow_abbrev=False,
+                                epilog="Other --SECTION.KEY VALUE arguments override the configuration.")
+    p.add_argument("--config", type=Path, default=REPO / "configs" / "learning.toml")
+    p.add_argument("--arms", default="base,sft,sft+rl", help=f"among {', '.join(ARMS)}")
+    p.add_argument("--samples", type=int, default=2, help="evaluation samples per held-out task")
+    p.add_argument("--minutes", type=float, default=360.0, help="wall-time budget of each training stage")
     p.add_argument("--eval-reserve", type=float, default=None,
-                   help="minutes of each arm's budget kept for its final held-out eval (default: 8, or a quarter "
-                        "of --minutes when that is less)")
-    p.add_argument("--effort", type=float, default=0.1, help="shaping.effort of the effort arm")
-    p.add_argument("--window", type=int, default=3, help="steps of the moving average of the rates")
-    p.add_argument("--bootstrap", type=int, default=2000)
+                   help="minutes of an RL stage's budget kept for its own final eval and checkpoint (default: a "
+                        "quarter of --minutes, at most 90)")
+    p.add_argument("--concurrency", type=int, default=4, help="episodes at once in each evaluation")
+    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
+    p.add_argument("--sft-args", default="", help="overrides for the SFT stage only, one string")
+    p.add_argument("--rl-args", default="", help="overrides for the RL stages only, one string")
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--tasks", type=Path, default=None, help="a task set for every arm (default: the first arm's)")
-    p.add_argument("--reuse", action="append", default=[], metavar="ARM=DIR", help="use a finished run as an arm")
-    args = p.parse_args()
-    if not args.minutes > 0:
-        p.error(f"--minutes must be more than 0, not {args.minutes:g}")
-    if args.eval_reserve is None:
-        args.eval_reserve = min(8.0, args.minutes / 4)
+    p.add_argument("--reuse", action="append", default=[], metavar="ARM=PATH",
+                   help="a finished run directory as the arm's stage, or a results FILE.json as its evaluation")
+    args, overrides = p.parse_known_args(argv)
+    if not args.minutes > 0 or args.samples < 1 or args.concurrency < 1 or args.bootstrap < 1:
+        p.error("--minutes, --samples, --concurrency and --bootstrap must be positive")
+    args.eval_reserve = min(90.0, args.minutes / 4) if args.eval_reserve is None else args.eval_reserve
     if not 0 <= args.eval_reserve < args.minutes:
-        p.error(f"--eval-reserve must be at least 0 and less than --minutes ({args.minutes:g}), "
-                f"not {args.eval_reserve:g}")
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = sorted(set(arms) - set(ARMS))
-    reuse = dict(item.split("=", 1) for item in args.reuse)
-    if unknown or set(reuse) - set(arms):
-        print(f"error: arms must be among {', '.join(ARMS)}; --reuse names an arm of --arms", file=sys.stderr)
-        return 2
-    out = args.out or Path.home() / ".cache" / "shipyard" / f"bench-learning-{time.strftime('%Y%m%d-%H%M%S')}"
-    tasks = args.tasks
-    runs, dirs = {}, {}
-    for arm in arms:
-        if arm in reuse:
-            dirs[arm] = Path(reuse[arm])
-            runs[arm] = {"reused": str(dirs[arm])}
-        else:
-            dirs[arm] = out / arm
-            runs[arm] = train_arm(arm, args.config, dirs[arm], args, tasks)
-        if tasks is None:
-            tasks = Path(_config(dirs[arm]).get("run", {}).get("tasks") or dirs[arm] / "tasks")
-        status = json.loads((dirs[arm] / "run.json").read_text()) if (dirs[arm] / "run.json").exists() else {}
-        killed = runs[arm].get("cut_at_budget") and status.get("status") == "running"
-        runs[arm]["status"] = "killed at the budget" if killed else status.get("status", "missing")
-        if status.get("stopped"):
-            runs[arm]["stopped"] = status["stopped"]  # the run's own time budget: it evaluated and checkpointed
+        p.error(f"--eval-reserve must be at least 0 and less than --minutes ({args.minutes:g})")
+    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    reuse = [item.split("=", 1) for item in args.reuse]
+    if not args.arms or set(args.arms) - set(ARMS) or any(len(r) != 2 or r[0] not in ARMS for r in reuse):
+        p.error(f"--arms and --reuse ARM=PATH name arms among {', '.join(ARMS)}")
+    missing = [f"{arm}={path}" for arm, path in reuse if not Path(path).exists()]
+    if missing:
+        p.error(f"--reuse {missing[0]}: no such run directory or results file")
+    args.reuse_runs = {arm: path for arm, path in reuse if Path(path).is_dir()}
+    args.reuse_evals = {arm: path for arm, path in reuse if not Path(path).is_dir()}
+    if "base" in args.reuse_runs:
+        p.error("the base arm has no training stage: --reuse base=FILE.json reuses its evaluation")
+    args.out = args.out or Path.home() / ".cache" / "shipyard" / f"bench-learning-{time.strftime('%Y%m%d-%H%M%S')}"
+    return args, overrides
 
-    curves, summary = {}, {}
-    for arm in arms:
-        steps, evals = read_run(dirs[arm])
-        grounded, invalid = rates(steps)
-        g, v = smooth(grounded, args.window), smooth(invalid, args.window)
-        curves[arm] = {"grounded": g, "invalid": v, "reward": [m.get("reward/mean") or 0.0 for m in steps]}
-        summary[arm] = {"steps": len(steps), "start_rate": g[0] if g else None, "end_rate": g[-1] if g else None,
-                        "start_invalid": v[0] if v else None, "end_invalid": v[-1] if v else None,
-                        "invalid_halved": bool(v) and v[-1] <= 0.5 * v[0] and v[0] > 0,
-                        "hints": sum(m.get("hints/count", 0) or 0 for m in steps),
-                        "hint_lift": [m.get("train/hint_lift") for m in steps if "train/hint_lift" in m],
-                        "seconds_per_step": sum(m.get("time/step_seconds", 0) for m in steps) / max(len(steps), 1),
-                        "pass_at_1": pass_change(evals, args.bootstrap),
-                        "effort": effort_by_tier(dirs[arm], evals), **runs[arm]}
-    ratio, why = steps_ratio(curves["reward"]["grounded"], curves["feedback"]["grounded"]) \
-        if "reward" in curves and "feedback" in curves else (None, "needs the reward and feedback arms")
 
-    table("behaviour rate per arm (grounded tool-call validity; format-invalid share of calls; smoothed)",
-          ["arm", "steps", "s/step", "rate start", "rate end", "invalid start", "invalid end", "hints", "status"],
-          [[a, s["steps"], s["seconds_per_step"], s["start_rate"], s["end_rate"], s["start_invalid"],
-            s["end_invalid"], s["hints"], s["status"] + (" (cut)" if s.get("cut_at_budget") else "")]
-           for a, s in summary.items()])
-    table("held-out pass@1", ["arm", "before", "after", "change", "95% CI", "tasks"],
-          [[a, s["pass_at_1"]["before"], s["pass_at_1"]["after"], s["pass_at_1"]["change"],
-            s["pass_at_1"]["ci95"], s["pass_at_1"].get("tasks")] for a, s in summary.items()])
-    table("effort by tier (training rollouts)", ["arm", "tier", "rollouts", "solved", "tokens/rollout",
-                                                 "turns/rollout", "tokens/solved", "turns/solved"],
-          [[a, tier, c["rollouts"], c["solved"], c["tokens_per_rollout"], c["turns_per_rollout"],
-            c["tokens_per_solved"], c["turns_per_solved"]]
-           for a, s in summary.items() for tier, c in sorted(s["effort"].get("train", {}).items())])
-    out.mkdir(parents=True, exist_ok=True)
-    png = out / "learning.png"
-    plot(curves, png)
-    print(f"steps_ratio: {ratio} ({why}); curves: {png}")
-    finish("learning", {"arms": summary, "steps_ratio": ratio, "steps_ratio_note": why, "plot": str(png),
-                        "config": str(args.config), "steps": args.steps, "minutes": args.minutes})
-    failed = [a for a, s in summary.items() if s["status"] != "finished" and not s.get("cut_at_budget")]
-    return 1 if failed or any(s["steps"] == 0 for s in summary.values()) else 0
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse(argv)
+    bench = Bench(args, overrides)
+    console.print(f"[bold]bench learning[/]: arms {', '.join(args.arms)} on {len(bench.held_out)} held-out tasks × "
+                  f"{args.samples} samples; out {args.out}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    docs = {}
+    for arm in args.arms:
+        if arm != "base" and not bench.stage(arm):
+            continue
+        doc = bench.evaluate(arm)
+        if doc is not None:
+            docs[arm] = doc
+    figures = report(bench, docs, args.arms)
+    (args.out / "learning.json").write_text(json.dumps(figures, indent=1) + "\n")
+    if bench.failures:
+        console.print("[bold red]the measurement is incomplete:[/] " + "; ".join(bench.failures), soft_wrap=True)
+    finish("learning", figures)
+    return 1 if bench.failures else 0
 
 
 if __name__ == "__main__":

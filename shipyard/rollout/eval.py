@@ -31,16 +31,27 @@ Results are one JSON document (`SCHEMA`) holding the configuration, `overall`, `
 rollout, and a markdown table (`markdown`). `compare` reads two such files and reports B − A per task and overall,
 the overall recomputed over the tasks both files scored (a mean over different task sets is not comparable), and
 lists the tasks only one of them holds.
+
+**Intervals** (`bootstrap_mean`, `paired_difference`): the percentile bootstrap (Efron & Tibshirani 1993, "An
+Introduction to the Bootstrap", ch. 13) over *tasks*, the unit that is sampled from a population of tasks: draw n
+of the n per-task values with replacement, take their mean, repeat R times (seeded), and report the 2.5 % and
+97.5 % quantiles of the R means — the draws of ranks ⌊0.025 R⌋ and ⌈0.975 R⌉ − 1, counted from 0 in sorted order.
+Two models evaluated on the same tasks are *paired*: the interval of their difference resamples tasks and takes,
+for each drawn task, B's success rate minus A's on that same task, so the task-to-task spread that both share
+(an easy task is easy for both) cancels instead of widening the interval. Identical results give mean 0 and
+[0, 0]; a constant shift c on every task gives [c, c]. The samples within a task are not resampled: a task's value
+is its success rate over them, and their sampling noise is part of the task-to-task spread the interval measures.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import random
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
@@ -363,6 +374,36 @@ def compare(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
             "b": {"model": b.get("config", {}).get("model"), "overall": {f"pass@{k}": b["overall"]["pass_at"].get(
                 str(k)) for k in ks}},
             "overall": overall, "tasks": tasks}
+
+
+BOOTSTRAP_RESAMPLES = 2000
+
+
+def bootstrap_mean(values: Sequence[float], *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> dict[str, Any]:
+    """The mean of `values` and its percentile bootstrap 95 % interval (module docstring, "Intervals"):
+    `{"mean", "ci95": [lo, hi], "tasks": n}`; mean and interval null when there is no value."""
+    n = len(values)
+    if n == 0:
+        return {"mean": None, "ci95": None, "tasks": 0}
+    if resamples < 1:
+        raise UsageError(f"a bootstrap needs at least 1 resample, got {resamples}")
+    rng = random.Random(seed)
+    draws = sorted(sum(values[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    lo, hi = draws[math.floor(0.025 * resamples)], draws[max(math.ceil(0.975 * resamples) - 1, 0)]
+    return {"mean": sum(values) / n, "ci95": [lo, hi], "tasks": n}
+
+
+def paired_difference(a: Mapping[str, float | None], b: Mapping[str, float | None], *,
+                      resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> dict[str, Any]:
+    """B − A over the tasks both score (task → success rate; None: not scored), with the paired bootstrap 95 %
+    interval (tasks resampled, each drawn task contributing b[t] − a[t]); `bootstrap_mean`'s document."""
+    common = sorted(t for t in a if t in b and a[t] is not None and b[t] is not None)
+    return bootstrap_mean([b[t] - a[t] for t in common], resamples=resamples, seed=seed)
+
+
+def task_rates(doc: Mapping[str, Any], k: int = 1) -> dict[str, float | None]:
+    """Task → pass@k of a results document (pass@1: the task's success rate over its scored samples)."""
+    return {task: s["pass_at"].get(str(k)) for task, s in doc["tasks"].items()}
 
 
 def _signed(value: float | None, digits: int) -> str:

@@ -1,11 +1,17 @@
-"""`shipyard bench learning` end to end with the tiny random model (one step per arm: the pipeline, not the
-figures), and its arithmetic on made-up curves."""
+"""`shipyard bench learning`: its figures on hand-made results documents, how it maps the configuration onto `shipyard
+eval`, how it cuts a stage at its budget, and — as a user runs it — the arms base, sft and sft+rl with the tiny random
+model on the session's task set (one SFT step, one RL step, one held-out task × 2 samples): the pipeline, not the
+figures. A second run with the same --out reuses every stage; a stage that started from the wrong model, or from an
+export written again since, fails it."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -15,46 +21,171 @@ from tiny_run import CONFIG
 from shipyard.bench import learning
 from shipyard.sandbox.run import sandbox_problem
 
-TINY = CONFIG + "\n[trainer.distill]\nmin_lift = -1e9  # every hint kept: the random model's lift has either sign\n"
+TINY = CONFIG + '\n[sft]\nsources = ["gold"]\nepochs = 1\nbatch_size = 4\n'
 
 
-def test_steps_ratio_and_its_refusals():
-    assert learning.steps_ratio([0.1, 0.2, 0.4, 0.5], [0.1, 0.5, 0.6, 0.7]) == (
-        0.5, "reached 0.500 at step 2; the reward-only arm made 4")
-    ratio, why = learning.steps_ratio([0.0, 0.0, 0.0], [0.0, 0.3, 0.5])
-    assert ratio is None and "did not raise the rate" in why  # nothing to reach: not a win for the other arm
-    ratio, why = learning.steps_ratio([0.1, 0.4], [0.1, 0.2])
-    assert ratio is None and "never reached" in why
-    assert learning.smooth([0.0, 1.0, 0.5, 0.5], 2) == [0.0, 0.5, 0.75, 0.5]
+def _doc(rates: dict[str, float], samples: int = 2, **config) -> dict:
+    """A results document with these per-task pass@1 (and rollouts that solved accordingly)."""
+    rollouts = [{"task": t, "reward": 1.0 if i < round(r * samples) else 0.0, "sampled_tokens": 100 + 10 * i,
+                 "turns": 2 + i} for t, r in rates.items() for i in range(samples)]
+    return {"tasks": {t: {"pass_at": {"1": r}} for t, r in rates.items()}, "rollouts": rollouts,
+            "config": {"task_ids": list(rates), "samples": samples, "seed": 0, "grade_timeout": 300.0,
+                       "loop": {"max_turns": 2, "max_new_tokens": 12, "temperature": 0.7, "untagged_calls": "reject",
+                                "tags": "token"}, **config}}
 
 
-def test_pass_change_bootstraps_over_tasks():
-    def doc(passes):
-        return {"tasks": {t: {"pass_at": {"1": p}} for t, p in passes.items()},
-                "overall": {"pass_at": {"1": sum(passes.values()) / len(passes)}}}
+def test_pass_figures_pair_arms_by_task():
+    docs = {"base": _doc({"a": 0.0, "b": 0.5, "c": 0.0}), "sft": _doc({"a": 0.5, "b": 0.5, "c": 0.0}),
+            "sft+rl": _doc({"a": 1.0, "b": 1.0, "c": 0.5})}
+    pass_at_1, delta_rl = learning.pass_figures(docs, resamples=500)
+    assert pass_at_1["base"]["vs_base"] == {"mean": 0.0, "ci95": [0.0, 0.0], "tasks": 3}
+    assert pass_at_1["sft"]["mean"] == pytest.approx(1 / 3) and pass_at_1["sft"]["tasks"] == 3
+    assert pass_at_1["sft"]["vs_base"]["mean"] == pytest.approx(1 / 6)
+    assert delta_rl["mean"] == pytest.approx(0.5) and delta_rl["ci95"] == [0.5, 0.5]  # +0.5 on every task
+    for figure in (*pass_at_1.values(), *(f["vs_base"] for f in pass_at_1.values()), delta_rl):
+        lo, hi = figure["ci95"]
+        assert lo <= figure["mean"] <= hi
+    _, missing = learning.pass_figures({"base": docs["base"], "sft+rl": docs["sft+rl"]}, resamples=10)
+    assert missing["mean"] is None and "sft and sft+rl" in missing["note"]
+    alone, _ = learning.pass_figures({"sft": docs["sft"]}, resamples=10)
+    assert alone["sft"]["vs_base"] is None  # no base arm, nothing to pair with
 
-    change = learning.pass_change({0: doc({"a": 0.0, "b": 0.0, "c": 0.5}), 5: doc({"a": 1.0, "b": 0.5, "c": 0.5})},
-                                  resamples=500)
-    assert change["change"] == pytest.approx(0.5) and change["tasks"] == 3
-    lo, hi = change["ci95"]
-    assert 0.0 <= lo <= 0.5 <= hi <= 1.0
-    assert learning.pass_change({0: doc({"a": 0.0})}, resamples=10)["change"] is None
+
+def test_effort_counts_solved_rollouts():
+    e = learning.effort(_doc({"a": 0.5, "b": 0.0}))
+    assert (e["solved_rollouts"], e["scored_rollouts"], e["solved_tasks"]) == (1, 4, 1)
+    assert (e["tokens_per_solved"], e["turns_per_solved"]) == (100, 2)  # the first sample of a solved it
+    assert e["tokens_per_rollout"] == pytest.approx(105) and e["turns_per_rollout"] == pytest.approx(2.5)
+    nothing = learning.effort(_doc({"a": 0.0}))
+    assert nothing["tokens_per_solved"] is None and nothing["solved_tasks"] == 0
+
+
+def test_an_evaluation_is_reused_only_when_it_evaluated_the_same_thing():
+    doc = _doc({"b": 0.0, "a": 0.0}, model="m")
+    expected = {"task_ids": ["a", "b"], "samples": 2, "seed": 0, "grade_timeout": 300.0, "max_turns": 2,
+                "max_new_tokens": 12, "temperature": 0.7, "untagged_calls": "reject", "tags": "token"}
+    assert learning.eval_mismatch(doc, expected, "m") is None
+    assert learning.eval_mismatch(doc, expected, None) is None  # a results file given with --reuse: any model
+    assert "model 'm' (here 'other')" in learning.eval_mismatch(doc, expected, "other")
+    assert "samples 2 (here 4)" in learning.eval_mismatch(doc, {**expected, "samples": 4}, "m")
+    assert "task_ids" in learning.eval_mismatch(doc, {**expected, "task_ids": ["a"]}, "m")
+    assert "max_turns" in learning.eval_mismatch(doc, {**expected, "max_turns": 3}, "m")
+
+
+def test_the_evaluations_take_the_configurations_episode_settings(tmp_path):
+    from shipyard.rl.config import load_config
+
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY.format(tasks=tmp_path))
+    config = load_config(path, ["--episode.loop.temperature", "0.3", "--episode.loop.tags", "spelled"])
+    cmd = learning.eval_command(config, tmp_path, "m", ["x", "y"], 3, 2, tmp_path / "e" / "arm.json")
+    flags = dict(itertools.pairwise(cmd))  # each option and what follows it
+    assert cmd[3] == "eval" and flags["--model"] == "m"
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--task"] == ["x", "y"]
+    assert (flags["--samples"], flags["--seed"], flags["--max-turns"], flags["--max-new-tokens"]) == \
+        ("3", "1", "2", "12")
+    assert (flags["--temperature"], flags["--tags"], flags["--grade-timeout"]) == ("0.3", "spelled", "300.0")
+    assert flags["--rollouts"] == str(tmp_path / "e" / "arm.rollouts.jsonl")
+    settings = learning.eval_settings(config, ["y", "x"], 3)
+    assert settings["task_ids"] == ["x", "y"] and settings["temperature"] == 0.3 and settings["seed"] == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--arms", "base,reward"], "name arms among"),
+    (["--reuse", "sft"], "name arms among"),
+    (["--reuse", "sft=/nonexistent/run"], "no such run directory"),
+    (["--samples", "0"], "must be positive"),
+    (["--minutes", "4", "--eval-reserve", "4"], "--eval-reserve"),
+])
+def test_bad_arguments_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        learning.parse(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_reusing_a_run_directory_for_the_base_arm_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        learning.parse(["--reuse", f"base={tmp_path}"])
+    assert "no training stage" in capsys.readouterr().err
+    args, overrides = learning.parse(["--reuse", f"sft={tmp_path}", "--run.steps", "3", "--arms", "sft"])
+    assert args.reuse_runs == {"sft": str(tmp_path)} and overrides == ["--run.steps", "3"]
+
+
+def test_a_stage_past_its_budget_is_killed_with_its_children(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    cmd = ["sh", "-c", f"sleep 300 & echo $! > {pid_file}; wait"]
+    record = learning.run_stage("stuck", cmd, tmp_path / "stuck.log", 0.005, lambda: 0, None)
+    assert record["cut_at_budget"] is True and record["returncode"] is None
+    child = int(pid_file.read_text())
+    for _ in range(100):  # the group got SIGTERM: wait for the grandchild to be gone (reaped by init)
+        if not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the stage's child {child} outlived the stage")
+    done = learning.run_stage("quick", ["true"], tmp_path / "quick.log", None, lambda: 0, None)
+    assert done["returncode"] == 0 and not done["cut_at_budget"]
+
+
+def _bench(config: Path, out: Path, *extra: str) -> tuple[int, dict, str]:
+    proc = subprocess.run([sys.executable, "-m", "shipyard.bench.learning", "--config", str(config), "--run.steps",
+                           "1", "--minutes", "10", "--bootstrap", "200", "--out", str(out), *extra],
+                          capture_output=True, text=True, timeout=1200, env={**os.environ, "COLUMNS": "200"})
+    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 @pytest.mark.skipif(sandbox_problem() is not None, reason="this host cannot start bubblewrap sandboxes")
-def test_the_bench_trains_both_arms_and_reports_them(taskset, tmp_path):
+def test_the_bench_trains_and_evaluates_base_sft_and_sft_rl(taskset, tmp_path):
     config = tmp_path / "tiny.toml"
     config.write_text(TINY.format(tasks=taskset[0]))
-    proc = subprocess.run([sys.executable, "-m", "shipyard.bench.learning", "--config", str(config), "--steps", "1",
-                           "--eval-every", "1", "--minutes", "8", "--tasks", str(taskset[0]), "--out",
-                           str(tmp_path / "out"), "--bootstrap", "50"], capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(result["arms"]) == {"reward", "feedback"}
-    for arm in result["arms"].values():
-        assert arm["steps"] == 1 and arm["status"] == "finished" and arm["pass_at_1"]["steps"] == [0, 1]
-    assert result["arms"]["feedback"]["hints"] >= 1 and result["arms"]["reward"]["hints"] == 0
+    out = tmp_path / "out"
+    rc, result, log = _bench(config, out)
+    assert rc == 0, log
+    arms = ["base", "sft", "sft+rl"]
+    assert result["arms"] == arms and result["failures"] == [] and len(result["held_out"]) == 1
+    for arm in arms:
+        figure = result["pass_at_1"][arm]
+        assert set(figure) >= {"mean", "ci95", "vs_base"} and figure["tasks"] == 1
+        for f in (figure, figure["vs_base"]):
+            lo, hi = f["ci95"]
+            assert -1.0 <= lo <= f["mean"] <= hi <= 1.0
+        assert figure["ci95"][0] >= 0.0  # a rate
+        assert result["effort"][arm]["scored_rollouts"] == 2  # 1 task × 2 samples, every arm
+        assert set(result["effort"][arm]) >= {"tokens_per_solved", "turns_per_solved"}
+    assert result["pass_at_1"]["base"]["vs_base"] == {"mean": 0.0, "ci95": [0.0, 0.0], "tasks": 1}
+    assert set(result["delta_rl"]) >= {"mean", "ci95"} and result["delta_rl"]["tasks"] == 1
+    assert set(result["stages"]) == {"sft", "sft+rl", "eval base", "eval sft", "eval sft+rl"}
+    assert all(s > 0 for s in result["stages"].values())
     assert Path(result["plot"]).stat().st_size > 10_000
-    saved = {arm: tomllib.loads((tmp_path / "out" / arm / "config.toml").read_text()) for arm in ("reward", "feedback")}
-    assert saved["feedback"]["hints"]["enabled"] and not saved["reward"]["hints"]["enabled"]
-    assert saved["feedback"]["run"]["seed"] == saved["reward"]["run"]["seed"]
+    # the RL stage started from the SFT export; every stage held out the benchmark's tasks; every arm was
+    # evaluated on them with the same seed and samples
+    saved = {s: tomllib.loads((out / s / "config.toml").read_text()) for s in ("sft", "sft+rl")}
+    assert saved["sft+rl"]["model"]["name"] == str((out / "sft" / "export").resolve())
+    assert all(sorted(c["run"]["held_out"]) == result["held_out"] for c in saved.values())
+    evals = {arm: json.loads((out / "eval" / f"{arm}.json").read_text())["config"] for arm in arms}
+    assert {(tuple(e["task_ids"]), e["samples"], e["seed"]) for e in evals.values()} == {
+        (tuple(result["held_out"]), 2, 1)}
+    assert [e["model"] for e in evals.values()] == ["random:tiny", str((out / "sft" / "export").resolve()),
+                                                     str((out / "sft+rl" / "export").resolve())]
+
+    # the same command again: every stage and evaluation reused, the same figures
+    rc, again, log = _bench(config, out)
+    assert rc == 0, log
+    assert all("reused" in r for r in again["runs"].values()) and again["pass_at_1"] == result["pass_at_1"]
+    assert again["stages"] == pytest.approx(result["stages"])
+
+    # an sft+rl stage that did not start from the SFT export is not this benchmark's: the arm fails, exit 1
+    rc, wrong, log = _bench(config, tmp_path / "out2", "--reuse", f"sft={out / 'sft'}", "--reuse",
+                            f"sft+rl={out / 'sft'}", "--reuse", f"base={out / 'eval' / 'base.json'}", "--reuse",
+                            f"sft={out / 'eval' / 'sft.json'}")
+    assert rc == 1, log
+    assert any(f.startswith("sft+rl: it started from random:tiny") for f in wrong["failures"]), wrong["failures"]
+    assert "sft+rl" not in wrong["pass_at_1"] and wrong["delta_rl"]["mean"] is None
+
+    # the SFT stage exported again after the RL stage started from it (trained again): the RL stage is stale
+    export = out / "sft" / "export" / "config.json"
+    later = (out / "sft+rl" / "config.toml").stat().st_mtime + 10
+    os.utime(export, (later, later))
+    rc, stale, log = _bench(config, out, "--arms", "sft+rl")
+    assert rc == 1, log
+    assert any("exported again after this run started from it" in f for f in stale["failures"]), stale["failures"]
