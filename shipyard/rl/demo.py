@@ -23,7 +23,9 @@ its shaping term pays distinct grounded calls — real arguments, run without er
 without (`untagged_credit`), and charges copied placeholders: a group's rollouts differ in that long before one
 solves a task, and RL makes the better calls more likely. A handful of steps on 2 cores moves these figures by
 little and noisily (2 held-out tasks × 2 samples); the table reports what happened, and docs/benchmarks.md holds a
-longer run's curves.
+longer run's curves. When held-out pass@1 does not move, the summary says so first and why (`DemoReport.verdict`):
+RL cannot teach a policy to solve from groups in which nothing is solved, and `shipyard bench learning` is where the
+cold start (SFT) and RL on top of it are measured on projects never trained on.
 
 **Success.** The demo's outcome is the loop, so it fails (`DemoReport.failures`, non-zero exit) when the run raised,
 when an evaluation could not score a single rollout (infrastructure, not the model), or when no trainer step changed
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.table import Table
+from rich.text import Text
 
 from shipyard.errors import InputNotFound
 from shipyard.models.bundled import shipyard_home
@@ -108,8 +111,29 @@ class DemoReport:
                 ("grounded validity, first → last batch", f"{_fmt(first, '{:.3f}')} → {_fmt(last, '{:.3f}')}"),
                 ("peak resident memory (MiB)", _fmt(self.peak_rss_mb, "{:.0f}"))]
 
-    def tables(self) -> tuple[Table, Table]:
-        """The held-out figures before/after and the training figures, as the demo prints them."""
+    def verdict(self) -> str | None:
+        """Why held-out pass@1 did not move, when it did not (None when it moved or was not measured): a reader of
+        the table must not take an unchanged rate for the loop failing, nor for RL being unable to teach solving."""
+        before, after = self.before.get("eval/pass@1"), self.after.get("eval/pass@1")
+        if before is None or after is None or before != after:
+            return None
+        if before == 0:
+            why = ("the model solves none of these tasks before training, and RL needs successes to learn from (a "
+                   "group in which no rollout solves its task carries no signal to solve; the shaping terms move the "
+                   "tool-call figures, not the pass rate)")
+        elif before == 1:
+            why = "the model already solves every one of these tasks"
+        else:
+            why = (f"{self.trained_steps} trainer step(s), evaluated on {self.after.get('eval/scored', 0)} held-out "
+                   f"rollouts, are too few to move it")
+        return (f"pass@1 did not move ({before:.3f} → {after:.3f}): {why}. `shipyard bench learning` measures what "
+                f"does — a cold start (supervised fine-tuning on solved trajectories, `shipyard sft`) before RL — "
+                f"on projects never trained on, with confidence intervals: see docs/benchmarks.md "
+                f"(\"Learning to solve\").")
+
+    def tables(self) -> tuple[Text | Table, ...]:
+        """What the demo prints last, in order: why pass@1 did not move (when it did not), the held-out figures
+        before/after, the training figures."""
         held_out = Table(title="held-out tasks, before and after training")
         for column in ("", "before", "after"):
             held_out.add_column(column, justify="left" if not column else "right")
@@ -117,13 +141,14 @@ class DemoReport:
         for table, rows in ((held_out, self.rows()), (training, self.training_rows())):
             for row in rows:
                 table.add_row(*row)
-        return held_out, training
+        verdict = self.verdict()
+        return (Text(verdict, style="bold yellow"), held_out, training) if verdict else (held_out, training)
 
     def to_json(self) -> dict[str, Any]:
         return {"before": self.before, "after": self.after, "steps": self.steps, "trained_steps": self.trained_steps,
                 "seconds_per_step": self.seconds_per_step, "parallel_width": self.parallel_width,
                 "hack_flags": self.hack_flags, "train_grounded": list(self.train_grounded),
-                "peak_rss_mb": self.peak_rss_mb, "failures": self.failures, "ok": self.ok}
+                "peak_rss_mb": self.peak_rss_mb, "verdict": self.verdict(), "failures": self.failures, "ok": self.ok}
 
 
 def _fmt(value: Any, fmt: str) -> str:

@@ -3,12 +3,14 @@ whole loop with a tiny random model, which has nothing to learn from and must sa
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from rich.console import Console
 
 from shipyard.rl.demo import DEMO_CONFIG, demo_config, report
 from shipyard.sandbox.run import sandbox_problem
@@ -40,9 +42,38 @@ def test_report_reads_before_after_and_training_figures():
     assert rows["grounded tool-call validity"] == ("0.000", "0.250")
     assert rows["pass rate (pass@1)"] == ("0.000", "0.500")
     assert rows["rollouts scored / flagged"] == ("4 / 0", "4 / 0")
-    held_out, training = r.tables()
+    held_out, training = r.tables()  # pass@1 moved: no verdict before the tables
+    assert r.verdict() is None
     assert (held_out.row_count, training.row_count) == (len(r.rows()), len(r.training_rows()))
     assert json.loads(json.dumps(r.to_json()))["ok"] is True
+
+
+def _shown(renderables) -> str:
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(*renderables)
+    return console.export_text()
+
+
+def test_an_unmoved_pass_rate_is_explained_first_and_points_to_the_learning_bench():
+    r = report([EVAL0, step(1), step(2, evaluated={**EVAL0, "eval/grounded_fraction": 0.25})], steps=2)
+    assert r.ok  # the loop worked; the model did not learn to solve
+    verdict = r.verdict()
+    assert verdict.startswith("pass@1 did not move (0.000 → 0.000): the model solves none of these tasks before "
+                              "training, and RL needs successes to learn from")
+    assert "shipyard bench learning" in verdict and "docs/benchmarks.md" in verdict and "shipyard sft" in verdict
+    text = _shown(r.tables())
+    assert text.index("pass@1 did not move") < text.index("held-out tasks, before and after") \
+        < text.index("seconds per step")  # the first lines of the summary
+    assert r.to_json()["verdict"] == verdict
+    # a rate above 0 that did not move: too few steps and rollouts, said with the figures
+    half = {**EVAL0, "eval/pass@1": 0.5}
+    r = report([half, step(1), step(2, evaluated=half)], steps=2)
+    assert r.verdict().startswith("pass@1 did not move (0.500 → 0.500): 2 trainer step(s), evaluated on 4 held-out "
+                                  "rollouts, are too few to move it")
+    full = {**EVAL0, "eval/pass@1": 1.0}
+    assert "already solves every one" in report([full, step(1, evaluated=full)], steps=1).verdict()
+    # no evaluation after training: nothing to explain (the failure says what happened)
+    assert report([EVAL0, step(1)], steps=1).verdict() is None
 
 
 def test_a_run_its_time_budget_ended_is_not_a_failure():
@@ -90,6 +121,7 @@ def test_demo_with_a_model_that_learns_nothing_prints_its_table_and_fails(taskse
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "held-out tasks, before and after training" in proc.stderr and "seconds per step" in proc.stderr
     assert "the loop failed" in proc.stderr and "no trainer step had a learning signal" in proc.stderr
+    assert proc.stderr.index("pass@1 did not move") < proc.stderr.index("held-out tasks, before and after")
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
     assert doc["ok"] is False and doc["steps"] == 1 and doc["before"]["eval/scored"] == 1
     assert (tmp_path / "run" / "export" / "model.safetensors").exists()  # the loop itself ran to its end
