@@ -41,7 +41,7 @@ rollout per arm; the wall time of every stage and evaluation; the RL stages' gro
 A PNG beside the runs, tables, and one JSON line last. Exit 1 when a stage failed or an arm could not be evaluated.
 
     shipyard bench learning [-- --config configs/learning.toml --arms base,sft,sft+rl --samples 2 --minutes 360
-                                --out DIR --reuse sft=DIR --sft-args "--trainer.optim.lr 1e-5" --run.steps 30 ...]
+                                --out DIR --reuse sft=DIR --sft-args "--sft.epochs 3" --run.steps 30 ...]
 
 Arguments the benchmark does not know are configuration overrides (`--SECTION.KEY VALUE`) for every stage and for
 the evaluations' settings; `--sft-args` and `--rl-args` add overrides to the SFT stage or to the RL stages only.

@@ -228,8 +228,13 @@ class SFTConfig:
     sources: tuple[str, ...] = ("gold",)  # "gold" (the training tasks' gold patches, replayed) and/or rollout files
     epochs: int = 2  # passes over the demonstrations
     batch_size: int = 8  # demonstrations per trainer step
+    # The learning rate of SFT (None: trainer.optim.lr). One config file serves the cold start and RL after it, and
+    # the two want different rates (SFT ~1e-5 full fine-tuning, RL a few 1e-6 for a 0.5B; LoRA ~10× both).
+    lr: float | None = None
 
     def __post_init__(self) -> None:
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"sft.lr must be a positive learning rate, not {self.lr}")
         if not self.sources:
             raise ValueError("sft.sources is empty: give \"gold\" and/or rollout files (shipyard eval --rollouts)")
         if self.epochs < 1 or self.batch_size < 1:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -52,6 +53,7 @@ from shipyard.rl.loop import export_policy
 from shipyard.rl.ranks import RankSpec, trainer_ranks
 from shipyard.rl.rundir import RunDir
 from shipyard.rollout.episode import WireSettings
+from shipyard.rollout.gold import GOLD_ENGINE, gold_engine
 from shipyard.rollout.record import Rollout
 from shipyard.tasks.taskset import list_tasks, load_task
 from shipyard.train.batch import Batch
@@ -104,14 +106,16 @@ def read_rollouts(path: Path) -> list[Rollout]:
     return out
 
 
-def why_dropped(rollout: Rollout, gold: bool = False) -> str | None:
-    """Why a rollout is no demonstration (None: it is one). A gold replay writes the deleted code back by definition,
-    so the `verbatim` monitor's flag (the patch restores the deleted lines word for word) is expected of it and does
-    not drop it; any other flag does."""
+def why_dropped(rollout: Rollout) -> str | None:
+    """Why a rollout is no demonstration (None: it is one). A gold replay (its trajectory's model is the
+    `replay:gold` engine, in RUN/sft/gold.jsonl or in any eval's rollouts file) writes the deleted code back by
+    definition, so the `verbatim` monitor's flag (the patch restores the deleted lines word for word) is expected of it
+    and does not drop it; any other flag does."""
     if rollout.trajectory is None or not rollout.trajectory.turns:
         return "no_trajectory"
     if rollout.reward != 1.0:
         return "not_solved"
+    gold = rollout.trajectory.model == GOLD_ENGINE
     if any(not (gold and f.get("kind") == "verbatim") for f in rollout.monitor_flags):
         return "flagged"
     if rollout.trajectory.sampled_tokens == 0:
@@ -134,7 +138,7 @@ def select(sources: dict[str, list[Rollout]], train_ids: set[str], held: set[str
             if r.task_id not in train_ids:
                 raise HeldOutInData(f"SFT source {name}: rollout {r.rollout_id} is of task {r.task_id}, which the "
                                     f"task set {tasks_dir} does not have: was it sampled from another task set?")
-            reason = why_dropped(r, gold=name == GOLD)
+            reason = why_dropped(r)
             if reason is not None:
                 reasons[reason] += 1
                 continue
@@ -169,7 +173,6 @@ def gold_rollouts(config: RLConfig, tasks_dir: Path, task_ids: list[str], tokeni
         return read_rollouts(out)
     from shipyard.rollout.environment import LocalEnvironment
     from shipyard.rollout.eval import EvalConfig, run_eval
-    from shipyard.rollout.gold import gold_engine
 
     engine = gold_engine(tasks_dir, task_ids, tokenizer=tokenizer)
     loop = config.episode.loop
@@ -204,18 +207,20 @@ def batches(n: int, batch_size: int, epochs: int, seed: int) -> Iterator[tuple[i
 def sft(config: RLConfig, *, argv: list[str] | None = None, status: Status = lambda _: None,
         on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
     """Fine-tune `config.model` on the demonstrations of `config.sft` (module docstring); the logged lines."""
-    config = replace(config, trainer=replace(config.trainer, objective="cross_entropy",
+    started = time.monotonic()
+    optim = config.trainer.optim if config.sft.lr is None else replace(config.trainer.optim, lr=config.sft.lr)
+    config = replace(config, trainer=replace(config.trainer, objective="cross_entropy", optim=optim,
                                              distill=replace(config.trainer.distill, enabled=False)))
     tasks_dir = task_set(config, status)
     _, evals = split(config, tasks_dir)
     held = set(evals)
     train_ids = [t for t in list_tasks(tasks_dir) if t not in held]
-    if not config.run.held_out:
-        config = replace(config, run=replace(config.run, held_out=tuple(evals), held_out_count=0,
-                                             held_out_projects=()))
+    if set(evals) != set(config.run.held_out):  # the split, recorded in RUN/config.toml (as `shipyard train` does)
+        config = replace(config, run=replace(config.run, held_out=tuple(evals), held_out_count=0))
     run = run_dir(config)
+    deadline = None if config.run.max_minutes is None else started + 60 * config.run.max_minutes
     try:
-        return _run(config, run, tasks_dir, train_ids, held, argv, status, on_step)
+        return _run(config, run, tasks_dir, train_ids, held, argv, status, on_step, deadline)
     except BaseException as e:
         run.fail(e)
         raise
@@ -224,7 +229,8 @@ def sft(config: RLConfig, *, argv: list[str] | None = None, status: Status = lam
 
 
 def _run(config: RLConfig, run: RunDir, tasks_dir: Path, train_ids: list[str], held: set[str],
-         argv: list[str] | None, status: Status, on_step: Callable[[int, dict], None] | None) -> list[dict]:
+         argv: list[str] | None, status: Status, on_step: Callable[[int, dict], None] | None,
+         deadline: float | None) -> list[dict]:
     save_config(config, run.config_path, note="shipyard sft " + " ".join(argv or []))
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.name, status)
     loop = config.episode.loop
@@ -257,17 +263,23 @@ def _run(config: RLConfig, run: RunDir, tasks_dir: Path, train_ids: list[str], h
         if checkpoint is not None:
             ranks(load_checkpoint, checkpoint)
         wire = WireSettings(loop.untagged_calls, loop.tags)
-        lines = []
+        lines: list[dict] = []
+        longest, stopped = 0.0, None
         for step, (epoch, picked) in enumerate(batches(len(data.rollouts), sft_cfg.batch_size, sft_cfg.epochs,
                                                        config.run.seed), 1):
             if step <= trainer.step_count:  # done before the checkpoint this run resumed from
                 continue
+            begun = time.monotonic()
             chunk = [data.rollouts[i] for i in picked]
             batch = Batch.from_trajectories([r.trajectory for r in chunk], [1.0] * len(chunk), pad_id=trainer.pad_id)
             train = ranks(Trainer.step, batch)
             lines.append(run.log(step, {"train": train, "sft": {"epoch": epoch, "demonstrations": len(chunk),
                                                                 "tasks": len({r.task_id for r in chunk})}}))
-            last = step == total
+            longest = max(longest, time.monotonic() - begun)
+            # run.max_minutes: no step is started that would not end within the budget (as `shipyard train`)
+            if deadline is not None and step < total and time.monotonic() + longest > deadline:
+                stopped = "max_minutes"
+            last = step == total or stopped is not None
             if step % config.run.checkpoint_every == 0 or last:
                 ranks(save_checkpoint, run.checkpoints_dir, extra={SFT_STATE: json.dumps({"step": step,
                                                                                           "total": total})})
@@ -276,5 +288,8 @@ def _run(config: RLConfig, run: RunDir, tasks_dir: Path, train_ids: list[str], h
             run.set_status("running", step=step, steps=total)
             if on_step is not None:
                 on_step(step, lines[-1])
-    run.set_status("finished", step=total, steps=total, export=str(run.export_dir))
+            if stopped is not None:
+                break
+    done = trainer.step_count
+    run.set_status("finished", step=done, steps=total, export=str(run.export_dir), stopped=stopped)
     return lines

@@ -50,6 +50,7 @@ from shipyard.tasks.patchparse import parse_patch
 from shipyard.tasks.taskset import Task, TaskFormatError, list_tasks, load_task
 
 LINK_MODES = ("120000", "160000")
+GOLD_ENGINE = "replay:gold"  # the engine's name, which its trajectories carry (`Trajectory.model`)
 APPLY_TIMEOUT = 60.0
 
 
@@ -259,4 +260,4 @@ def write_gold_replay(tasks_dir: Path, out: Path, task_ids: list[str] | None = N
 
 def gold_engine(tasks_dir: Path, task_ids: list[str] | None = None, tokenizer=None) -> ReplayEngine:
     """A replay engine that plays the gold trajectory of every task (`--model replay:gold`)."""
-    return ReplayEngine(tokenizer=tokenizer, name="replay:gold", scripts=gold_scripts(tasks_dir, task_ids))
+    return ReplayEngine(tokenizer=tokenizer, name=GOLD_ENGINE, scripts=gold_scripts(tasks_dir, task_ids))

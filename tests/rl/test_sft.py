@@ -42,8 +42,11 @@ def test_why_dropped_keeps_only_clean_solved_trajectories():
     assert why_dropped(_rollout("a", reward=None)) == "not_solved"  # masked: unknown is never a success
     assert why_dropped(_rollout("a", flags=[{"kind": "test_fitting"}])) == "flagged"
     verbatim = _rollout("a", flags=[{"kind": "verbatim"}])  # what a gold replay is by definition
-    assert why_dropped(verbatim) == "flagged" and why_dropped(verbatim, gold=True) is None
-    assert why_dropped(_rollout("a", flags=[{"kind": "verbatim"}, {"kind": "tamper"}]), gold=True) == "flagged"
+    assert why_dropped(verbatim) == "flagged"
+    verbatim.trajectory.model = "replay:gold"
+    assert why_dropped(verbatim) is None
+    verbatim.monitor_flags.append({"kind": "tamper"})
+    assert why_dropped(verbatim) == "flagged"
     assert why_dropped(_rollout("a", turns=0)) == "no_trajectory"
     assert why_dropped(replace(_rollout("a"), trajectory=None)) == "no_trajectory"
 
@@ -132,6 +135,15 @@ def test_sft_on_gold_replays_trains_the_policy_tokens_and_exports(taskset, tmp_p
     assert exported and (run / "export" / "shipyard.json").exists()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001", "step-00000002",
                                                                         "step-00000003"]
+    # The demonstrations as a rollouts file (what a rejection-sampling eval writes), sft.lr over trainer.optim.lr,
+    # and a wall-time budget: the step that reaches it is the last, then a checkpoint and the export.
+    again = load_config(config_path, ["--run.dir", str(tmp_path / "again"), "--sft.sources",
+                                      str(run / "sft" / "gold.jsonl"), "--sft.lr", "3e-4", "--run.max_minutes", "1e-4"])
+    cut = sft(again)
+    status = json.loads((tmp_path / "again" / "run.json").read_text())
+    assert [line["step"] for line in cut] == [1] and cut[0]["train/lr"] == pytest.approx(3e-4)
+    assert status["status"] == "finished" and status["stopped"] == "max_minutes" and status["steps"] == 3
+    assert (tmp_path / "again" / "export" / "model.safetensors").exists()
 
 
 @pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
