@@ -41,10 +41,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from transformers import PreTrainedTokenizerBase
+
 from shipyard.errors import FileFormatError
 from shipyard.harness.confined import Tree
+from shipyard.harness.controls import ControlTokens
+from shipyard.harness.parse import CLOSE, OPEN
 from shipyard.harness.workspace import MAX_FILE_BYTES, PathError
 from shipyard.models.replay import ReplayEngine
+from shipyard.models.tokenizer import byte_tokenizer
 from shipyard.tasks.grade import read_gold
 from shipyard.tasks.patchparse import parse_patch
 from shipyard.tasks.taskset import Task, TaskFormatError, list_tasks, load_task
@@ -110,12 +115,29 @@ def final_files(task_dir: Path) -> dict[str, str | None]:
     return final
 
 
-def _call(name: str, arguments: dict[str, Any]) -> str:
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>\n"
+def spellings(tokenizer: PreTrainedTokenizerBase | None = None) -> re.Pattern[str]:
+    """What a call's JSON must not spell as it is: the call tags (the parser would end or open a call there) and the
+    control tokens of `tokenizer` (default: the byte tokenizer a replay engine uses), which a replay would encode as
+    those tokens (a `<|im_end|>` in a file would end the turn in the trajectory, and vanish from the decoded call)."""
+    controls = ControlTokens(tokenizer or byte_tokenizer()).pattern
+    return re.compile("|".join([re.escape(OPEN), re.escape(CLOSE), *([controls.pattern] if controls else [])]))
 
 
-def _turn(text: str, calls: list[tuple[str, dict[str, Any]]]) -> str:
-    return text + "\n" + "".join(_call(name, args) for name, args in calls)
+def _call(name: str, arguments: dict[str, Any], spelled: re.Pattern[str]) -> str:
+    """One tool call block. A spelling (`spellings`) inside an argument is written with its first character as a JSON
+    escape (`\\u003c/tool_call>`), which decodes to the same text and is no tag or control token."""
+    call = {"name": name, "arguments": arguments}
+    body = json.dumps(call, ensure_ascii=False)
+    escaped = spelled.sub(lambda m: _json_escape(m[0][0]) + m[0][1:], body)
+    return f"{OPEN}\n{escaped if json.loads(escaped) == call else body}\n{CLOSE}\n"
+
+
+def _json_escape(char: str) -> str:
+    return f"\\u{ord(char):04x}" if ord(char) < 0x10000 else json.dumps(char)[1:-1]  # astral: a surrogate pair
+
+
+def _turn(text: str, calls: list[tuple[str, dict[str, Any]]], spelled: re.Pattern[str]) -> str:
+    return text + "\n" + "".join(_call(name, args, spelled) for name, args in calls)
 
 
 def edits(old: str, new: str) -> list[tuple[str, str]] | None:
@@ -186,10 +208,13 @@ def _read_args(snapshot: Tree, path: str, task: Task | None) -> dict[str, Any]:
     return {"path": path, "offset": max(1, min(starts) - 20), "limit": 200}
 
 
-def gold_messages(task_dir: Path, task: Task | None = None) -> list[str]:
-    """The assistant turns of the gold demonstration of the task in `task_dir` (module docstring). Without its `Task`
-    record (a bare task directory) the demonstration names files instead of symbols and runs no tests."""
+def gold_messages(task_dir: Path, task: Task | None = None,
+                  tokenizer: PreTrainedTokenizerBase | None = None) -> list[str]:
+    """The assistant turns of the gold demonstration of the task in `task_dir` (module docstring), for a replay engine
+    with `tokenizer` (`spellings`). Without its `Task` record (a bare task directory) the demonstration names files
+    instead of symbols and runs no tests."""
     task_dir = Path(task_dir)
+    spelled = spellings(tokenizer)
     final = final_files(task_dir)
     snapshot = Tree(task_dir / "snapshot")
     rng = random.Random(f"gold:{task.id if task is not None else task_dir.name}")
@@ -197,6 +222,7 @@ def gold_messages(task_dir: Path, task: Task | None = None) -> list[str]:
     existing = [p for p in changed if _exists(snapshot, p)]
     where = ", ".join(f"`{p}`" for p in (existing or changed))
     what = _names(task, changed)
+    run_tests = [("run_terminal", {"command": _test_command(task)})] if task is not None else []
     turns: list[str] = []
     if existing:
         look = [("read_file", _read_args(snapshot, p, task)) for p in existing]
@@ -205,8 +231,8 @@ def gold_messages(task_dir: Path, task: Task | None = None) -> list[str]:
             tests = sorted({t.split("::", 1)[0].rsplit("/", 1)[0] for t in task.fail_to_pass}) or ["."]
             look.append(("grep", {"pattern": re.escape(name), "path": tests[0]}))
         if task is not None and rng.random() < 0.25:
-            turns.append(_turn(rng.choice(LOOK_FAILING), [("run_terminal", {"command": _test_command(task)})]))
-        turns.append(_turn(rng.choice(LOOK).format(where=where, what=what), look))
+            turns.append(_turn(rng.choice(LOOK_FAILING), run_tests, spelled))
+        turns.append(_turn(rng.choice(LOOK).format(where=where, what=what), look, spelled))
     calls: list[tuple[str, dict[str, Any]]] = []
     for path, content in final.items():
         if content is None:
@@ -218,9 +244,9 @@ def gold_messages(task_dir: Path, task: Task | None = None) -> list[str]:
             calls.append(("write_file", {"path": path, "content": content}))
         else:
             calls += [("search_replace", {"path": path, "old_string": o, "new_string": n}) for o, n in steps]
-    turns.append(_turn(rng.choice(EDIT).format(what=what), calls))
+    turns.append(_turn(rng.choice(EDIT).format(what=what), calls, spelled))
     if task is not None:
-        turns.append(_turn(rng.choice(CHECK), [("run_terminal", {"command": _test_command(task)})]))
+        turns.append(_turn(rng.choice(CHECK), run_tests, spelled))
     turns.append(rng.choice(DONE).format(what=what, where=where))
     return turns
 
@@ -236,15 +262,17 @@ def _read_text(snapshot: Tree, path: str) -> str | None:
         return None
 
 
-def gold_scripts(tasks_dir: Path, task_ids: list[str] | None = None) -> dict[str, list[str]]:
-    """Gold messages of `task_ids` (default: every task of the set), by task id; each task is checked on loading."""
+def gold_scripts(tasks_dir: Path, task_ids: list[str] | None = None,
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> dict[str, list[str]]:
+    """Gold messages of `task_ids` (default: every task of the set), by task id, for a replay engine with `tokenizer`;
+    each task is checked on loading."""
     scripts = {}
     for task_id in task_ids if task_ids is not None else list_tasks(tasks_dir):
         try:
             task, task_dir = load_task(tasks_dir, task_id)
         except TaskFormatError as e:
             raise GoldError(str(e)) from None
-        scripts[task_id] = gold_messages(task_dir, task)
+        scripts[task_id] = gold_messages(task_dir, task, tokenizer)
     return scripts
 
 
@@ -260,4 +288,4 @@ def write_gold_replay(tasks_dir: Path, out: Path, task_ids: list[str] | None = N
 
 def gold_engine(tasks_dir: Path, task_ids: list[str] | None = None, tokenizer=None) -> ReplayEngine:
     """A replay engine that plays the gold trajectory of every task (`--model replay:gold`)."""
-    return ReplayEngine(tokenizer=tokenizer, name=GOLD_ENGINE, scripts=gold_scripts(tasks_dir, task_ids))
+    return ReplayEngine(tokenizer=tokenizer, name=GOLD_ENGINE, scripts=gold_scripts(tasks_dir, task_ids, tokenizer))
