@@ -10,8 +10,8 @@ cold start before RL, as in SWE-Gym, arXiv 2412.21139, and SWE-smith, arXiv 2504
    of parallel calls; some tasks also `grep` the tests for the symbol, or run the failing tests first to see them fail.
 2. **Edit**: one `search_replace` per changed region (`difflib` over the file's lines, each region's old text grown
    by context lines until it occurs once in the file as it is when the call runs — checked by replaying the edits on
-   the host, which must end at the gold contents). A file no sequence of unique replacements reproduces, a new file,
-   a deleted file: `write_file` / `delete_file`.
+   the host, which must end at the gold contents, each step passing the tool's syntax gate). A file no sequence of
+   unique, accepted replacements reproduces, a new file, a deleted file: `write_file` / `delete_file`.
 3. **Check**: run the task's failing tests (`.venv/bin/python -m pytest -q` with their ids, or their files when
    there are many) — the statement's own instruction.
 4. **Stop**: a one- or two-sentence summary of what changed, with no tool call (which ends the episode).
@@ -47,6 +47,8 @@ from shipyard.errors import FileFormatError
 from shipyard.harness.confined import Tree
 from shipyard.harness.controls import ControlTokens
 from shipyard.harness.parse import CLOSE, OPEN
+from shipyard.harness.tools.base import EditRejected
+from shipyard.harness.tools.edit import syntax_gate
 from shipyard.harness.workspace import MAX_FILE_BYTES, PathError
 from shipyard.models.replay import ReplayEngine
 from shipyard.models.tokenizer import byte_tokenizer
@@ -140,11 +142,13 @@ def _turn(text: str, calls: list[tuple[str, dict[str, Any]]], spelled: re.Patter
     return text + "\n" + "".join(_call(name, args, spelled) for name, args in calls)
 
 
-def edits(old: str, new: str) -> list[tuple[str, str]] | None:
+def edits(old: str, new: str, path: str | None = None) -> list[tuple[str, str]] | None:
     """`search_replace` arguments (old_string, new_string) that turn `old` into `new`, applied in order: one per
     changed region (`difflib`, 2 lines of context), each old text grown by a line of context either side until it
     occurs exactly once in the text as it is when it is applied. None when no such sequence reproduces `new` (a region
-    that stays ambiguous however far it grows, regions that merge): the caller writes the whole file instead."""
+    that stays ambiguous however far it grows, regions that merge) or, for the file `path`, when a step would be
+    refused by the tool's syntax gate (the file parses before it and not after: two regions of one change, such as a
+    string opened in one and closed in the other): the caller writes the whole file instead."""
     a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)
     groups = difflib.SequenceMatcher(None, a, b, autojunk=False).get_grouped_opcodes(2)
     spans = [(g[0][1], g[-1][2], g[0][3], g[-1][4]) for g in groups]
@@ -162,7 +166,12 @@ def edits(old: str, new: str) -> list[tuple[str, str]] | None:
                 return None
             lo, hi = max(lo - 1, 0), min(hi + 1, len(cur))
         replacement = "".join(cur[lo:i1 + shift]) + "".join(b[j1:j2]) + "".join(cur[i2 + shift:hi])
-        text = text.replace(search, replacement, 1)
+        before, text = text, text.replace(search, replacement, 1)
+        if path is not None:
+            try:
+                syntax_gate(path, before, text)
+            except EditRejected:
+                return None
         out.append((search, replacement))
         shift += (j2 - j1) - (i2 - i1)
     return out if text == new else None
@@ -239,7 +248,7 @@ def gold_messages(task_dir: Path, task: Task | None = None,
             calls.append(("delete_file", {"path": path}))
             continue
         old = _read_text(snapshot, path) if path in existing else None
-        steps = edits(old, content) if old is not None else None
+        steps = edits(old, content, path) if old is not None else None
         if steps is None:
             calls.append(("write_file", {"path": path, "content": content}))
         else:

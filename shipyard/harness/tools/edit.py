@@ -59,8 +59,9 @@ def syntax_error(path: str, text: str) -> str | None:
     return None
 
 
-def _gate(path: str, before: str | None, after: str) -> str:
-    """Raise if the edit breaks a file that parsed; return a warning if the file stays broken."""
+def syntax_gate(path: str, before: str | None, after: str) -> str:
+    """Raise `EditRejected` if the edit breaks a file that parsed; return a warning if the file stays broken. (Gold
+    demonstrations check their edits with it too, `shipyard.rollout.gold.edits`.)"""
     if len(after) > MAX_GATE_CHARS or (before is not None and len(before) > MAX_GATE_CHARS):
         checked = Path(path).suffix in (".py", ".pyi", ".json", ".toml")
         return f"\nnote: '{path}' is over {MAX_GATE_CHARS} characters and was not syntax-checked." if checked else ""
@@ -148,7 +149,7 @@ def search_replace(ctx: ToolContext, path: str, old_string: str, new_string: str
                         "nothing was changed.")
     first_line = _line_of(text, text.find(old_string))
     updated = text.replace(old_string, new_string) if replace_all else text.replace(old_string, new_string, 1)
-    warning = _gate(path, text, updated)
+    warning = syntax_gate(path, text, updated)
     ctx.workspace.write_bytes(rel, _encode(path, updated))
     span = new_string.count("\n") + 1
     what = f"{count} occurrences" if count > 1 else f"lines {first_line}-{first_line + span - 1}"
@@ -180,7 +181,7 @@ def write_file(ctx: ToolContext, path: str, content: str) -> str:
             before = ws.read_bytes(rel).decode(errors="replace")
         except PathError:
             before = None  # too big to read (it is replaced whole) or no longer a regular file (the write says so)
-    warning = _gate(path, before, content)
+    warning = syntax_gate(path, before, content)
     ws.write_bytes(rel, data)
     verb = "overwrote" if kind != "missing" else "created"
     return f"{verb} '{path}' ({content.count(chr(10)) + (0 if content.endswith(chr(10)) else 1)} lines).{warning}"
