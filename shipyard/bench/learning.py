@@ -19,14 +19,13 @@ is checked against it, so no stage trained on an evaluated task), with the same 
 (`[episode.loop]` turns, tokens, temperature and wire, `[episode] grade_timeout`, `[run] seed`). One evaluation path
 for all arms: what differs between arms is the weights, nothing else.
 
-**Budgets.** Each training stage gets `--minutes` of wall time: `shipyard train` stops itself after the step that
-reaches the budget less `--eval-reserve` (`run.max_minutes`), evaluates and checkpoints; a stage still running at
-the budget (`shipyard sft` does not stop itself) is killed, reported as such, and fails the measurement — the same
-command resumes it from its last checkpoint. Evaluations run to their end.
+**Budgets.** Each training stage gets `--minutes` of wall time: `shipyard train` and `shipyard sft` stop themselves
+after the step that reaches the budget less `--eval-reserve` (`run.max_minutes`) and checkpoint; a stage still
+running at the budget is killed, reported as such, and fails the measurement — the same command resumes it from its
+last checkpoint. Evaluations run to their end.
 
-**Cost.** An RL stage evaluates the held-out tasks itself before its first step and after its last (`shipyard
-train` always does; `run.eval_samples` sets how many samples), on top of the benchmark's own evaluations: that is
-the price of running the real command. configs/learning.toml keeps it at one sample a task.
+**Cost.** The RL stages run with `--run.evaluate false`: the benchmark evaluates every arm itself, the same way, so
+the runs' own before/after evaluations would be the same work twice.
 
 **Resuming.** A long measurement is resumed stage by stage: run the same command with the same `--out`. A training
 stage whose run directory there is finished (with an export) is reused, an unfinished one continues from its last
@@ -69,9 +68,10 @@ from shipyard.rollout.eval import bootstrap_mean, paired_difference, task_rates
 
 ARMS = ("base", "sft", "sft+rl", "rl", "sft+rl+hints")
 # stage → (command, the stage whose export it starts from (None: the base model), its own overrides)
+NO_EVAL = ["--run.evaluate", "false"]  # the benchmark evaluates every arm itself, the same way
 STAGES: dict[str, tuple[str, str | None, list[str]]] = {
-    "sft": ("sft", None, []), "sft+rl": ("train", "sft", []), "rl": ("train", None, []),
-    "sft+rl+hints": ("train", "sft", ["--hints.enabled", "true"])}
+    "sft": ("sft", None, []), "sft+rl": ("train", "sft", NO_EVAL), "rl": ("train", None, NO_EVAL),
+    "sft+rl+hints": ("train", "sft", [*NO_EVAL, "--hints.enabled", "true"])}
 LOOP_SETTINGS = ("max_turns", "max_new_tokens", "temperature", "untagged_calls", "tags")
 
 

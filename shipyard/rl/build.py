@@ -187,7 +187,7 @@ def _wired_loop(config: RLConfig, run: RunDir, tasks_dir: Path, evals: list[str]
                            verbose_words=config.hints.verbose_words, detectors=config.hints.detectors,
                            critic=critic)
     wire = WireSettings(loop.untagged_calls, loop.tags)
-    return RLLoop(scheduler, trainer, run, config.run, eval_tasks=evals, hints=hints,
+    return RLLoop(scheduler, trainer, run, config.run, eval_tasks=evals if config.run.evaluate else [], hints=hints,
                   export=lambda t, full, d: export_policy(t, full, tokenizer, d, wire), ranks=group.ranks(trainer))
 
 

@@ -195,6 +195,7 @@ class RunConfig:
     seed: int = 0
     eval_every: int = 0  # held-out evaluation every N steps (0: only before the first step and after the last)
     eval_samples: int = 1  # samples per held-out task
+    evaluate: bool = True  # the held-out evaluations (false: none — the split is still recorded and never trained on)
     checkpoint_every: int = 1  # steps between checkpoints
     export: bool = True  # write the policy as a Hugging Face model directory with each checkpoint
     zero_flagged: bool = False  # a rollout a reward-hacking monitor flags gets reward 0 (flags are always logged)

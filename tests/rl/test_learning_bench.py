@@ -161,6 +161,7 @@ def test_the_bench_trains_and_evaluates_base_sft_and_sft_rl(taskset, tmp_path):
     # evaluated on them with the same seed and samples
     saved = {s: tomllib.loads((out / s / "config.toml").read_text()) for s in ("sft", "sft+rl")}
     assert saved["sft+rl"]["model"]["name"] == str((out / "sft" / "export").resolve())
+    assert saved["sft+rl"]["run"]["evaluate"] is False and not list((out / "sft+rl" / "eval").iterdir())
     assert all(sorted(c["run"]["held_out"]) == result["held_out"] for c in saved.values())
     evals = {arm: json.loads((out / "eval" / f"{arm}.json").read_text())["config"] for arm in arms}
     assert {(tuple(e["task_ids"]), e["samples"], e["seed"]) for e in evals.values()} == {
