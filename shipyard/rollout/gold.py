@@ -59,6 +59,10 @@ from shipyard.tasks.taskset import Task, TaskFormatError, list_tasks, load_task
 LINK_MODES = ("120000", "160000")
 GOLD_ENGINE = "replay:gold"  # the engine's name, which its trajectories carry (`Trajectory.model`)
 APPLY_TIMEOUT = 60.0
+# Bounds on finding a gold change's search_replace edits (`edits`), which a repository's file must not stall.
+MAX_DIFF_LINES = 2000  # lines (old and new) that difflib compares
+MAX_REGIONS = 32  # regions of one file edited apart; more are one region
+MAX_CONTEXT = 20  # lines a region's old text grows by, each side, to occur once
 
 
 class GoldError(FileFormatError):
@@ -142,29 +146,50 @@ def _turn(text: str, calls: list[tuple[str, dict[str, Any]]], spelled: re.Patter
     return text + "\n" + "".join(_call(name, args, spelled) for name, args in calls)
 
 
+def _spans(a: list[str], b: list[str]) -> list[tuple[int, int, int, int]]:
+    """The changed regions (i1, i2, j1, j2) that turn lines `a` into `b`, each with up to 2 unchanged lines around it.
+    difflib compares only what lies between the common head and tail (a gold patch changes a few bodies), and only
+    up to `MAX_DIFF_LINES`: over repeated lines its cost grows with the cube of the length (2000 lines of `pass`, one
+    in ten changed: 19 s). Beyond that, or past `MAX_REGIONS` regions, the whole middle is one region."""
+    head = 0
+    while head < min(len(a), len(b)) and a[head] == b[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(a), len(b)) - head and a[len(a) - 1 - tail] == b[len(b) - 1 - tail]:
+        tail += 1
+    lo, margin = max(head - 2, 0), min(tail, 2)
+    middle_a, middle_b = a[lo:len(a) - tail + margin], b[lo:len(b) - tail + margin]
+    whole = [(lo, lo + len(middle_a), lo, lo + len(middle_b))]
+    if len(middle_a) + len(middle_b) > MAX_DIFF_LINES:
+        return whole
+    groups = list(difflib.SequenceMatcher(None, middle_a, middle_b, autojunk=False).get_grouped_opcodes(2))
+    if len(groups) > MAX_REGIONS:
+        return whole
+    return [(lo + g[0][1], lo + g[-1][2], lo + g[0][3], lo + g[-1][4]) for g in groups]
+
+
 def edits(old: str, new: str, path: str | None = None) -> list[tuple[str, str]] | None:
     """`search_replace` arguments (old_string, new_string) that turn `old` into `new`, applied in order: one per
-    changed region (`difflib`, 2 lines of context), each old text grown by a line of context either side until it
-    occurs exactly once in the text as it is when it is applied. None when no such sequence reproduces `new` (a region
-    that stays ambiguous however far it grows, regions that merge) or, for the file `path`, when a step would be
-    refused by the tool's syntax gate (the file parses before it and not after: two regions of one change, such as a
-    string opened in one and closed in the other): the caller writes the whole file instead."""
+    changed region (`_spans`), each old text grown by a line of context either side until it occurs exactly once in
+    the text as it is when it is applied (overlapping occurrences counted), by `MAX_CONTEXT` lines at most. None when
+    no such sequence reproduces `new` (a region still ambiguous at that growth, regions that merge) or, for the file
+    `path`, when a step would be refused by the tool's syntax gate (the file parses before it and not after: two
+    regions of one change, such as a string opened in one and closed in the other): the caller writes the whole file
+    instead."""
     a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)
-    groups = difflib.SequenceMatcher(None, a, b, autojunk=False).get_grouped_opcodes(2)
-    spans = [(g[0][1], g[-1][2], g[0][3], g[-1][4]) for g in groups]
     out: list[tuple[str, str]] = []
     text = old
     shift = 0  # lines the edits so far added (new − old) before the current region
-    for i1, i2, j1, j2 in spans:
+    for i1, i2, j1, j2 in _spans(a, b):
         cur = text.splitlines(keepends=True)
         lo, hi = i1 + shift, i2 + shift
-        while True:
+        for _ in range(MAX_CONTEXT + 1):
             search = "".join(cur[lo:hi])
-            if search and text.count(search) == 1:
+            if search and text.find(search) == text.rfind(search):
                 break
-            if lo == 0 and hi == len(cur):
-                return None
             lo, hi = max(lo - 1, 0), min(hi + 1, len(cur))
+        else:
+            return None
         replacement = "".join(cur[lo:i1 + shift]) + "".join(b[j1:j2]) + "".join(cur[i2 + shift:hi])
         before, text = text, text.replace(search, replacement, 1)
         if path is not None:
