@@ -176,8 +176,32 @@ class Trajectory:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:
+        """The trajectory a `to_dict` wrote; ValueError where its token views could not line up (`check_tokens`): a
+        file read back may have been written by anyone."""
         turns = [Turn(**{**t, "calls": [CallRecord(**c) for c in t["calls"]]}) for t in data["turns"]]
-        return cls(**{**data, "turns": turns})
+        traj = cls(**{**data, "turns": turns})
+        traj.check_tokens()
+        return traj
+
+    def check_tokens(self) -> None:
+        """Raise ValueError unless every id list holds token ids (integers >= 0: a negative id indexes the embedding
+        from its end, a float is truncated by torch) and each turn's logprobs (numbers) and token versions (when
+        present) are one per completion token, as the flattened views and `Batch.from_trajectories` need."""
+        def ids(value: Any, what: str) -> None:
+            if not isinstance(value, list) or not all(type(i) is int and i >= 0 for i in value):
+                raise ValueError(f"{what} is not a list of token ids (integers >= 0)")
+
+        ids(self.prompt_ids, "prompt_ids")
+        for t in self.turns:
+            where = f"turn {t.index}"
+            ids(t.completion_ids, f"{where}: completion_ids")
+            ids(t.observation_ids, f"{where}: observation_ids")
+            if not isinstance(t.logprobs, list) or len(t.logprobs) != len(t.completion_ids) or \
+                    not all(type(x) in (int, float) for x in t.logprobs):
+                raise ValueError(f"{where}: logprobs are not one number per completion token")
+            if not isinstance(t.token_versions, list) or len(t.token_versions) not in (0, len(t.completion_ids)) or \
+                    not all(type(v) is int for v in t.token_versions):
+                raise ValueError(f"{where}: token_versions are not one integer per completion token (or none)")
 
     @classmethod
     def load(cls, path: str | Path) -> Trajectory:

@@ -100,7 +100,7 @@ def read_rollouts(path: Path) -> list[Rollout]:
                 data = json.loads(line)
                 data.pop("hints", None)
                 out.append(Rollout.from_json(data))
-            except (ValueError, TypeError, KeyError, AttributeError) as e:
+            except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
                 raise FileFormatError(f"{file}:{number}: not a rollout record ({type(e).__name__}: {e}); SFT reads "
                                       f"the lines `shipyard eval --rollouts` and a run's trajectories/ hold") from None
     return out
