@@ -368,7 +368,7 @@ def sdist_metadata(name: str, version: Version, filename: str, data: bytes) -> S
     build = ["setuptools>=40.8.0"]  # pip's default for a tree without a [build-system] table
     try:
         system = tomllib.loads(files.get("pyproject.toml", b"").decode("utf-8", "replace")).get("build-system")
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):  # nested past the parser's recursion: as good as none
         system = None
     if isinstance(system, dict) and isinstance(system.get("requires"), list):
         build = _requirements([str(r) for r in system["requires"]], f"{filename} (its build)")

@@ -202,15 +202,23 @@ def project_requirements(repo: Path) -> tuple[str | None, list[str], list[str]]:
         return None, [], ["setuptools>=40.8"]
     try:
         data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, RecursionError) as e:  # a repository's file: nested past the parser's recursion
         raise EnvSetupError(f"{path} is not valid TOML ({e}); fix it before synthesizing tasks") from e
-    project = data.get("project", {})
-    reqs = list(project.get("dependencies", []))
-    for group in TEST_GROUPS:
-        reqs += project.get("optional-dependencies", {}).get(group, [])
-        reqs += [r for r in data.get("dependency-groups", {}).get(group, []) if isinstance(r, str)]
-    build = data.get("build-system", {}).get("requires", ["setuptools>=40.8"])
-    return project.get("name"), reqs, build
+    try:
+        project = data.get("project", {})
+        reqs = list(project.get("dependencies", []))
+        for group in TEST_GROUPS:
+            reqs += project.get("optional-dependencies", {}).get(group, [])
+            reqs += [r for r in data.get("dependency-groups", {}).get(group, []) if isinstance(r, str)]
+        build = data.get("build-system", {}).get("requires", ["setuptools>=40.8"])
+        name = project.get("name")
+    except (AttributeError, TypeError):  # a table that is not one (`project = 5`), a list that is not one
+        name = reqs = build = None
+    if not (isinstance(name, str | None) and isinstance(reqs, list) and isinstance(build, list)
+            and all(isinstance(r, str) for r in [*reqs, *build])):
+        raise EnvSetupError(f"{path}: [project] (name, dependencies, optional-dependencies) or [build-system] requires "
+                            "are not shaped as PEP 621 and PEP 518 say; fix it before synthesizing tasks")
+    return name, reqs, build
 
 
 def requirement_lines(text: str, where: Path, repo: Path, seen: set[Path]) -> list[str]:

@@ -86,7 +86,7 @@ def _stated(repo: Path) -> tuple[str | None, str | None]:
     if (text := _metadata(tree, "pyproject.toml")) is not None:
         try:
             table = tomllib.loads(text).get("project")
-        except tomllib.TOMLDecodeError:
+        except (tomllib.TOMLDecodeError, RecursionError):  # nested past the parser's recursion: no usable table
             table = None
         if isinstance(table, dict):
             name = table.get("name") if isinstance(table.get("name"), str) else None
