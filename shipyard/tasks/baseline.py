@@ -71,25 +71,35 @@ def rates_of(doc: Mapping[str, Any], where: str = "the eval result") -> dict[str
     if not isinstance(doc, Mapping) or doc.get("schema") != EVAL_SCHEMA or not isinstance(doc.get("tasks"), Mapping):
         raise BaselineError(f"{where} is not a shipyard eval result (schema {EVAL_SCHEMA!r} with 'tasks'); write one "
                             "with `shipyard eval --out FILE`")
+    if not isinstance(doc.get("config", {}), Mapping) or not isinstance(doc.get("ks", []), list):
+        raise BaselineError(f"{where}: its 'config' is not a table or its 'ks' not a list")
     out = {}
     for task_id, summary in doc["tasks"].items():
         n, c = (summary.get("scored"), summary.get("passed")) if isinstance(summary, Mapping) else (None, None)
-        if not (isinstance(n, int) and isinstance(c, int) and 0 <= c <= n):
+        if not (_count(n) and _count(c) and c <= n):
             raise BaselineError(f"{where}: task {task_id!r} has no whole 'scored' and 'passed' counts")
+        pass_at = summary.get("pass_at") or {}
+        if not isinstance(pass_at, Mapping):
+            raise BaselineError(f"{where}: task {task_id!r} has a 'pass_at' that is not a table")
         if n:
             out[task_id] = {"samples": n, "successes": c, "pass@1": c / n,
-                            "pass_at": {k: v for k, v in (summary.get("pass_at") or {}).items() if v is not None}}
+                            "pass_at": {k: v for k, v in pass_at.items() if v is not None}}
     return out
+
+
+def _count(value: Any) -> bool:
+    """A whole count, >= 0 (a JSON `true` is no count, although Python takes it for the integer 1)."""
+    return type(value) is int and value >= 0
 
 
 def record(doc: Mapping[str, Any], tasks_dir: Path, model: str | None = None) -> Path:
     """Write (or update) the baseline of the eval result `doc` beside the task set `tasks_dir`: the file of its model
     (`model`, default the model the eval names); its path."""
+    tasks = rates_of(doc)  # checks the document's shape first
     config = doc.get("config") or {}
     model = model or config.get("model")
     if not isinstance(model, str) or not model:
         raise UsageError("the eval result names no model; give the baseline's model name")
-    tasks = rates_of(doc)
     path = baseline_path(tasks_dir, model)
     old = _read(path) if path.exists() else {"schema": SCHEMA, "model": model, "ks": [], "evals": [], "tasks": {}}
     if old["model"] != model:
@@ -118,7 +128,7 @@ def _read(path: Path) -> dict[str, Any]:
                             "write one with `shipyard eval --baseline`")
     for task_id, rate in doc["tasks"].items():
         n, c = (rate.get("samples"), rate.get("successes")) if isinstance(rate, dict) else (None, None)
-        if not (isinstance(n, int) and isinstance(c, int) and 0 <= c <= n and n > 0):
+        if not (_count(n) and _count(c) and c <= n and n > 0):
             raise BaselineError(f"{path}: task {task_id!r} needs whole 'samples' > 0 and 0 <= 'successes' <= samples")
     return doc
 

@@ -78,6 +78,22 @@ def test_what_is_not_an_eval_result_or_a_baseline_is_one_clear_error(tmp_path):
         load(tmp_path / "missing.json")
 
 
+def test_a_result_file_with_fields_of_the_wrong_shape_is_one_clear_error(tmp_path):
+    # `record` also reads result files a user kept (`shipyard eval --out`), which may have been edited: every field it
+    # reads of the wrong type was an AttributeError or a TypeError, and a boolean count passed as an integer.
+    good = eval_doc({"t": [1.0, 0.0]})
+    for doc in ({**good, "config": ["m"]}, {**good, "ks": 5},
+                {**good, "tasks": {"t": {**good["tasks"]["t"], "pass_at": [1]}}},
+                {**good, "tasks": {"t": {**good["tasks"]["t"], "scored": True, "passed": True}}}):
+        with pytest.raises((BaselineError, UsageError)):
+            record(doc, tmp_path, model="m")
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"schema": SCHEMA, "model": "m", "ks": [], "evals": [],
+                                "tasks": {"t": {"samples": True, "successes": 0}}}))
+    with pytest.raises(BaselineError, match=str(path)):
+        load(path)
+
+
 def tasks(n: int) -> dict[str, Difficulty]:
     return {f"t{i}": Difficulty(1, 3, 1, 1) for i in range(n)}
 
