@@ -11,20 +11,25 @@ from shipyard.tasks.taskset import DeletedSymbol, IndexEntry, Project, Task, app
 
 def write_taskset(root: Path, projects: dict[str, int]) -> dict[str, list[str]]:
     """`projects[name]` tier-1 tasks of each project, in `root`; project name → its task ids."""
+    return {name: write_tasks(root, name, {f"t1-{name}.mod-f{i}": (1, [f"f{i}"]) for i in range(count)})
+            for name, count in projects.items()}
+
+
+def write_tasks(root: Path, name: str, tasks: dict[str, tuple[int, list[str]]]) -> list[str]:
+    """The tasks of project `name` in `root`: task id → (tier, the functions of mod.py it deletes); their ids."""
     root.mkdir(parents=True, exist_ok=True)
-    ids: dict[str, list[str]] = {}
-    for name, count in projects.items():
-        project, entries = Project(name, "1.0"), []
-        for i in range(count):
-            task_dir = root / f"t1-{name}.mod-f{i}"
-            (task_dir / "snapshot").mkdir(parents=True)
-            (task_dir / "tests" / "tests").mkdir(parents=True)
-            (task_dir / "tests" / "tests" / "test_mod.py").write_text(f"def test_f{i}():\n    pass\n")
-            task = Task(task_dir.name, 1, f"Implement f{i}.", [f"tests/test_mod.py::test_f{i}"], [],
-                        [DeletedSymbol("mod.py", f"f{i}", 1, 3)], 2, {"repo": f"/src/{name}", "commit": "x"},
-                        test_files=["tests/test_mod.py"], project=project)
-            task.save(task_dir)
-            entries.append(IndexEntry.of(task))
-        append_project(root, entries, project, {"accepted": [e.id for e in entries]})
-        ids[name] = [e.id for e in entries]
-    return ids
+    project, entries = Project(name, "1.0"), []
+    for task_id, (tier, symbols) in tasks.items():
+        task_dir = root / task_id
+        (task_dir / "snapshot").mkdir(parents=True)
+        (task_dir / "tests" / "tests").mkdir(parents=True)
+        (task_dir / "tests" / "tests" / "test_mod.py").write_text(
+            "".join(f"def test_{s}():\n    pass\n" for s in symbols))
+        tests = [f"tests/test_mod.py::test_{s}" for s in symbols]
+        task = Task(task_id, tier, f"Implement {', '.join(symbols)}.", tests,
+                    [], [DeletedSymbol("mod.py", s, 1, 3) for s in symbols], 2 * len(symbols),
+                    {"repo": f"/src/{name}", "commit": "x"}, test_files=["tests/test_mod.py"], project=project)
+        task.save(task_dir)
+        entries.append(IndexEntry.of(task))
+    append_project(root, entries, project, {"accepted": [e.id for e in entries]})
+    return [e.id for e in entries]

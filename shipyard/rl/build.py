@@ -42,7 +42,7 @@ from shipyard.rollout.episode import WireSettings, wire_defaults
 from shipyard.rollout.scheduler import Scheduler
 from shipyard.rollout.transport import InProcessTransport
 from shipyard.tasks.curriculum import Curriculum
-from shipyard.tasks.taskset import list_tasks, project_name, task_projects
+from shipyard.tasks.taskset import list_tasks, load_task, project_name, task_projects
 from shipyard.train.checkpoint import latest_checkpoint
 from shipyard.train.trainer import TrainConfig, Trainer
 
@@ -92,10 +92,33 @@ def held_out(config: RLConfig, task_ids: list[str], projects: dict[str, str] | N
 
 def split(config: RLConfig, tasks_dir: Path) -> tuple[Curriculum, list[str]]:
     """(the training curriculum, the held-out tasks): the curriculum is built from the task set without the held-out
-    ids, so no held-out task, and no task of a held-out project, can be sampled for training."""
+    ids, so no held-out task, and no task of a held-out project, can be sampled for training. The held-out tasks are
+    `held_out`'s and every task that deletes code one of them deletes (`sharing_code`)."""
     task_ids = list_tasks(tasks_dir)
     evals = held_out(config, task_ids, task_projects(tasks_dir) if config.run.held_out_projects else None)
+    evals += sharing_code(tasks_dir, task_ids, evals)
+    if len(evals) >= len(task_ids):
+        raise ConfigError(f"run.held_out leaves no task to train on: the {len(evals)} held-out tasks, with those that "
+                          f"delete the same code, are all {len(task_ids)}; hold out fewer or synthesize more")
     return Curriculum.from_taskset(tasks_dir, config.curriculum, exclude=set(evals)), evals
+
+
+def sharing_code(tasks_dir: Path, task_ids: list[str], held: list[str]) -> list[str]:
+    """The tasks of `task_ids` outside `held` that delete a symbol (project, file, qualified name) a held-out task
+    deletes, or one that such a task deletes, and so on. Tiers share symbols — a tier-1 task empties `f`'s body, a
+    tier-3 task removes `f` whole, a tier-2 task deletes `f` with `g` — so training on any of them is training on the
+    answer of the held-out task; only a split closed this way keeps the held-out evaluation a measure of tasks never
+    trained on."""
+    symbols = {}
+    for task_id in task_ids:
+        task, _ = load_task(tasks_dir, task_id)
+        symbols[task_id] = {(task.project.name, d.file, d.qualname) for d in task.deleted}
+    taken = set().union(*(symbols[t] for t in held))
+    out: list[str] = []
+    while more := [t for t in task_ids if t not in held and t not in out and symbols[t] & taken]:
+        out += more
+        taken |= set().union(*(symbols[t] for t in more))
+    return out
 
 
 def shaping_terms(config: RLConfig) -> tuple[ShapingTerm, ...]:

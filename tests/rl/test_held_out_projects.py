@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tasksets import write_taskset
+from tasksets import write_tasks, write_taskset
 
 from shipyard.rl.build import held_out, split
 from shipyard.rl.config import ConfigError, RLConfig, RunConfig, load_config
@@ -47,6 +47,23 @@ def test_a_bad_split_by_project_is_a_config_error(tmp_path):
         RunConfig(held_out_projects=("parse",), held_out_count=1)
     # Without held_out_projects the projects are not even read: the old splits are unchanged.
     assert held_out(config(tmp_path, held_out_count=1), list_tasks(tmp_path)) in ([t] for t in list_tasks(tmp_path))
+
+
+def test_a_task_that_deletes_code_of_a_held_out_task_is_held_out_too(tmp_path):
+    # Tiers share symbols (synthesis keeps one task per symbol and tier): t1 empties f's body, t3 removes f whole.
+    # Training on any task that deletes f — or on one that deletes another symbol of a task that does — teaches the
+    # answer of the held-out task. The same function name in another project is other code.
+    write_tasks(tmp_path, "p", {"t1-p.mod-f": (1, ["f"]), "t3-p.mod-f": (3, ["f"]), "t2-p.mod-f-g": (2, ["f", "g"]),
+                                "t1-p.mod-g": (1, ["g"]), "t1-p.mod-h": (1, ["h"])})
+    write_tasks(tmp_path, "q", {"t1-q.mod-f": (1, ["f"])})
+    curriculum, evals = split(config(tmp_path, held_out=("t1-p.mod-f",)), tmp_path)
+    assert evals == ["t1-p.mod-f", "t3-p.mod-f", "t2-p.mod-f-g", "t1-p.mod-g"]
+    assert set(curriculum.tasks) == {"t1-p.mod-h", "t1-q.mod-f"}
+    resumed = config(tmp_path, held_out=tuple(evals))  # as recorded in the run's config: the same split
+    assert split(resumed, tmp_path)[1] == evals
+    assert split(config(tmp_path, held_out=("t1-p.mod-h",)), tmp_path)[1] == ["t1-p.mod-h"]
+    with pytest.raises(ConfigError, match="leaves no task to train on"):
+        split(config(tmp_path, held_out=("t1-p.mod-g", "t1-q.mod-f", "t1-p.mod-h")), tmp_path)
 
 
 def test_held_out_projects_is_a_config_key(tmp_path):
