@@ -45,6 +45,7 @@ from typing import Any
 
 from shipyard.errors import FileFormatError, InputNotFound, UserError
 from shipyard.harness.tools import default_tools
+from shipyard.harness.trajectory import Trajectory
 from shipyard.harness.wire import ChatFormat
 from shipyard.models.resolve import load_tokenizer
 from shipyard.rl.build import run_dir, split, task_set
@@ -271,10 +272,11 @@ def _run(config: RLConfig, run: RunDir, tasks_dir: Path, train_ids: list[str], h
                 continue
             begun = time.monotonic()
             chunk = [data.rollouts[i] for i in picked]
-            batch = Batch.from_trajectories([r.trajectory for r in chunk], [1.0] * len(chunk), pad_id=trainer.pad_id)
+            batch, masked = demonstration_batch([r.trajectory for r in chunk], trainer.pad_id)
             train = ranks(Trainer.step, batch)
             lines.append(run.log(step, {"train": train, "sft": {"epoch": epoch, "demonstrations": len(chunk),
-                                                                "tasks": len({r.task_id for r in chunk})}}))
+                                                                "tasks": len({r.task_id for r in chunk}),
+                                                                "masked_turns": masked}}))
             longest = max(longest, time.monotonic() - begun)
             # run.max_minutes: no step is started that would not end within the budget (as `shipyard train`)
             if deadline is not None and step < total and time.monotonic() + longest > deadline:
@@ -290,6 +292,32 @@ def _run(config: RLConfig, run: RunDir, tasks_dir: Path, train_ids: list[str], h
                 on_step(step, lines[-1])
             if stopped is not None:
                 break
-    done = trainer.step_count
+        done = trainer.step_count
+        if exported_step(run.export_dir) != done:  # a run that died while exporting, resumed with no step left
+            export_policy(trainer, ranks(Trainer.export_weights), tokenizer, run.export_dir, wire)
     run.set_status("finished", step=done, steps=total, export=str(run.export_dir), stopped=stopped)
     return lines
+
+
+def exported_step(directory: Path) -> int | None:
+    """The trainer step an export holds (its shipyard.json), None when there is no complete export."""
+    try:
+        return json.loads((directory / "shipyard.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def demonstration_batch(trajectories: list[Trajectory], pad_id: int) -> tuple[Batch, int]:
+    """The trainer batch of demonstrations, and how many turns were masked: a turn with a call that failed (malformed,
+    unknown tool, bad arguments, a tool error…) is context, not a target — a success can contain mistakes the model
+    recovered from, and imitating the mistake is not the lesson. The turns after it still train (the recovery is)."""
+    batch = Batch.from_trajectories(trajectories, [1.0] * len(trajectories), pad_id=pad_id)
+    masked = 0
+    for b, traj in enumerate(trajectories):
+        pos = len(traj.prompt_ids)
+        for turn in traj.turns:
+            if turn.failed_calls:
+                batch.loss_mask[b, pos:pos + len(turn.completion_ids)] = 0
+                masked += 1
+            pos += len(turn.completion_ids) + len(turn.observation_ids)
+    return batch, masked

@@ -159,3 +159,18 @@ def test_the_sft_command_refuses_a_held_out_task_in_its_data(taskset, tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"held-out task {ids[0]}" in proc.stderr and "Traceback" not in proc.stderr
     assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "failed"
+
+
+def test_a_turn_whose_call_failed_is_context_not_a_target(tmp_path):
+    from shipyard.harness.trajectory import CallRecord
+    from shipyard.rl.sft import demonstration_batch, exported_step
+
+    traj = _rollout("a", turns=3).trajectory
+    traj.turns[1].calls = [CallRecord(index=0, name="read_file", arguments={}, output="", error="missing path",
+                                      seconds=0.0, error_kind="bad_arguments")]
+    batch, masked = demonstration_batch([traj], pad_id=0)
+    # prompt [1, 2], then per turn completion [3, 4] and observation [5]: turn 1's completion is positions 5-6
+    assert batch.loss_mask[0].tolist() == [0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 0] and masked == 1
+    assert exported_step(tmp_path) is None
+    (tmp_path / "shipyard.json").write_text('{"step": 4}')
+    assert exported_step(tmp_path) == 4
