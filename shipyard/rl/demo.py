@@ -126,9 +126,9 @@ class DemoReport:
         else:
             why = (f"{self.trained_steps} trainer step(s), evaluated on {self.after.get('eval/scored', 0)} held-out "
                    f"rollouts, are too few to move it")
-        return (f"pass@1 did not move ({before:.3f} → {after:.3f}): {why}. `shipyard bench learning` measures what "
-                f"does — a cold start (supervised fine-tuning on solved trajectories, `shipyard sft`) before RL — "
-                f"on projects never trained on, with confidence intervals: see docs/benchmarks.md "
+        return (f"pass@1 did not move ({before:.3f} → {after:.3f}): {why}. `shipyard bench learning` measures "
+                f"whether a cold start (supervised fine-tuning on solved trajectories, `shipyard sft`) before RL "
+                f"moves it on projects never trained on, with confidence intervals: see docs/benchmarks.md "
                 f"(\"Learning to solve\").")
 
     def tables(self) -> tuple[Text | Table, ...]:
