@@ -57,7 +57,7 @@ from shipyard.rollout.episode import WireSettings
 from shipyard.rollout.gold import GOLD_ENGINE, gold_engine
 from shipyard.rollout.record import Rollout
 from shipyard.tasks.taskset import list_tasks, load_task
-from shipyard.train.batch import Batch
+from shipyard.train.batch import Batch, turn_span
 from shipyard.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from shipyard.train.trainer import Trainer
 
@@ -130,6 +130,7 @@ def select(sources: dict[str, list[Rollout]], train_ids: set[str], held: set[str
     record of a held-out task or of no task of the set, `UserError` for one tokenized for another model."""
     kept, dropped, read = [], {}, {}
     statements: dict[str, str] = {}
+    header: tuple[int, ...] = ()
     for name, rollouts in sources.items():
         reasons: Counter[str] = Counter()
         for r in rollouts:
@@ -145,19 +146,20 @@ def select(sources: dict[str, list[Rollout]], train_ids: set[str], held: set[str
                 continue
             if r.task_id not in statements:
                 statements[r.task_id] = load_task(tasks_dir, r.task_id)[0].statement
-            _check_rendering(name, r, statements[r.task_id], chat)
+            header = header or tuple(chat.assistant_header_ids())  # rendered once, when a record is first kept
+            _check_rendering(name, r, statements[r.task_id], chat, header)
             kept.append(r)
         dropped[name], read[name] = dict(reasons), len(rollouts)
     return Demonstrations(kept, dropped, read)
 
 
-def _check_rendering(source: str, rollout: Rollout, statement: str, chat: ChatFormat) -> None:
+def _check_rendering(source: str, rollout: Rollout, statement: str, chat: ChatFormat,
+                     header: tuple[int, ...]) -> None:
     """The trajectory was tokenized with the policy's tokenizer and chat format: its ids are in the vocabulary, its
     prompt ends with the policy's assistant header and decodes to text that holds the task's statement."""
     traj = rollout.trajectory
     vocab = len(chat.tokenizer)
     ids = traj.token_ids()
-    header = chat.assistant_header_ids()
     bad = max(ids, default=0) >= vocab or tuple(traj.prompt_ids[-len(header):]) != header or \
         statement.strip()[:200] not in chat.tokenizer.decode(traj.prompt_ids)
     if bad:
@@ -312,12 +314,8 @@ def demonstration_batch(trajectories: list[Trajectory], pad_id: int) -> tuple[Ba
     unknown tool, bad arguments, a tool error…) is context, not a target — a success can contain mistakes the model
     recovered from, and imitating the mistake is not the lesson. The turns after it still train (the recovery is)."""
     batch = Batch.from_trajectories(trajectories, [1.0] * len(trajectories), pad_id=pad_id)
-    masked = 0
-    for b, traj in enumerate(trajectories):
-        pos = len(traj.prompt_ids)
-        for turn in traj.turns:
-            if turn.failed_calls:
-                batch.loss_mask[b, pos:pos + len(turn.completion_ids)] = 0
-                masked += 1
-            pos += len(turn.completion_ids) + len(turn.observation_ids)
-    return batch, masked
+    failed = [(b, i) for b, traj in enumerate(trajectories) for i, turn in enumerate(traj.turns) if turn.failed_calls]
+    for b, i in failed:
+        start, end = turn_span(trajectories[b], i)
+        batch.loss_mask[b, start:end] = 0
+    return batch, len(failed)

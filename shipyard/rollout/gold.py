@@ -230,12 +230,10 @@ DONE = ("I implemented {what} in {where}; the tests that were failing now pass."
         "Implemented {what} in {where}. The failing tests pass now.")
 
 
-def _read_args(snapshot: Tree, path: str, task: Task | None) -> dict[str, Any]:
-    """`read_file` on `path`: the whole file, or the window around its deleted code when the file is long."""
-    try:
-        lines = snapshot.read(path, MAX_FILE_BYTES).count(b"\n")
-    except (PathError, OSError):
-        return {"path": path}
+def _read_args(path: str, text: str, task: Task | None) -> dict[str, Any]:
+    """`read_file` on `path` (whose text is `text`): the whole file, or the window around its deleted code when the
+    file is long."""
+    lines = text.count("\n")
     starts = [d.start for d in task.deleted if d.file == path] if task is not None else []
     if lines <= 400 or not starts:
         return {"path": path}
@@ -253,13 +251,14 @@ def gold_messages(task_dir: Path, task: Task | None = None,
     snapshot = Tree(task_dir / "snapshot")
     rng = random.Random(f"gold:{task.id if task is not None else task_dir.name}")
     changed = [p for p, c in final.items() if c is not None]
-    existing = [p for p in changed if _exists(snapshot, p)]
+    originals = {p: _read_text(snapshot, p) for p in changed}  # each file read once, as the snapshot holds it
+    existing = [p for p in changed if originals[p] is not None]
     where = ", ".join(f"`{p}`" for p in (existing or changed))
     what = _names(task, changed)
     run_tests = [("run_terminal", {"command": _test_command(task)})] if task is not None else []
     turns: list[str] = []
     if existing:
-        look = [("read_file", _read_args(snapshot, p, task)) for p in existing]
+        look = [("read_file", _read_args(p, originals[p], task)) for p in existing]
         if task is not None and task.deleted and rng.random() < 0.3:
             name = task.deleted[0].qualname.rsplit(".", 1)[-1]
             tests = sorted({t.split("::", 1)[0].rsplit("/", 1)[0] for t in task.fail_to_pass}) or ["."]
@@ -272,7 +271,7 @@ def gold_messages(task_dir: Path, task: Task | None = None,
         if content is None:
             calls.append(("delete_file", {"path": path}))
             continue
-        old = _read_text(snapshot, path) if path in existing else None
+        old = originals[path]
         steps = edits(old, content, path) if old is not None else None
         if steps is None:
             calls.append(("write_file", {"path": path, "content": content}))
@@ -283,10 +282,6 @@ def gold_messages(task_dir: Path, task: Task | None = None,
         turns.append(_turn(rng.choice(CHECK), run_tests, spelled))
     turns.append(rng.choice(DONE).format(what=what, where=where))
     return turns
-
-
-def _exists(snapshot: Tree, path: str) -> bool:
-    return _read_text(snapshot, path) is not None
 
 
 def _read_text(snapshot: Tree, path: str) -> str | None:
