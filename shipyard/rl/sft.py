@@ -247,8 +247,9 @@ def _run(config: RLConfig, run: RunDir, tasks_dir: Path, train_ids: list[str], h
             sources[source] = read_rollouts(Path(source))
     data = select(sources, set(train_ids), held, tasks_dir, chat)
     (run.root / "sft").mkdir(exist_ok=True)
-    (run.root / "sft" / "data.json").write_text(json.dumps(data.summary(), indent=1) + "\n")
-    status(f"{len(data.rollouts)} demonstrations of {data.summary()['tasks']} tasks ({data.dropped} dropped)")
+    summary = data.summary()
+    (run.root / "sft" / "data.json").write_text(json.dumps(summary, indent=1) + "\n")
+    status(f"{summary['demonstrations']} demonstrations of {summary['tasks']} tasks ({data.dropped} dropped)")
     if not data.rollouts:
         raise UserError(f"no demonstration to train on (read {data.read}, dropped {data.dropped}): a demonstration is "
                         f"a rollout of a training task scored 1.0 and not flagged")
