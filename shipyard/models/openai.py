@@ -28,7 +28,6 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from shipyard.httpguard import read_token
-from shipyard.models.bundled import Status
 from shipyard.models.engine import Completion, GenerationRequest
 from shipyard.models.errors import InfraError, ServerUnreachable
 
@@ -55,6 +54,26 @@ def _error_message(resp: httpx.Response) -> str:
         return resp.text[:500]
 
 
+def served_model(base_url: str, api_key: str | None = None) -> str:
+    """The model a server serves (the first one its `GET /models` lists); `make_engine` loads its tokenizer."""
+    base_url = base_url.rstrip("/")
+    api_key = api_key or read_token(API_KEY_ENV, None)
+    try:
+        resp = httpx.get(f"{base_url}/models", timeout=10, headers=_auth(api_key))
+        if resp.status_code == 401:
+            raise ServerUnreachable(f"{base_url} needs an API key ({'a wrong one was' if api_key else 'none was'} "
+                                    f"sent): set ${API_KEY_ENV} to the key the server was started with")
+        resp.raise_for_status()
+        return str(resp.json()["data"][0]["id"])
+    except httpx.HTTPError as e:
+        raise ServerUnreachable(
+            f"cannot reach an OpenAI-compatible server at {base_url} ({type(e).__name__}: {e}). Start one with "
+            f"`shipyard serve --model M --port P` (then use openai:http://127.0.0.1:P/v1) or check the URL."
+        ) from e
+    except (KeyError, IndexError, ValueError) as e:
+        raise ServerUnreachable(f"{base_url}/models did not list a model; is this an OpenAI-compatible API?") from e
+
+
 class OpenAIEngine:
     def __init__(self, base_url: str, model: str, tokenizer: PreTrainedTokenizerBase, timeout: float = 600.0,
                  max_concurrency: int = 64, api_key: str | None = None):
@@ -66,31 +85,6 @@ class OpenAIEngine:
         api_key = api_key or read_token(API_KEY_ENV, None)
         self.client = httpx.Client(base_url=self.base_url, timeout=timeout, headers=_auth(api_key))
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="shipyard-http")
-
-    @classmethod
-    def connect(cls, base_url: str, tokenizer: str | None = None, status: Status = lambda _: None,
-                api_key: str | None = None) -> OpenAIEngine:
-        """Ask the server which model it serves (GET /models) and load the matching tokenizer."""
-        from shipyard.models.resolve import load_tokenizer
-
-        base_url = base_url.rstrip("/")
-        api_key = api_key or read_token(API_KEY_ENV, None)
-        try:
-            resp = httpx.get(f"{base_url}/models", timeout=10, headers=_auth(api_key))
-            if resp.status_code == 401:
-                raise ServerUnreachable(f"{base_url} needs an API key ({'a wrong one was' if api_key else 'none was'} "
-                                        f"sent): set ${API_KEY_ENV} to the key the server was started with")
-            resp.raise_for_status()
-            model = resp.json()["data"][0]["id"]
-        except httpx.HTTPError as e:
-            raise ServerUnreachable(
-                f"cannot reach an OpenAI-compatible server at {base_url} ({type(e).__name__}: {e}). Start one with "
-                f"`shipyard serve --model M --port P` (then use openai:http://127.0.0.1:P/v1) or check the URL."
-            ) from e
-        except (KeyError, IndexError, ValueError) as e:
-            raise ServerUnreachable(f"{base_url}/models did not list a model; is this an OpenAI-compatible API?") from e
-        status(f"connected to {base_url} serving {model}")
-        return cls(base_url, model, load_tokenizer(tokenizer or model, status), api_key=api_key)
 
     def _one(self, req: GenerationRequest) -> Completion:
         sp = req.sampling

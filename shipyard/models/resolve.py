@@ -100,25 +100,38 @@ def make_engine(name: str, *, device: str = "cpu", tokenizer: str | None = None,
         tok = load_tokenizer(tokenizer, status) if tokenizer else None
         return ReplayEngine.from_file(name.removeprefix("replay:"), tok)
     if name.startswith("openai:"):
-        from shipyard.models.openai import OpenAIEngine
-
-        urls = [u.strip() for u in name.removeprefix("openai:").split(",") if u.strip()]
-        if len(urls) == 1:
-            return OpenAIEngine.connect(urls[0], tokenizer=tokenizer, status=status)
-        from shipyard.models.router import EngineRouter
-
-        engines = [OpenAIEngine.connect(u, tokenizer=tokenizer, status=status) for u in urls]
-        served = {e.model for e in engines}
-        if len(served) > 1:
-            raise ModelNotFound(f"the servers of {name} serve different models ({', '.join(sorted(served))}); a "
-                                "router's servers must serve one model")
-        return EngineRouter(list(engines), name=name)
+        return _remote(name, tokenizer, status)
     from shipyard.models.local import LocalEngine
 
     model, tok = load_hf(name, device=device, status=status)
     if lora is not None and lora.enabled:
         attach(model, lora)
     return LocalEngine(model, tok, name=name)
+
+
+def _remote(name: str, tokenizer: str | None, status: Status) -> Engine:
+    """An `OpenAIEngine` per server of `openai:URL1,URL2,…` (an `EngineRouter` over several), sharing one tokenizer:
+    `tokenizer`, else the one of the model the servers serve."""
+    from shipyard.models.openai import OpenAIEngine, served_model
+
+    urls = [u.strip().rstrip("/") for u in name.removeprefix("openai:").split(",") if u.strip()]
+    if not urls:
+        raise ModelNotFound(f"{name!r} names no server: write openai:BASE_URL (or openai:URL1,URL2,…)")
+    served = {url: served_model(url) for url in urls}
+    for url, model in served.items():
+        status(f"connected to {url} serving {model}")
+    models = set(served.values())
+    if len(models) > 1:
+        raise ModelNotFound(f"the servers of {name} serve different models ({', '.join(sorted(models))}); a "
+                            "router's servers must serve one model")
+    model = models.pop()
+    tok = load_tokenizer(tokenizer or model, status)
+    engines = [OpenAIEngine(url, model, tok) for url in urls]
+    if len(engines) == 1:
+        return engines[0]
+    from shipyard.models.router import EngineRouter
+
+    return EngineRouter(engines, name=name)
 
 
 def load_tokenizer(name: str, status: Status = lambda _: None) -> PreTrainedTokenizerBase:

@@ -13,7 +13,7 @@ from servers import running_app, wait_for
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.errors import InfraError
 from shipyard.models.local import LocalEngine
-from shipyard.models.openai import OpenAIEngine, ServerError
+from shipyard.models.openai import ServerError
 from shipyard.models.resolve import TINY, make_engine, tiny_model
 from shipyard.models.router import EngineRouter, NoEngineLeft
 from shipyard.models.server import ServeConfig, create_app
@@ -83,7 +83,7 @@ def test_a_shut_down_server_fails_over_to_another_engine(tiny):
     local = LocalEngine(model, tok, name="local")
     served = LocalEngine(model, tok, name="served")
     with running_app(create_app(served, TINY, ServeConfig())) as url:
-        remote = OpenAIEngine.connect(url + "/v1")
+        remote = make_engine(f"openai:{url}/v1")
         router = EngineRouter([remote, local], cooldown=3600)
         req = GenerationRequest(ids("a rollout's first turn"), GREEDY, session="r")
         first = router.generate([req])[0]
@@ -104,7 +104,7 @@ def test_a_server_answering_503_is_an_infra_error_and_fails_over(tiny):
     served = LocalEngine(model, tok, name="served")
     app = create_app(served, TINY, ServeConfig())
     with running_app(app) as url:
-        remote = OpenAIEngine.connect(url + "/v1")
+        remote = make_engine(f"openai:{url}/v1")
         app.state.batcher.stopping = True  # shutting down: every completion gets 503
         with pytest.raises(ServerError, match="503"):
             remote.generate([GenerationRequest(ids("refused"), GREEDY)])

@@ -10,8 +10,8 @@ from servers import free_port
 
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.local import LocalEngine
-from shipyard.models.openai import OpenAIEngine, ServerUnreachable
-from shipyard.models.resolve import TINY, load_hf
+from shipyard.models.openai import ServerUnreachable
+from shipyard.models.resolve import TINY, load_hf, make_engine
 from shipyard.models.server import ServeConfig, create_app
 
 
@@ -24,7 +24,7 @@ def served(serve_app):
 
 def test_client_matches_local_engine(served):
     engine, url = served
-    client = OpenAIEngine.connect(url)
+    client = make_engine(f"openai:{url}")
     assert client.model == TINY
     p = client.tokenizer.encode("hello server", add_special_tokens=False)
     for sp in (SamplingParams(max_tokens=12, temperature=0.0), SamplingParams(max_tokens=12, temperature=0.8, seed=5)):
@@ -37,7 +37,7 @@ def test_client_matches_local_engine(served):
 
 def test_concurrent_requests_are_batched(served):
     engine, url = served
-    client = OpenAIEngine.connect(url)
+    client = make_engine(f"openai:{url}")
     engine.stats["max_running"] = 0
     reqs = [GenerationRequest(client.tokenizer.encode(f"prompt {i}", add_special_tokens=False),
                               SamplingParams(max_tokens=32, temperature=0.0)) for i in range(6)]
@@ -53,7 +53,7 @@ def test_concurrent_requests_are_batched(served):
 def test_short_request_is_answered_while_a_long_one_decodes(served):
     """Continuous batching behind the server: a short request joins the running batch instead of waiting for it."""
     engine, url = served
-    client = OpenAIEngine.connect(url)
+    client = make_engine(f"openai:{url}")
     long_req = GenerationRequest([65] * 8, SamplingParams(max_tokens=400, temperature=0.0, stop_token_ids=()))
     short_req = GenerationRequest([66] * 8, SamplingParams(max_tokens=4, temperature=0.0))
     with ThreadPoolExecutor(1) as pool:
@@ -93,4 +93,4 @@ def test_bad_requests_get_clear_errors(served):
 
 def test_unreachable_server_message():
     with pytest.raises(ServerUnreachable, match="shipyard serve"):
-        OpenAIEngine.connect(f"http://127.0.0.1:{free_port()}/v1")
+        make_engine(f"openai:http://127.0.0.1:{free_port()}/v1")

@@ -27,8 +27,7 @@ from servers import free_port, wait_for
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.errors import ServerUnreachable
 from shipyard.models.local import LocalEngine
-from shipyard.models.openai import OpenAIEngine
-from shipyard.models.resolve import TINY, load_hf, tiny_model
+from shipyard.models.resolve import TINY, load_hf, make_engine, tiny_model
 from shipyard.models.server import ServeConfig, create_app
 from shipyard.train.sync import encode, push_http
 
@@ -431,9 +430,9 @@ def test_api_key_protects_completions_when_set(serve_app, monkeypatch):
     assert r.status_code == 401  # the API key is not the weights token
     monkeypatch.delenv("SHIPYARD_API_KEY", raising=False)
     with pytest.raises(ServerUnreachable, match=r"/v1 needs an API key \(none was sent\): set \$SHIPYARD_API_KEY to "):
-        OpenAIEngine.connect(f"{url}/v1")
+        make_engine(f"openai:{url}/v1")
     monkeypatch.setenv("SHIPYARD_API_KEY", "k3y")
-    client = OpenAIEngine.connect(f"{url}/v1")
+    client = make_engine(f"openai:{url}/v1")
     out = client.generate([GenerationRequest(ids("hi"), SamplingParams(max_tokens=3, temperature=0))])[0]
     assert len(out.token_ids) == 3
     client.close()

@@ -565,8 +565,7 @@ def test_eval_against_an_openai_compatible_endpoint(taskset, source_copy):
     from servers import running_app
 
     from shipyard.models.local import LocalEngine
-    from shipyard.models.openai import OpenAIEngine
-    from shipyard.models.resolve import TINY, load_hf
+    from shipyard.models.resolve import TINY, load_hf, make_engine
     from shipyard.models.server import ServeConfig, create_app
     from shipyard.tasks.taskset import list_tasks
 
@@ -574,7 +573,7 @@ def test_eval_against_an_openai_compatible_endpoint(taskset, source_copy):
     model, tok = load_hf(TINY, dtype=torch.float32)
     served = LocalEngine(model, tok)
     with running_app(create_app(served, TINY, ServeConfig(max_batch=4))) as url:
-        client = OpenAIEngine.connect(url + "/v1")
+        client = make_engine(f"openai:{url}/v1")
         doc = evaluate(client, tasks_dir, list_tasks(tasks_dir)[:1], samples=2, max_new_tokens=16, temperature=1.0)
     served.close()
     overall = doc["overall"]
