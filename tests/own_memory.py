@@ -82,6 +82,9 @@ def _peak_problem() -> str | None:
     return None if probe.returncode == 0 else (probe.stderr.strip().splitlines() or ["?"])[-1]
 
 
+TEARDOWN_FREE_EXIT = "\nimport os as _os\nsys.stdout.flush()\nsys.stderr.flush()\n_os._exit(0)\n"
+
+
 def in_child(script: str, *args: str, timeout: float = 600) -> dict:
     """Run `script` in a fresh interpreter (this directory importable, `sys.argv[1:]` = `args`); its last line of
     output is JSON, returned. Skips where this host cannot reset a process's peak (no /proc/self/clear_refs)."""
@@ -90,7 +93,9 @@ def in_child(script: str, *args: str, timeout: float = 600) -> dict:
     problem = _peak_problem()
     if problem is not None:
         pytest.skip(f"cannot reset a process's resident peak here: {problem}")
-    code = f"import sys; sys.path.insert(0, {str(TESTS)!r})\n" + script
+    # The script's output flushed, the child leaves without tearing the interpreter down: it measures the steps, not
+    # teardown, where torch once aborted on CI ("terminate called without an active exception", no Python frame).
+    code = f"import sys; sys.path.insert(0, {str(TESTS)!r})\n" + script + TEARDOWN_FREE_EXIT
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
                           env=env)

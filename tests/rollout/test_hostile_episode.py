@@ -20,12 +20,16 @@ _problem = sandbox_problem()
 sandboxes = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
 
 # A daemon (its own session: not a background job, so closing the tool context does not stop it) that waits for
-# the episode's final diff (git diff --no-index) and then kills every process of the sandbox uid: the exec session
-# dies in the middle of the diff.
+# the episode's final diff and then kills every process of the sandbox uid: the exec session dies in the middle of
+# the diff. It watches for the diff's scratch directory (made before the 3,000 files are mirrored into it) or its
+# `git diff --no-index`, whichever it sees first, polling until a deadline rather than for a number of rounds: on a
+# loaded machine a fixed number of rounds could end before the diff began, and the diff could pass unseen.
 KILL_DURING_DIFF = (
     "mkdir -p hostile && for i in $(seq 3000); do echo $i > hostile/f$i; done; "
-    "setsid bash -c 'for i in $(seq 20000); do for p in /proc/[0-9]*/comm; do read -r c < $p 2>/dev/null; "
-    "if [[ $c == git ]]; then kill -9 -1; fi; done; done' >/dev/null 2>&1 </dev/null &"
+    "setsid bash -c 'end=$((SECONDS + 600)); while ((SECONDS < end)); do "
+    "if compgen -G \"${TMPDIR:-/tmp}/shipyard-diff-*\" >/dev/null; then kill -9 -1; fi; "
+    "for p in /proc/[0-9]*/comm; do read -r c < $p 2>/dev/null; if [[ $c == git ]]; then kill -9 -1; fi; done; "
+    "done' >/dev/null 2>&1 </dev/null &"
 )
 
 
