@@ -1,4 +1,5 @@
-"""The `shipyard` command line (typer). See DESIGN.md's CLI contract; every long job shows progress.
+"""The `shipyard` command line (typer): the commands README.md lists, each a thin shell over the library
+(docs/architecture.md); every long job shows progress.
 
 Errors a user can fix (a bad path, an unknown model, an unreachable server, a malformed replay file: the
 `shipyard.errors.UserError` types) are printed as one clear line and exit with status 2, not as a traceback. Any
@@ -195,11 +196,12 @@ def serve(
 
     Weight pushes (POST /v1/weights) need a bearer token: $SHIPYARD_SERVE_TOKEN (or the file in
     $SHIPYARD_SERVE_TOKEN_FILE) if set, else a fresh one written to $SHIPYARD_HOME/serve/PORT.token (mode 0600),
-    where `shipyard.train.sync.push_http` finds it."""
+    where `shipyard.train.sync.push_http` finds it (`shipyard.models.payload.token_path`)."""
     from shipyard.harness.chat_api import add_chat_completions
     from shipyard.httpguard import server_token, store_token
+    from shipyard.models.payload import TOKEN_ENV, token_path
     from shipyard.models.resolve import make_engine
-    from shipyard.models.server import TOKEN_ENV, ServeConfig, create_app, run, token_path
+    from shipyard.models.server import ServeConfig, create_app, run
     from shipyard.rollout.episode import wire_defaults
 
     with user_errors():

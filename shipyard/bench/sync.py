@@ -18,8 +18,9 @@ import torch
 
 from shipyard.bench._common import finish, table
 from shipyard.models.bundled import DEFAULT_MODEL
+from shipyard.models.payload import decode, encode
 from shipyard.models.resolve import load_hf
-from shipyard.train.sync import decode, encode, mx_weight_names
+from shipyard.train.sync import mx_weight_names
 
 
 def main() -> None:

@@ -402,7 +402,7 @@ class LocalEngine:
     def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor], complete: bool = False) -> None:
         """Load `tensors` (state-dict names) as `version`, which must be above `policy_version`. With `complete`
         (what `shipyard serve` asks for a pushed payload) they must cover every floating tensor of the model's state
-        dict — tied weights under each of their names, as `shipyard.train.sync.decode` returns them — so a push
+        dict — tied weights under each of their names, as `shipyard.models.payload.decode` returns them — so a push
         labelled as a new version cannot leave most of the model at the old one. All or nothing."""
         self._check_version(version)
         own = self.model.state_dict()
@@ -416,7 +416,7 @@ class LocalEngine:
                 more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
                 raise ValueError(f"update_weights: the push holds {len(weights) - len(missing)} of the model's "
                                  f"{len(weights)} weight tensors, missing {', '.join(missing[:5])}{more}; a push must "
-                                 "carry the whole state dict (shipyard.train.sync.encode(model.state_dict(), ...): "
+                                 "carry the whole state dict (shipyard.models.payload.encode(model.state_dict(), ...): "
                                  "tied weights once, the others named in its aliases); nothing was loaded, the model "
                                  f"stays at version {self.policy_version}")
         for key, value in tensors.items():  # everything is checked before anything is copied: all or nothing

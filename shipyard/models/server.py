@@ -5,7 +5,7 @@ The request and response follow the OpenAI completions API with the vLLM extensi
 (with `logprobs`) the sampled tokens' logprobs; `return_tokens_as_token_ids` writes tokens as `token_id:N`
 like vLLM. So `OpenAIEngine` is tested against a real server, and other harnesses can use a shipyard model.
 
-`POST /v1/weights` loads a versioned weight payload (bf16 or MXFP8 safetensors bytes, see `shipyard.train.sync`):
+`POST /v1/weights` loads a versioned weight payload (bf16 or MXFP8 safetensors bytes, `shipyard.models.payload`):
 the trainer's push. Completions report the `policy_version` they were sampled with.
 
 Concurrent requests are batched. A `LocalEngine` batches continuously by itself: every sequence is submitted to it
@@ -53,7 +53,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any
 
 import uvicorn
@@ -73,21 +72,14 @@ from shipyard.models.engine import (
     VersionConflict,
 )
 from shipyard.models.local import LocalEngine
+from shipyard.models.payload import decode
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "SHIPYARD_SERVE_TOKEN"  # the weights token; or a file named by $SHIPYARD_SERVE_TOKEN_FILE
 UNKNOWN_CONTEXT = 32768  # the context of an engine that does not say (replay:, openai:), without --max-model-len
 MAX_CHARS_PER_TOKEN = 32  # the character bound assumes no token is longer (a longer average is not a real prompt)
 TOKENIZE_SLOTS = 2  # requests tokenizing big prompts at once; the default executor has cores + 4 threads
 SMALL_PROMPTS = 1 << 16  # characters + ids of a request that tokenizes without waiting for a slot (~10 ms)
-
-
-def token_path(port: int) -> Path:
-    """Where `shipyard serve --port PORT` writes the token it generated (0600), and where pushers look for it."""
-    from shipyard.models.bundled import shipyard_home
-
-    return shipyard_home() / "serve" / f"{port}.token"
 
 
 @dataclass
@@ -396,8 +388,6 @@ async def _until_disconnected(request: Request, futures: list[asyncio.Future],
 
 
 def _load_weights(engine: LocalEngine, body: bytes) -> tuple[int, int]:
-    from shipyard.train.sync import decode
-
     version, tensors = decode(body)
     engine.update_weights(version, tensors, complete=True)
     return version, len(tensors)

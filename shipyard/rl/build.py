@@ -2,12 +2,15 @@
 first run when the config names a repository), the held-out split, the engine, the sandboxes, the transport, the
 scheduler, the trainer and the run directory.
 
-`open_run(config)` is a context manager: it builds everything, yields the `RLLoop`, and on exit closes what it opened
-(the engine's thread, the sandboxes' task snapshots, Ray actors through the transport) whatever happened. The
-held-out tasks are chosen once, with `run.seed`, and recorded in the run's config: they are evaluated, never trained
-on. A resumed run (`run.resume`) reopens the run directory and continues from its latest checkpoint; a new run
-refuses a directory in use. Whatever ends a run once its directory exists — a mistake or a bug, while building or in
-the loop — marks it failed there, with the traceback in RUN/error.txt (`RunDir.fail`).
+`open_run(config)` is a context manager: it builds everything, yields the `RLLoop`, and on exit closes what it
+opened (the engine's thread, the sandboxes' task snapshots, Ray actors through the transport) whatever happened. The
+engines and the sandboxes are opened as for every other command (`shipyard.rollout.setup`): a run whose episodes run
+in this process first checks that this host can start sandboxes, so a host that cannot is one clear error before any
+work, not a run whose every episode fails. The held-out tasks are chosen once, with `run.seed`, and recorded in the
+run's config: they are evaluated, never trained on. A resumed run (`run.resume`) reopens the run directory and
+continues from its latest checkpoint; a new run refuses a directory in use. Whatever ends a run once its directory
+exists — a mistake or a bug, while building or in the loop — marks it failed there, with the traceback in
+RUN/error.txt (`RunDir.fail`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 from shipyard.errors import UserError
 from shipyard.harness.tools import default_tools
 from shipyard.harness.wire import ChatFormat, tag_token_twins
-from shipyard.models.resolve import load_tokenizer, make_engine
+from shipyard.models.resolve import load_tokenizer
 from shipyard.rl.config import ConfigError, RLConfig, engine_spec, save_config
 from shipyard.rl.critic import Critic
 from shipyard.rl.hints import HintWriter
@@ -37,9 +40,10 @@ from shipyard.rollout.advantages import (
     ParallelBonus,
     ShapingTerm,
 )
-from shipyard.rollout.environment import LocalEnvironment
+from shipyard.rollout.environment import Environment
 from shipyard.rollout.episode import WireSettings, wire_defaults
 from shipyard.rollout.scheduler import Scheduler
+from shipyard.rollout.setup import open_engine, open_environment
 from shipyard.rollout.transport import InProcessTransport
 from shipyard.tasks.curriculum import Curriculum
 from shipyard.tasks.taskset import list_tasks, load_task, project_name, task_projects
@@ -161,9 +165,9 @@ def trainer_config(config: RLConfig) -> TrainConfig:
 
 
 def _wired_loop(config: RLConfig, run: RunDir, tasks_dir: Path, evals: list[str], curriculum: Curriculum,
-                stack: ExitStack, status: Status, argv: list[str] | None) -> RLLoop:
+                env: Environment | None, stack: ExitStack, status: Status, argv: list[str] | None) -> RLLoop:
     """The engine, transport, trainer ranks, scheduler and hint writer of a run whose directory is open, wired into
-    its `RLLoop`; what must be closed goes on `stack`."""
+    its `RLLoop` (episodes run in `env`, or on Ray when `env` is None); what must be closed goes on `stack`."""
     save_config(config, run.config_path, note="shipyard train " + " ".join(argv or []))
 
     status(f"loading {config.model.name}")
@@ -174,11 +178,9 @@ def _wired_loop(config: RLConfig, run: RunDir, tasks_dir: Path, evals: list[str]
         tokenizer = load_tokenizer(config.model.tokenizer or config.model.name, status)
         transport = RayTransport(name, config.episode, config.ray, lora=kwargs["lora"])
     else:
-        engine = make_engine(name, **kwargs, status=status)
+        engine = open_engine(name, tasks_dir=tasks_dir, **kwargs, status=status)
         stack.callback(engine.close)
         tokenizer = engine.tokenizer or load_tokenizer(config.model.tokenizer or config.model.name, status)
-        env = LocalEnvironment()
-        stack.callback(env.close)
         workers = config.rollout.max_in_flight or config.rollout.group_size * config.rollout.groups_per_step
         transport = InProcessTransport(engine, env, config.episode, workers)
     loop = config.episode.loop
@@ -201,7 +203,7 @@ def _wired_loop(config: RLConfig, run: RunDir, tasks_dir: Path, evals: list[str]
         critic = None
         if config.hints.critic:
             status(f"loading the critic {config.hints.critic}")
-            critic_engine = make_engine(config.hints.critic, device=config.engine.device,
+            critic_engine = open_engine(config.hints.critic, device=config.engine.device,
                                         tokenizer=config.hints.critic_tokenizer, status=status)
             stack.callback(critic_engine.close)
             critic = Critic(critic_engine, max_hints=config.hints.critic_max_hints,
@@ -219,6 +221,10 @@ def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[st
     """Everything the configuration describes, built and wired (module docstring); closed on exit."""
     config = replace(config, trainer=trainer_config(config))
     with ExitStack() as stack:
+        env = None
+        if config.ray is None:  # episodes in this process: sandboxes must start here (probed first, before any work)
+            env = open_environment()
+            stack.callback(env.close)
         tasks_dir = task_set(config, status)
         curriculum, evals = split(config, tasks_dir)
         if set(evals) != set(config.run.held_out):
@@ -227,7 +233,7 @@ def open_run(config: RLConfig, *, status: Status = lambda _: None, argv: list[st
         run = run_dir(config)
         stack.callback(run.close)
         try:
-            loop = _wired_loop(config, run, tasks_dir, evals, curriculum, stack, status, argv)
+            loop = _wired_loop(config, run, tasks_dir, evals, curriculum, env, stack, status, argv)
         except BaseException as e:  # the loop records its own failures; these came before it started
             run.fail(e)
             raise

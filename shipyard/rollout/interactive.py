@@ -3,7 +3,8 @@
 The agent's loop is the library's (`episode.run_on_repo`, the one RL trains); this module only adds the terminal:
 each turn is printed as a panel when it ends (`harness.display`), a spinner runs while the model generates, and a
 sandboxed run leaves its patch, trajectory and summary in a directory the user named. Kept out of the CLI so that
-the command stays a shell over the library (DESIGN.md) and the display can be driven by anything holding a console.
+the command stays a shell over the library (docs/architecture.md) and the display can be driven by anything holding
+a console.
 """
 
 from __future__ import annotations

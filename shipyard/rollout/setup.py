@@ -1,8 +1,9 @@
 """Opening what a run of episodes needs — the engine a model name denotes and the environment its sandboxes run in —
-one way for every caller: `shipyard eval`, the coming `shipyard train`, the benchmarks and the tests.
+one way for every caller: `shipyard eval`, `shipyard train` and `shipyard demo` (`shipyard.rl.build`), and tests.
 
 These choices used to live in the command line, where nothing else could reuse them; a benchmark that evaluated a
-model had to repeat them, and could repeat them differently (DESIGN.md: `cli.py` is a thin shell). What each does:
+model had to repeat them, and could repeat them differently (`cli.py` is a thin shell: docs/architecture.md). What
+each does:
 
 * `select_tasks` — the tasks a run names (or all of a task set's), each loaded before the first episode: an unknown
   or malformed task is one clear error at the start, not a crash an hour into the run.
@@ -34,6 +35,7 @@ from shipyard.errors import UsageError, UserError
 if TYPE_CHECKING:
     from shipyard.harness.loop import LoopConfig
     from shipyard.models.engine import Engine
+    from shipyard.models.lora import LoraConfig
     from shipyard.rollout.environment import Environment
 
 GOLD = "replay:gold"
@@ -58,12 +60,13 @@ def select_tasks(tasks_dir: Path, only: Iterable[str] | None = None) -> list[str
 
 
 def open_engine(model: str, *, tasks_dir: Path | None = None, task_ids: list[str] | None = None, device: str = "cpu",
-                tokenizer: str | None = None, status: Callable[[str], None] = lambda _: None,
-                loop: LoopConfig | None = None) -> Engine:
+                tokenizer: str | None = None, lora: LoraConfig | None = None,
+                status: Callable[[str], None] = lambda _: None, loop: LoopConfig | None = None) -> Engine:
     """The engine `model` denotes (`make_engine`'s names, and `replay:gold`: the gold trajectories of `task_ids` in
     `tasks_dir`, all of the task set's when None). `tokenizer` names the tokenizer of id-only engines (openai:,
-    replay:); `status` hears what loading is doing (downloads, conversions). With `loop`, the episodes' turn budget is
-    fitted to a replay engine (`fit_turn_budget`). The caller closes the engine."""
+    replay:); `lora` attaches a trainer's adapter to a local engine's model; `status` hears what loading is doing
+    (downloads, conversions). With `loop`, the episodes' turn budget is fitted to a replay engine
+    (`fit_turn_budget`). The caller closes the engine."""
     if model == GOLD:
         from shipyard.models.resolve import load_tokenizer
         from shipyard.rollout.gold import gold_engine
@@ -74,7 +77,7 @@ def open_engine(model: str, *, tasks_dir: Path | None = None, task_ids: list[str
     else:
         from shipyard.models.resolve import make_engine
 
-        engine = make_engine(model, device=device, tokenizer=tokenizer, status=status)
+        engine = make_engine(model, device=device, tokenizer=tokenizer, lora=lora, status=status)
     if loop is not None and fit_turn_budget(engine, loop) is not None:
         status(f"a turn's token budget is raised to {loop.max_new_tokens}, the longest recorded message")
     return engine

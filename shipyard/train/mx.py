@@ -1,86 +1,27 @@
-"""MXFP8 (OCP Microscaling Formats v1.0): 8-bit elements sharing one power-of-two scale per block of 32.
+"""MXFP8 training, emulated: linear and embedding layers that compute with MXFP8-rounded operands.
 
-A tensor is cut into blocks of K = 32 consecutive values along its last dimension (the reduction dimension of a
-linear layer's weight and input). Each block stores one E8M0 scale — an 8-bit biased exponent, X = 2^(e − 127),
-e = 255 meaning NaN — and 32 FP8 E4M3 elements (1 sign, 4 exponent, 3 mantissa bits, max normal 448). A value is
-v ≈ X · P with P the element. Cost: 8 bits per element + 8 bits per 32 = 8.25 bits, 0.516× bf16.
+The number format itself — E4M3 elements sharing an E8M0 scale per block of 32, `quantize` and `dequantize` — is
+`shipyard.models.mxformat`, where the engines that load the trainer's MXFP8 payloads find it too.
 
-Scale choice, rounded **up** (the RCEIL recipe of NVIDIA's cuBLAS block scaling and torchao): the smallest power of
-two with amax / X ≤ 448, i.e. X = 2^⌈log2(amax / 448)⌉, so no element saturates — where the OCP spec's
-floor(log2 amax) − 8 can push the block maximum past 448 and clamp it. Exponents clamp to [−127, 127]; an all-zero
-block gets X = 2^−127. Elements are round-to-nearest-even casts of v / X to E4M3.
+`MXLinear`'s forward multiplies dequantize(quantize(·)) of the input and of the weight, both blocked along the
+reduction dim; the backward quantizes the operands of its two matmuls blocked along *their* reduction dims
+(grad_output and weightᵀ along the output features for grad_input; grad_outputᵀ and inputᵀ along the tokens for
+grad_weight), as torchao's MX training recipe does. Embedding tables are stored in MXFP8 too (`MXEmbedding`: rows
+blocked along the hidden dim, straight-through gradient), so a tied output head and the embedding share one MXFP8
+tensor. On Blackwell GPUs torchao's own MXLinear (real MX tensor cores, linear layers only) is used instead
+(`convert_to_mxfp8(backend="auto")`).
 
-Training in MXFP8 here is emulation (`MXLinear`, `MXEmbedding`): the forward multiplies dequantize(quantize(·))
-of the input and of the weight, both blocked along the reduction dim; the backward quantizes the operands of its
-two matmuls blocked along *their* reduction dims (grad_output and weightᵀ along the output features for
-grad_input; grad_outputᵀ and inputᵀ along the tokens for grad_weight), as torchao's MX training recipe does.
-Embedding tables are stored in MXFP8 too (rows blocked along the hidden dim, straight-through gradient), so a tied
-output head and the embedding share one MXFP8 tensor. On Blackwell GPUs torchao's own MXLinear (real MX tensor
-cores, linear layers only) is used instead (`convert_to_mxfp8(backend="auto")`).
-
-Because the sampler gets the policy as MXFP8 payloads (`quantize` here) and dequantizes them with `dequantize`
-here, it runs on exactly the weights the trainer's forward used: no post-training quantization step, no drift.
+Because the sampler gets the policy as MXFP8 payloads (`shipyard.models.payload`, quantized with the same `quantize`)
+and dequantizes them with the same `dequantize`, it runs on exactly the weights the trainer's forward used: no
+post-training quantization step, no drift.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
 
-BLOCK = 32
-E4M3_MAX = 448.0
-E8M0_BIAS = 127
-
-
-@dataclass
-class MXTensor:
-    """An MXFP8 tensor: `elements` (float8_e4m3fn, shape padded to a multiple of 32 on the last dim), `scales`
-    (float8_e8m0fnu, one per block), and the original shape."""
-
-    elements: Tensor
-    scales: Tensor
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return self.elements.numel() + self.scales.numel()
-
-
-def _ceil_log2(x: Tensor) -> Tensor:
-    """⌈log2 x⌉ exactly, for positive finite float32 x (frexp: x = m·2^e, m ∈ [0.5, 1))."""
-    mantissa, exponent = torch.frexp(x)
-    return torch.where(mantissa == 0.5, exponent - 1, exponent)
-
-
-def quantize(x: Tensor, block: int = BLOCK) -> MXTensor:
-    """MXFP8 of `x` blocked along its last dimension (zero-padded to a multiple of `block`)."""
-    shape = tuple(x.shape)
-    v = x.detach().float()
-    pad = (-shape[-1]) % block
-    if pad:
-        v = torch.nn.functional.pad(v, (0, pad))
-    blocks = v.reshape(*v.shape[:-1], v.shape[-1] // block, block)
-    amax = blocks.abs().amax(-1)
-    exp = _ceil_log2((amax / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny))
-    # Division rounding can leave amax / 2^exp a hair above 448: then the next power of two.
-    exp = torch.where(amax / torch.exp2(exp.float()) > E4M3_MAX, exp + 1, exp)
-    exp = torch.where(amax == 0, -E8M0_BIAS, exp).clamp(-E8M0_BIAS, E8M0_BIAS)
-    scaled = (blocks / torch.exp2(exp.float())[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
-    biased = torch.where(torch.isnan(amax), 255, exp + E8M0_BIAS).to(torch.uint8)
-    elements = scaled.to(torch.float8_e4m3fn).reshape(v.shape)
-    return MXTensor(elements, biased.view(torch.float8_e8m0fnu), shape)
-
-
-def dequantize(mx: MXTensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The values an MXFP8 tensor stands for, in `dtype`, with its original shape."""
-    e = mx.elements.float()
-    blocks = e.reshape(*e.shape[:-1], -1, BLOCK)
-    exp = mx.scales.view(torch.uint8).int() - E8M0_BIAS
-    scale = torch.where(exp == 255 - E8M0_BIAS, torch.nan, torch.exp2(exp.float()))
-    out = (blocks * scale[..., None]).reshape(e.shape)[..., :mx.shape[-1]]
-    return out.to(dtype).reshape(mx.shape)
+from shipyard.models.mxformat import dequantize, quantize
 
 
 def fake_quantize(x: Tensor, dim: int = -1) -> Tensor:

@@ -27,9 +27,10 @@ from servers import free_port, wait_for
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.errors import ServerUnreachable
 from shipyard.models.local import LocalEngine
+from shipyard.models.payload import encode
 from shipyard.models.resolve import TINY, load_hf, make_engine, tiny_model
 from shipyard.models.server import ServeConfig, create_app
-from shipyard.train.sync import encode, push_http
+from shipyard.train.sync import push_http
 
 TOKEN = "test-weights-token"
 CAP = 2048  # the test server's max_tokens limit: seconds of generation for the tiny model on CPU
@@ -301,7 +302,7 @@ def test_non_finite_mxfp8_push_is_rejected(weights_server):
     model = tiny_model(seed=5)[0]
     from safetensors.torch import load, save
 
-    from shipyard.train.sync import metadata
+    from shipyard.models.payload import metadata
     payload = encode(model.state_dict(), version + 1, "mxfp8", mx_weight_names(model))
     raw = dict(load(payload))
     raw["model.layers.0.mlp.up_proj.weight.mx_scales"] = torch.full_like(
@@ -315,7 +316,8 @@ def test_non_finite_mxfp8_push_is_rejected(weights_server):
 def test_malformed_payloads_get_400_and_change_nothing(weights_server, change):
     from safetensors.torch import load, save
 
-    from shipyard.train.sync import metadata, mx_weight_names
+    from shipyard.models.payload import metadata
+    from shipyard.train.sync import mx_weight_names
 
     engine, url = weights_server
     before, version = snapshot(engine), engine.policy_version
@@ -638,7 +640,7 @@ def pushed_server(serve_app):
 def test_partial_push_is_refused_naming_missing_tensors(pushed_server, partial):
     from safetensors.torch import load, save
 
-    from shipyard.train.sync import metadata
+    from shipyard.models.payload import metadata
 
     engine, url = pushed_server
     before = snapshot(engine)

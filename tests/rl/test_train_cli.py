@@ -193,3 +193,27 @@ def test_a_bad_configuration_value_is_one_line_and_exit_2(tmp_path):
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "steps" in lines[0] and "at least 1" in lines[0]
     assert not (tmp_path / "run").exists()  # refused before anything was made
+
+
+# The host's sandbox probe planted to fail (the one library function replaced; everything else is the real command).
+NO_SANDBOXES = """
+import shipyard.sandbox.run
+from shipyard.cli import app
+
+shipyard.sandbox.run.sandbox_problem = lambda: "planted: user namespaces are disabled"
+app(prog_name="shipyard")
+"""
+
+
+def test_train_on_a_host_that_cannot_start_sandboxes_stops_before_anything(tmp_path):
+    """`shipyard train` opens its sandboxes as `shipyard eval` does (`shipyard.rollout.setup`), so the host's probe
+    runs first: a host that cannot start sandboxes is one error line and exit 2, before the task set is read, the
+    model loaded or the run directory made — not a run in which every episode fails as an infrastructure error."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(CONFIG.format(tasks=tmp_path / "tasks"))  # no task set there: the probe comes before it is read
+    command = [sys.executable, "-c", NO_SANDBOXES, "train", str(config), "--run.dir", str(tmp_path / "run")]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "error: this host cannot start bubblewrap sandboxes: planted: user namespaces are disabled" in proc.stderr
+    assert "Traceback" not in proc.stderr and "holds no tasks" not in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()

@@ -17,13 +17,14 @@ from shipyard.harness.wire import ChatFormat
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.local import LocalEngine
 from shipyard.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraConfig, attach, is_adapter
+from shipyard.models.payload import encode
 from shipyard.models.resolve import TINY, make_engine, tiny_model
 from shipyard.rl.loop import export_policy
 from shipyard.train.batch import Batch
 from shipyard.train.checkpoint import load_checkpoint, save_checkpoint
 from shipyard.train.distill import DistillConfig
 from shipyard.train.losses import PolicyLossConfig, token_logprobs
-from shipyard.train.sync import encode, sync
+from shipyard.train.sync import sync
 from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer
 
 PAD = tiny_model()[1].pad_token_id

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from shipyard.train.mx import BLOCK, MXEmbedding, MXLinear, convert_to_mxfp8, dequantize, fake_quantize, quantize
+from shipyard.models.mxformat import BLOCK, dequantize, quantize
+from shipyard.train.mx import MXEmbedding, MXLinear, convert_to_mxfp8, fake_quantize
 
 
 def _x(*shape, seed=0, scale=1.0):

@@ -9,10 +9,11 @@ from safetensors.torch import load
 from servers import free_port
 
 from shipyard.models.local import LocalEngine
+from shipyard.models.payload import decode, encode, metadata
 from shipyard.models.resolve import tiny_model
 from shipyard.models.server import ServeConfig, create_app
 from shipyard.train.mx import MXLinear, convert_to_mxfp8, fake_quantize
-from shipyard.train.sync import decode, encode, metadata, mx_weight_names, push_http, sync
+from shipyard.train.sync import mx_weight_names, push_http, sync
 from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer
 
 
