@@ -1,0 +1,136 @@
+"""Versioned checkpoints that inference servers read: the filesystem half of a weight push to vLLM.
+
+vLLM reloads weights from a directory of safetensors files (`reload_weights`, `shipyard.models.vllm`). It is not
+all-or-nothing: tried on vLLM 0.32 (CPU), a file holding 3 of a model's 26 tensors was loaded as it was (the served
+model became a mix of two versions) and a tensor of the wrong shape killed the engine process. So everything is
+checked here, against the served checkpoint's own manifest (`manifest`: names, shapes and dtypes read from its
+safetensors headers, no tensor loaded), before a file is written:
+
+- the push names exactly the manifest's tensors (a tied head may come as a second name of the embedding's tensor,
+  and is dropped when the checkpoint does not store it);
+- every shape is the manifest's; every value finite (a NaN served is a run silently gone);
+- tensors are written in the manifest's dtype (bf16 for the bundled models).
+
+`WeightDir.write(version, tensors)` writes `ROOT/v{version}/model.safetensors` through a temporary directory and a
+rename, so a server never reads a half-written file; writing a version already there returns its path (several
+servers behind one router read one copy), and older versions are removed once a newer one is complete. A push to
+servers on other machines needs `ROOT` on a filesystem they share (prime-rl's filesystem push works the same way).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from shipyard.models.engine import VersionConflict
+
+MAX_HEADER = 100 << 20  # bytes of one safetensors header; real ones are kilobytes
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+class PushRejected(ValueError):
+    """A weight push that does not fit the served checkpoint (names, shapes, dtypes, values): nothing was written
+    and the servers keep their weights. The message names what is wrong."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def manifest(model_dir: Path) -> dict[str, TensorSpec]:
+    """Name → shape and dtype of every tensor stored in the checkpoint `model_dir` (its *.safetensors headers)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} holds no *.safetensors file: a server's model must be a directory of "
+                                "safetensors weights for pushes to be checked against it")
+    out: dict[str, TensorSpec] = {}
+    for path in files:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > MAX_HEADER:
+                raise ValueError(f"{path}: a safetensors header of {size} bytes; is this a safetensors file?")
+            header = json.loads(f.read(size))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            if entry["dtype"] not in _DTYPES:
+                raise ValueError(f"{path}: tensor {name} is stored as {entry['dtype']}; pushes write only "
+                                 f"{', '.join(_DTYPES)} checkpoints")
+            out[name] = TensorSpec(tuple(entry["shape"]), _DTYPES[entry["dtype"]])
+    return out
+
+
+def checked(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor]:
+    """The push as the checkpoint stores it (module docstring): every tensor of `spec`, in its dtype, contiguous on
+    the CPU; `PushRejected` naming the first problem otherwise."""
+    stored = {tensors[n].data_ptr() for n in tensors if n in spec}
+    tied = {n for n in tensors if n not in spec and tensors[n].data_ptr() in stored}  # a tied head's second name
+    unknown = sorted(n for n in tensors if n not in spec and n not in tied)
+    missing = sorted(n for n in spec if n not in tensors)
+    if unknown or missing:
+        raise PushRejected(f"the push does not match the served checkpoint: {len(missing)} of its tensors missing "
+                           f"{missing[:4]}, {len(unknown)} unknown {unknown[:4]}; push the whole model's state dict "
+                           "(Trainer.engine_weights) of the model the servers serve")
+    out = {}
+    for name, want in spec.items():
+        t = tensors[name]
+        if tuple(t.shape) != want.shape:
+            raise PushRejected(f"pushed tensor {name} has shape {tuple(t.shape)}; the served checkpoint's is "
+                               f"{want.shape}")
+        if not t.is_floating_point():
+            raise PushRejected(f"pushed tensor {name} is {t.dtype}, not a floating-point weight")
+        value = t.detach().to("cpu", want.dtype).contiguous()
+        if not torch.isfinite(value).all():
+            raise PushRejected(f"pushed tensor {name} holds non-finite values (NaN or inf, after the cast to "
+                               f"{want.dtype}); the servers keep their weights")
+        out[name] = value
+    return out
+
+
+class WeightDir:
+    """The versions written for the servers (module docstring). Thread-safe."""
+
+    def __init__(self, root: Path, spec: Mapping[str, TensorSpec]):
+        self.root = Path(root)
+        self.spec = dict(spec)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self.latest: int | None = None
+        self.last_bytes = 0
+
+    def path(self, version: int) -> Path:
+        return self.root / f"v{version}"
+
+    def write(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Path:
+        """The directory holding `version` (written now, or already): `PushRejected` before anything is written when
+        the push does not fit; `VersionConflict` for a version below the latest written."""
+        with self._lock:
+            target = self.path(version)
+            if self.latest == version and target.is_dir():
+                return target
+            if self.latest is not None and version < self.latest:
+                raise VersionConflict(f"weights version {version} is older than version {self.latest}, already "
+                                      "written for the servers")
+            weights = checked(tensors, self.spec)
+            tmp = self.root / f".v{version}.partial"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt", "version": str(version)})
+            shutil.rmtree(target, ignore_errors=True)
+            tmp.rename(target)
+            self.last_bytes = (target / "model.safetensors").stat().st_size
+            for old in self.root.glob("v*"):
+                if old != target and old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+            self.latest = version
+            return target

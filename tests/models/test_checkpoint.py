@@ -1,0 +1,83 @@
+"""The filesystem half of a push to vLLM (`shipyard.models.checkpoint`): a push is checked whole against the served
+checkpoint before a byte is written, because vLLM's reload loads what it is given (a partial file made a mix of two
+versions; a wrong shape killed the engine: the module docstring)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shipyard.models.checkpoint import PushRejected, WeightDir, checked, manifest
+from shipyard.models.engine import VersionConflict
+from shipyard.models.resolve import tiny_model
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A tied tiny Qwen2 saved as the servers would load it (bf16), and its manifest."""
+    model, _tok = tiny_model(seed=0)
+    path = tmp_path_factory.mktemp("served")
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path, manifest(path)
+
+
+def state(seed: int = 1) -> dict[str, torch.Tensor]:
+    return tiny_model(seed=seed)[0].state_dict()
+
+
+def test_the_manifest_is_the_checkpoints_tensors_without_loading_them(served):
+    path, spec = served
+    stored = load_file(str(path / "model.safetensors"))
+    assert {n: (tuple(t.shape), t.dtype) for n, t in stored.items()} == {n: (s.shape, s.dtype) for n, s in spec.items()}
+    assert "lm_head.weight" not in spec  # tied: stored once, as the embedding
+
+
+def test_a_tied_heads_second_name_is_dropped_and_every_tensor_cast_to_the_stored_dtype(served):
+    _, spec = served
+    weights = state()
+    assert weights["lm_head.weight"].data_ptr() == weights["model.embed_tokens.weight"].data_ptr()
+    out = checked(weights, spec)
+    assert set(out) == set(spec) and all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in out.values())
+    assert torch.equal(out["model.norm.weight"], weights["model.norm.weight"].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("break_it, words", [
+    (lambda w: w.pop("model.norm.weight"), "1 of its tensors missing ['model.norm.weight']"),
+    (lambda w: w.__setitem__("model.extra.weight", torch.zeros(3)), "1 unknown ['model.extra.weight']"),
+    (lambda w: w.__setitem__("lm_head.weight", torch.zeros_like(w["lm_head.weight"])), "1 unknown ['lm_head.weight']"),
+    (lambda w: w.__setitem__("model.norm.weight", torch.ones(7)), "shape (7,); the served checkpoint's is (64,)"),
+    (lambda w: w["model.layers.0.mlp.up_proj.weight"].__setitem__((0, 0), float("nan")), "non-finite"),
+    (lambda w: w["model.layers.0.mlp.up_proj.weight"].__setitem__((0, 0), 3.4e38), "non-finite"),  # inf in bf16
+    (lambda w: w.__setitem__("model.norm.weight", torch.ones(64, dtype=torch.int64)), "not a floating-point"),
+])
+def test_a_push_that_does_not_fit_is_refused_before_anything_is_written(served, tmp_path, break_it, words):
+    _, spec = served
+    weights = {k: v.clone() for k, v in state().items()}  # the head a separate tensor now: an unknown name if kept
+    weights.pop("lm_head.weight")
+    if "lm_head" in words:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    break_it(weights)
+    store = WeightDir(tmp_path / "w", spec)
+    with pytest.raises(PushRejected) as e:
+        store.write(1, weights)
+    assert words in str(e.value)
+    assert list((tmp_path / "w").iterdir()) == [] and store.latest is None
+
+
+def test_versions_are_written_once_and_only_the_latest_is_kept(served, tmp_path):
+    _, spec = served
+    store = WeightDir(tmp_path / "w", spec)
+    first = store.write(1, state(1))
+    assert store.write(1, state(2)) == first  # a second engine's call for the same version: the same copy
+    assert load_file(str(first / "model.safetensors"))["model.norm.weight"].dtype == torch.bfloat16
+    second = store.write(2, state(2))
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v2"] and second.name == "v2"
+    assert store.last_bytes == (second / "model.safetensors").stat().st_size
+    with pytest.raises(VersionConflict):
+        store.write(1, state(1))
+
+
+def test_a_directory_without_safetensors_has_no_manifest(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        manifest(tmp_path)

