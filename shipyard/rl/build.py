@@ -25,7 +25,8 @@ from pathlib import Path
 from shipyard.errors import UserError
 from shipyard.harness.tools import default_tools
 from shipyard.harness.wire import ChatFormat, tag_token_twins
-from shipyard.models.resolve import load_tokenizer
+from shipyard.models.resolve import load_tokenizer, model_directory
+from shipyard.models.vllm_server import VLLMConfig
 from shipyard.rl.config import ConfigError, RLConfig, engine_spec, save_config
 from shipyard.rl.critic import Critic
 from shipyard.rl.hints import HintWriter
@@ -164,6 +165,16 @@ def trainer_config(config: RLConfig) -> TrainConfig:
     return replace(config.trainer, distill=replace(config.trainer.distill, enabled=config.hints.enabled))
 
 
+def vllm_settings(config: RLConfig) -> VLLMConfig:
+    """`[vllm]` with its context length fitted to the episodes': by default their budget (`episode.loop.max_tokens`);
+    a shorter one is refused, or every conversation that grows past it would fail mid-run with a 400."""
+    budget = config.episode.loop.max_tokens
+    if config.vllm.max_model_len and config.vllm.max_model_len < budget:
+        raise ConfigError(f"vllm.max_model_len = {config.vllm.max_model_len} is shorter than the episodes' context "
+                          f"budget episode.loop.max_tokens = {budget}: raise the first or lower the second")
+    return replace(config.vllm, max_model_len=config.vllm.max_model_len or budget)
+
+
 def _wired_loop(config: RLConfig, run: RunDir, tasks_dir: Path, evals: list[str], curriculum: Curriculum,
                 env: Environment | None, stack: ExitStack, status: Status, argv: list[str] | None) -> RLLoop:
     """The engine, transport, trainer ranks, scheduler and hint writer of a run whose directory is open, wired into
@@ -172,14 +183,26 @@ def _wired_loop(config: RLConfig, run: RunDir, tasks_dir: Path, evals: list[str]
 
     status(f"loading {config.model.name}")
     name, kwargs = engine_spec(config)
+    if config.ray is not None and config.engine.kind == "vllm":
+        raise ConfigError("engine.kind = \"vllm\" starts its servers on this machine, and a [ray] section runs the "
+                          "engines as Ray actors: servers on a Ray cluster are not built yet — start vLLM on the "
+                          "nodes and name them with engine.kind = \"openai:URL,…\", or drop [ray]")
     if config.ray is not None:  # the engines are Ray actors, made by the transport
         from shipyard.rollout.ray_transport import RayTransport
 
         tokenizer = load_tokenizer(config.model.tokenizer or config.model.name, status)
         transport = RayTransport(name, config.episode, config.ray, lora=kwargs["lora"])
     else:
-        engine = open_engine(name, tasks_dir=tasks_dir, **kwargs, status=status)
-        stack.callback(engine.close)
+        if config.engine.kind == "vllm":  # servers of the run, started here and stopped with it
+            from shipyard.models.vllm_server import managed_engine
+
+            served = config.vllm.model or model_directory(config.model.name, status)
+            engine = stack.enter_context(managed_engine(
+                vllm_settings(config), served, run.root / "vllm",
+                load_tokenizer(config.model.tokenizer or str(served), status), status))
+        else:
+            engine = open_engine(name, tasks_dir=tasks_dir, **kwargs, status=status)
+            stack.callback(engine.close)
         tokenizer = engine.tokenizer or load_tokenizer(config.model.tokenizer or config.model.name, status)
         workers = config.rollout.max_in_flight or config.rollout.group_size * config.rollout.groups_per_step
         transport = InProcessTransport(engine, env, config.episode, workers)

@@ -72,6 +72,7 @@ from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, Pri
 
 from shipyard.errors import UsageError
 from shipyard.models.bundled import DEFAULT_MODEL
+from shipyard.models.vllm_server import VLLMConfig
 from shipyard.rollout.episode import EpisodeConfig, episode_config, wire_defaults
 from shipyard.rollout.scheduler import SchedulerConfig
 from shipyard.tasks.curriculum import CurriculumConfig
@@ -107,7 +108,9 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
-    kind: str = "local"  # "local" (model.name in this process) | "openai:URL[,URL…]" | "replay:FILE.jsonl"
+    # "local" (model.name in this process) | "vllm" (servers shipyard starts: [vllm]) | "openai:URL[,URL…]" |
+    # "replay:FILE.jsonl"
+    kind: str = "local"
     device: str = "cpu"  # where a local engine puts the model
 
     def __post_init__(self) -> None:
@@ -120,9 +123,11 @@ class EngineConfig:
                 parts = urllib.parse.urlsplit(url)
                 if parts.scheme not in ("http", "https") or not parts.netloc:
                     raise ValueError(f"engine.kind: {url!r} is not an http(s) URL (write http://HOST:PORT/v1)")
-        elif self.kind != "local" and not (self.kind.startswith("replay:") and len(self.kind) > len("replay:")):
-            raise ValueError(f"engine.kind must be 'local', 'openai:URL[,URL…]' (vLLM, SGLang, shipyard serve) or "
-                             f"'replay:FILE.jsonl', got {self.kind!r}")
+        elif self.kind not in ("local", "vllm") and not (self.kind.startswith("replay:")
+                                                         and len(self.kind) > len("replay:")):
+            raise ValueError(f"engine.kind must be 'local', 'vllm' (servers shipyard starts, [vllm]), "
+                             f"'openai:URL[,URL…]' (vLLM, SGLang, shipyard serve) or 'replay:FILE.jsonl', got "
+                             f"{self.kind!r}")
         _check_device("engine.device", self.device)
 
 
@@ -258,6 +263,7 @@ class RLConfig:
     synth: SynthConfig = field(default_factory=SynthConfig)
     run: RunConfig = field(default_factory=RunConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # the servers of engine.kind = "vllm"
     ray: Any = None  # RayConfig: rollouts on Ray, when the file has a [ray] section (None: in this process)
 
 

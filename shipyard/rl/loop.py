@@ -74,6 +74,7 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
     for r in rollouts:
         seconds.update(r.timings)
     total = seconds["total"]
+    versions = [v for r in rollouts for v in r.versions if v >= 0]  # -1: a replay engine's, which has no policy
     return {
         "reward": {"mean": sum(r.reward for r in scored) / len(scored) if scored else None,
                    "pass_rate": sum(r.reward >= 1.0 for r in scored) / len(scored) if scored else None,
@@ -90,6 +91,9 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
                     for stat, value in (("mean", sum(r.shaping.get(name, 0.0) for r in scored) / len(scored)),
                                         ("active", sum(r.shaping.get(name, 0.0) != 0.0 for r in scored)))},
         "staleness": {"max": max(batch.staleness(), default=0)},
+        # The policy versions the engines sampled this batch with (each turn's, from the engine's labels): they
+        # advance step by step only when every push reaches the engines.
+        "engine": {"policy_version": max(versions, default=None), "oldest_version": min(versions, default=None)},
         "tools": validity(rollouts).as_metrics(prefix=""),
         # Sandbox utilisation: the share of the rollouts' lives their sandboxes spent running tools and tests, and
         # the share spent waiting for the model (the rest: starting sandboxes, the harness itself).

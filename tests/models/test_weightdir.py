@@ -1,4 +1,4 @@
-"""The filesystem half of a push to vLLM (`shipyard.models.checkpoint`): a push is checked whole against the served
+"""The filesystem half of a push to vLLM (`shipyard.models.weightdir`): a push is checked whole against the served
 checkpoint before a byte is written, because vLLM's reload loads what it is given (a partial file made a mix of two
 versions; a wrong shape killed the engine: the module docstring)."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shipyard.models.checkpoint import PushRejected, WeightDir, checked, manifest
 from shipyard.models.engine import VersionConflict
 from shipyard.models.resolve import tiny_model
+from shipyard.models.weightdir import PushRejected, WeightDir, checked, manifest
 
 
 @pytest.fixture(scope="module")

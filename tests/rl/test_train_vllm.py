@@ -1,0 +1,59 @@
+"""`shipyard train` with `engine.kind = "vllm"` (a real subprocess): the run starts its vLLM servers from vLLM's own
+venv, samples from them, pushes the trainer's weights after every step, and stops them when it ends. Marked `vllm`
+(tests/models/test_vllm.py says how the venv is found)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_run import CONFIG
+
+from shipyard.models.resolve import tiny_model
+from shipyard.sandbox.run import sandbox_problem
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = Path(os.environ.get("SHIPYARD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+if not os.access(PYTHON, os.X_OK):
+    if os.environ.get("SHIPYARD_REQUIRE_VLLM"):
+        raise RuntimeError(f"$SHIPYARD_REQUIRE_VLLM is set but {PYTHON} is not vLLM's venv python")
+    pytest.skip(f"no vLLM venv at {PYTHON}", allow_module_level=True)
+_problem = sandbox_problem()
+if _problem is not None:
+    pytest.skip(f"this host cannot start bubblewrap sandboxes: {_problem}", allow_module_level=True)
+
+
+def test_two_steps_with_managed_vllm_servers_push_every_step_and_stop_them(taskset, tmp_path):
+    model_dir = tmp_path / "model"
+    m, tok = tiny_model(seed=0, hidden=256, layers=2)  # head dimension 64: one vLLM's CPU attention takes
+    m.save_pretrained(model_dir)  # float32: the trainer's; the servers load it as bf16
+    tok.save_pretrained(model_dir)
+    config = tmp_path / "vllm.toml"
+    text = CONFIG.format(tasks=taskset[0]).replace('name = "random:tiny"', f'name = "{model_dir}"')
+    config.write_text(text.replace("steps = 3", "steps = 2") + f"""
+[engine]
+kind = "vllm"
+
+[vllm]
+python = "{PYTHON}"
+
+kv_cache_gib = 1.0
+""")
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "shipyard.cli", "train", str(config), "--run.dir", str(run)],
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    trained = [s for s in steps if s.get("step", 0) >= 1 and "engine/policy_version" in s]
+    assert [s["engine/policy_version"] for s in trained] == [0, 1]  # batch k sampled by the weights of step k - 1
+    assert all(s["time/weight_sync_seconds"] > 0 for s in trained)
+    assert sorted(p.name for p in (run / "vllm" / "weights").iterdir()) == ["v2"]  # the last push's, alone
+    assert "Application startup complete" in (run / "vllm" / "vllm-0.log").read_text()
+    out = subprocess.run(["pgrep", "-f", str(model_dir)], capture_output=True, text=True)
+    assert out.stdout.strip() == "", "a vLLM server outlived its run"
