@@ -22,6 +22,7 @@ from shipyard.console import (
     SEARCH_HELP,
     TAGS_HELP,
     UNTAGGED_HELP,
+    check_shown,
     console,
     need,
     out,
@@ -474,8 +475,14 @@ def eval_(
 @app.command(context_settings=EXTRA_ARGS)
 def train(ctx: typer.Context,
           config: Path = typer.Argument(..., help="The run's TOML (configs/cpu.toml). Any field may follow as "
-                                        "--SECTION.KEY VALUE; `shipyard train CONFIG -- --help` lists them.")) -> None:
+                                        "--SECTION.KEY VALUE; `shipyard train CONFIG -- --help` lists them."),
+          check: bool = typer.Option(False, "--check", help="Resolve the configuration and say what the run would "
+                                     "start (ranks, devices, servers, tasks) and what this machine lacks; start "
+                                     "nothing.")) -> None:
     """Train the agent with RL: rollouts, rewards, trainer steps, weight sync, checkpoints, held-out evals."""
+    if check:
+        run_configured(check_shown, config, ctx.args)
+        return
     cfg, lines = run_configured(train_shown, config, ctx.args)
     evals = [line for line in lines if any(k.startswith("eval/") for k in line)]
     out.print_json(json.dumps({"run": str(cfg.run.dir), "steps": cfg.run.steps, "last": lines[-1] if lines else None,

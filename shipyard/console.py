@@ -174,6 +174,22 @@ def sft_shown(cfg, argv: list[str]) -> list[dict]:
         return run_sft(cfg, argv=argv, status=bar.console.print, on_step=on_step)
 
 
+def check_shown(cfg, argv: list[str]) -> list[dict]:
+    """`shipyard train --check`: the run's plan (`shipyard.rl.plan`) printed; starts nothing."""
+    from shipyard.rl.plan import plan
+
+    found = plan(cfg)
+    out.print(f"[bold]shipyard train {' '.join(argv)}[/] would start:", soft_wrap=True)
+    for line in found.lines:
+        out.print(f"  {line}", soft_wrap=True, markup=False)
+    if found.missing_here:
+        out.print("[yellow]this machine lacks, to run it:[/]")
+        for line in found.missing_here:
+            out.print(f"  - {line}", soft_wrap=True, markup=False)
+    out.print("[green]configuration OK[/]")
+    return []
+
+
 def train_shown(cfg, argv: list[str]) -> list[dict]:
     """Run a configured training (`shipyard.rl.build.train`) under a progress bar; its metrics lines."""
     from shipyard.rl.build import train as run_training

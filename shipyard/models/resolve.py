@@ -136,12 +136,23 @@ def _remote(name: str, tokenizer: str | None, status: Status) -> Engine:
 
 def model_directory(name: str, status: Status = lambda _: None) -> Path:
     """The transformers directory (config.json + safetensors) of a model name, for a server that loads one: a bundled
-    model's converted directory, or a local directory as it is."""
+    model's converted directory, a local directory as it is, or a hub id's snapshot (fetched once, then cached)."""
     if name in BUNDLED:
         return converted_dir(BUNDLED[name], status)
     path = Path(name).expanduser()
     if path.is_dir() and (path / "config.json").exists() and any(path.glob("*.safetensors")):
         return path.resolve()
+    if not path.exists() and name.count("/") == 1:  # a hub id: its checkpoint, fetched into the hub's cache once
+        from huggingface_hub import snapshot_download
+
+        status(f"fetching {name}'s checkpoint from the Hugging Face Hub (once)")
+        try:
+            return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja",
+                                                                "*.model", "*.tiktoken"]))
+        except Exception as e:  # offline, unknown id, gated: the hub's errors share no base class worth naming
+            raise ModelNotFound(f"could not fetch {name} from the Hugging Face Hub ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}); download it and set vllm.model to "
+                                "its directory") from e
     raise ModelNotFound(f"{name!r} is not a bundled model or a directory of config.json and *.safetensors: vLLM "
                         "servers load (and take pushes checked against) a local checkpoint; download it, or set "
                         "vllm.model to its directory")

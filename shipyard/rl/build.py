@@ -165,6 +165,20 @@ def trainer_config(config: RLConfig) -> TrainConfig:
     return replace(config.trainer, distill=replace(config.trainer.distill, enabled=config.hints.enabled))
 
 
+def check_engine(config: RLConfig) -> None:
+    """Engine settings that do not go together (`ConfigError`)."""
+    if config.ray is not None and config.engine.kind == "vllm":
+        raise ConfigError("engine.kind = \"vllm\" starts its servers on this machine, and a [ray] section runs the "
+                          "engines as Ray actors: servers on a Ray cluster are not built yet — start vLLM on the "
+                          "nodes and name them with engine.kind = \"openai:URL,…\", or drop [ray]")
+    if config.engine.kind == "vllm" and config.trainer.lora.enabled:
+        raise ConfigError("[trainer.lora] pushes the adapter alone, and engine.kind = \"vllm\" loads whole checkpoints "
+                          "only (adapters through vLLM's /v1/load_lora_adapter are not built yet): train the full "
+                          "model, or use engine.kind = \"local\" for LoRA")
+    if config.engine.kind == "vllm":
+        vllm_settings(config)
+
+
 def vllm_settings(config: RLConfig) -> VLLMConfig:
     """`[vllm]` with its context length fitted to the episodes': by default their budget (`episode.loop.max_tokens`);
     a shorter one is refused, or every conversation that grows past it would fail mid-run with a 400."""
@@ -183,10 +197,7 @@ def _wired_loop(config: RLConfig, run: RunDir, tasks_dir: Path, evals: list[str]
 
     status(f"loading {config.model.name}")
     name, kwargs = engine_spec(config)
-    if config.ray is not None and config.engine.kind == "vllm":
-        raise ConfigError("engine.kind = \"vllm\" starts its servers on this machine, and a [ray] section runs the "
-                          "engines as Ray actors: servers on a Ray cluster are not built yet — start vLLM on the "
-                          "nodes and name them with engine.kind = \"openai:URL,…\", or drop [ray]")
+    check_engine(config)
     if config.ray is not None:  # the engines are Ray actors, made by the transport
         from shipyard.rollout.ray_transport import RayTransport
 

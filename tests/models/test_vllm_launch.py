@@ -48,3 +48,17 @@ def test_the_servers_context_is_the_episodes_budget_and_never_shorter():
     assert vllm_settings(longer).max_model_len == budget * 2
     with pytest.raises(ConfigError, match="shorter than the episodes' context budget"):
         vllm_settings(replace(config, vllm=replace(config.vllm, max_model_len=budget // 2)))
+
+
+def test_what_managed_servers_cannot_do_yet_is_refused_before_the_run_starts():
+    from shipyard.models.lora import LoraConfig
+    from shipyard.rl.build import check_engine
+    from shipyard.rl.config import EngineConfig
+
+    vllm = replace(RLConfig(), engine=EngineConfig(kind="vllm"))
+    check_engine(vllm)
+    lora = replace(vllm, trainer=replace(vllm.trainer, lora=LoraConfig(enabled=True)))
+    with pytest.raises(ConfigError, match="load_lora_adapter are not built yet"):
+        check_engine(lora)
+    with pytest.raises(ConfigError, match="servers on a Ray cluster are not built yet"):
+        check_engine(replace(vllm, ray=object()))
