@@ -13,6 +13,12 @@ fault and raises `RequestRejected`. Several servers: `make_engine("openai:URL1,U
 (`shipyard.models.router`). For vLLM, start the server with `--logprobs-mode processed_logprobs` so its logprobs follow
 shipyard's convention (after temperature, before top-p).
 
+**Weights.** `update_weights` pushes to `shipyard serve` (`POST /v1/weights`: the bf16 payload of
+`shipyard.models.payload`, with the operator's token), after which its completions report the new version. Other
+servers take no pushes through this engine: a vLLM server shipyard starts and pushes to is `engine.kind = "vllm"`
+(`shipyard.models.vllm`); `make_engine(..., pushes=True)` — a training run — refuses, at connection, a server that
+is not `shipyard serve`, instead of failing at the first push.
+
 A server started with an API key (`shipyard serve --api-key`, vLLM's `--api-key`) gets it as a bearer token: the
 `api_key` argument, else $SHIPYARD_API_KEY (or the file named by $SHIPYARD_API_KEY_FILE). Not $OPENAI_API_KEY: a
 real OpenAI key should never go to whatever listens on a local port.
@@ -27,9 +33,11 @@ import httpx
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from shipyard.errors import UsageError
 from shipyard.httpguard import read_token
-from shipyard.models.engine import Completion, GenerationRequest
+from shipyard.models.engine import Completion, GenerationRequest, VersionConflict
 from shipyard.models.errors import InfraError, ServerUnreachable
+from shipyard.models.payload import encode, error_message, push_http
 
 API_KEY_ENV = "SHIPYARD_API_KEY"  # the key for a server started with an API key (`shipyard serve --api-key`)
 
@@ -46,16 +54,9 @@ def _auth(api_key: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def _error_message(resp: httpx.Response) -> str:
-    """The message of an OpenAI-style error body (`{"error": {"message": ...}}`), else the start of the body."""
-    try:
-        return str(resp.json()["error"]["message"])[:1000]
-    except (ValueError, KeyError, TypeError):
-        return resp.text[:500]
-
-
-def served_model(base_url: str, api_key: str | None = None) -> str:
-    """The model a server serves (the first one its `GET /models` lists); `make_engine` loads its tokenizer."""
+def served_model(base_url: str, api_key: str | None = None) -> tuple[str, str]:
+    """(the model a server serves — the first its `GET /models` lists —, who serves it: its `owned_by`, "shipyard"
+    for `shipyard serve`, "vllm" for vLLM); `make_engine` loads the model's tokenizer."""
     base_url = base_url.rstrip("/")
     api_key = api_key or read_token(API_KEY_ENV, None)
     try:
@@ -64,21 +65,33 @@ def served_model(base_url: str, api_key: str | None = None) -> str:
             raise ServerUnreachable(f"{base_url} needs an API key ({'a wrong one was' if api_key else 'none was'} "
                                     f"sent): set ${API_KEY_ENV} to the key the server was started with")
         resp.raise_for_status()
-        return str(resp.json()["data"][0]["id"])
+        entry = resp.json()["data"][0]
+        return str(entry["id"]), str(entry.get("owned_by", ""))
     except httpx.HTTPError as e:
         raise ServerUnreachable(
             f"cannot reach an OpenAI-compatible server at {base_url} ({type(e).__name__}: {e}). Start one with "
             f"`shipyard serve --model M --port P` (then use openai:http://127.0.0.1:P/v1) or check the URL."
         ) from e
-    except (KeyError, IndexError, ValueError) as e:
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError) as e:
         raise ServerUnreachable(f"{base_url}/models did not list a model; is this an OpenAI-compatible API?") from e
+
+
+class PushUnsupported(UsageError):
+    """A server that takes no weight pushes from shipyard, in a run that pushes."""
+
+
+def push_unsupported(url: str, owned_by: str) -> str:
+    return (f"the server at {url} (owned by {owned_by or 'an unnamed server'}) takes no weight pushes from shipyard: "
+            "a training run needs `shipyard serve` behind openai:URL, or vLLM servers the run starts and pushes to "
+            "(engine.kind = \"vllm\", docs/training.md)")
 
 
 class OpenAIEngine:
     def __init__(self, base_url: str, model: str, tokenizer: PreTrainedTokenizerBase, timeout: float = 600.0,
-                 max_concurrency: int = 64, api_key: str | None = None):
+                 max_concurrency: int = 64, api_key: str | None = None, owned_by: str = ""):
         self.base_url = base_url.rstrip("/")
         self.model = model
+        self.owned_by = owned_by  # "shipyard": `shipyard serve`, which takes pushes (module docstring)
         self.name = f"openai:{self.base_url}#{model}"
         self.tokenizer = tokenizer
         self.policy_version = 0
@@ -97,7 +110,7 @@ class OpenAIEngine:
         except httpx.TransportError as e:
             raise ServerUnreachable(f"lost the server at {self.base_url}: {type(e).__name__}: {e}") from e
         if resp.status_code != 200:
-            message = f"{self.base_url}/completions answered {resp.status_code}: {_error_message(resp)}"
+            message = f"{self.base_url}/completions answered {resp.status_code}: {error_message(resp)}"
             if resp.status_code >= 500 or resp.status_code == 429:
                 raise ServerError(message)
             raise RequestRejected(message)
@@ -122,7 +135,17 @@ class OpenAIEngine:
         return list(self.pool.map(self._one, requests))
 
     def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        raise NotImplementedError("weight updates to a remote server go through the rollout server's weight sync")
+        """Push to `shipyard serve` (module docstring): all or nothing there (it decodes and checks the whole payload
+        first); `VersionConflict` here for a version not above the served one."""
+        if self.owned_by != "shipyard":
+            raise PushUnsupported(push_unsupported(self.base_url, self.owned_by))
+        if version <= self.policy_version:
+            raise VersionConflict(f"weights version {version} is not above the served version {self.policy_version}")
+        try:
+            push_http(self.base_url, encode(dict(tensors), version))
+        except ConnectionError as e:
+            raise ServerUnreachable(str(e)) from e
+        self.policy_version = version
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)

@@ -29,10 +29,12 @@ import struct
 from pathlib import Path
 from typing import Literal
 
+import httpx
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from shipyard.httpguard import loopback_port, read_token
 from shipyard.models.mxformat import BLOCK, MXTensor, dequantize, quantize
 
 Format = Literal["bf16", "mxfp8"]
@@ -134,3 +136,34 @@ def _mx_parts(raw: dict[str, torch.Tensor], name: str, shape: object) -> MXTenso
         parts[part] = t
     return MXTensor(parts["mx_elements"].view(torch.float8_e4m3fn), parts["mx_scales"].view(torch.float8_e8m0fnu),
                     tuple(shape))
+
+
+def push_http(base_url: str, payload: bytes, timeout: float = 600, token: str | None = None) -> dict:
+    """POST a payload to `shipyard serve` (`BASE_URL/v1/weights`); the server's reply. The bearer token is `token`,
+    else $SHIPYARD_SERVE_TOKEN, else the file $SHIPYARD_SERVE_TOKEN_FILE, else — for a server on this machine — the
+    file `shipyard serve --port PORT` wrote ($SHIPYARD_HOME/serve/PORT.token)."""
+    url = base_url.rstrip("/").removesuffix("/v1") + "/v1/weights"
+    port = loopback_port(url)  # the token file of a server on this machine, never sent to another host
+    if token is None:
+        token = read_token(TOKEN_ENV, token_path(port) if port is not None else None)
+    headers = {"content-type": "application/octet-stream"}
+    if token:
+        headers["authorization"] = f"Bearer {token}"
+    try:
+        r = httpx.post(url, content=payload, timeout=timeout, headers=headers)
+    except httpx.HTTPError as e:
+        raise ConnectionError(f"could not push weights to {url}: {e}; is `shipyard serve` running there?") from e
+    if r.status_code == 401:
+        raise RuntimeError(f"{url} refused the weights (401): the token is {'wrong' if token else 'missing'}; pass the "
+                           f"one `shipyard serve` wrote to its token file, in ${TOKEN_ENV} or ${TOKEN_ENV}_FILE")
+    if r.status_code != 200:
+        raise RuntimeError(f"{url} refused the weights ({r.status_code}): {error_message(r)}")
+    return r.json()
+
+
+def error_message(r: httpx.Response) -> str:
+    """The message of an OpenAI-style error body (`{"error": {"message": ...}}`), else the start of the body."""
+    try:
+        return str(r.json()["error"]["message"])[:1000]
+    except (ValueError, KeyError, TypeError):
+        return r.text[:500]

@@ -92,15 +92,16 @@ def load_hf(name: str, device: str = "cpu", dtype: torch.dtype | None = None,
 
 
 def make_engine(name: str, *, device: str = "cpu", tokenizer: str | None = None, lora: LoraConfig | None = None,
-                status: Status = lambda _: None) -> Engine:
-    """Build the engine a model name denotes (see the table above)."""
+                status: Status = lambda _: None, pushes: bool = False) -> Engine:
+    """Build the engine a model name denotes (see the table above). With `pushes` (a training run), servers that take
+    no weight pushes are refused now, not at the first push."""
     if name.startswith("replay:"):
         from shipyard.models.replay import ReplayEngine
 
         tok = load_tokenizer(tokenizer, status) if tokenizer else None
         return ReplayEngine.from_file(name.removeprefix("replay:"), tok)
     if name.startswith("openai:"):
-        return _remote(name, tokenizer, status)
+        return _remote(name, tokenizer, status, pushes)
     from shipyard.models.local import LocalEngine
 
     model, tok = load_hf(name, device=device, status=status)
@@ -109,24 +110,27 @@ def make_engine(name: str, *, device: str = "cpu", tokenizer: str | None = None,
     return LocalEngine(model, tok, name=name)
 
 
-def _remote(name: str, tokenizer: str | None, status: Status) -> Engine:
+def _remote(name: str, tokenizer: str | None, status: Status, pushes: bool) -> Engine:
     """An `OpenAIEngine` per server of `openai:URL1,URL2,…` (an `EngineRouter` over several), sharing one tokenizer:
     `tokenizer`, else the one of the model the servers serve."""
-    from shipyard.models.openai import OpenAIEngine, served_model
+    from shipyard.models.openai import OpenAIEngine, PushUnsupported, push_unsupported, served_model
 
     urls = [u.strip().rstrip("/") for u in name.removeprefix("openai:").split(",") if u.strip()]
     if not urls:
         raise ModelNotFound(f"{name!r} names no server: write openai:BASE_URL (or openai:URL1,URL2,…)")
-    served = {url: served_model(url) for url in urls}
-    for url, model in served.items():
+    answers = {url: served_model(url) for url in urls}
+    for url, (model, owner) in answers.items():
         status(f"connected to {url} serving {model}")
+        if pushes and owner != "shipyard":
+            raise PushUnsupported(push_unsupported(url, owner))
+    served = {url: model for url, (model, _) in answers.items()}
     models = set(served.values())
     if len(models) > 1:
         raise ModelNotFound(f"the servers of {name} serve different models ({', '.join(sorted(models))}); a "
                             "router's servers must serve one model")
     model = models.pop()
     tok = load_tokenizer(tokenizer or model, status)
-    engines = [OpenAIEngine(url, model, tok) for url in urls]
+    engines = [OpenAIEngine(url, model, tok, owned_by=answers[url][1]) for url in urls]
     if len(engines) == 1:
         return engines[0]
     from shipyard.models.router import EngineRouter

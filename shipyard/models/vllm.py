@@ -23,10 +23,15 @@ started (`cache_salt`), so a request of version v+1 can never reuse blocks cache
 above found blocks it could not free.
 
 **Fence.** The client checks every answer against what it pushed: a span whose version is not a number (vLLM's
-"default": a server restarted with its initial weights) or is older than the version current when the request
-started (the push did not land) is an `InfraError`, so the router takes the server out rather than train on
-mislabelled samples. A push that fails on the server (after the client's checks passed) leaves the server in an
-unknown state: the engine is marked broken and answers `InfraError` from then on.
+"default": a server restarted with its initial weights), newer than any version the server was told to label, older
+than the version current when the request started (the push did not land) or than the span before it, or spans that
+do not cover the tokens once each, are an `InfraError`, so the router takes the server out rather than train on
+mislabelled samples. Nothing in an answer is trusted: token ids must be ints, logprobs finite and <= 0 (a NaN would
+reach the importance ratios), or the answer is the server's fault (`ServerError`), like a body that is not JSON.
+
+A push that fails on the server (after the client's checks passed), a 4xx of its routes included, leaves the server in
+an unknown state: the engine is marked broken and answers `InfraError` from then on. The version a request is salted
+and fenced with becomes the new one before `/resume`, so no request that runs after the push carries the old salt.
 
 **Access.** vLLM guards only `/v1`, `/inference`… with `--api-key`; its development routes (reload, pause) are open
 to anyone who reaches the port. So servers shipyard starts listen on a Unix socket in a directory only this user can
@@ -36,6 +41,7 @@ private network (docs/training.md, "GPU node").
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Mapping
@@ -53,6 +59,7 @@ from shipyard.models.weightdir import WeightDir
 
 CANCEL_POLL = 0.2  # seconds between checks of a request's `cancelled`
 SALT = "shipyard-v"
+MAX_TOKEN_ID = 1 << 31  # token ids are int32 in vLLM and the trainer (the tokenizer's decode overflows beyond)
 
 
 class ServerError(InfraError, RuntimeError):
@@ -88,13 +95,21 @@ class VLLMEngine:
         self.tokenizer = tokenizer
         self.weights = weights
         self.client = client_for(base_url, timeout, api_key)
+        # Requests' posts run on `pool`, a batch's requests on `batches`: on one pool, a batch as large as the pool
+        # would hold every thread waiting for posts that could never start.
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="shipyard-vllm")
-        self.model = self._served_model()
-        self.name = f"vllm:{base_url}#{self.model}"
+        self.batches = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="shipyard-vllm-batch")
         self.broken: str | None = None
         self.last_push: PushStats | None = None
-        self._check_routes()
-        self._set_version(initial_version)
+        self.labelled = initial_version  # the newest version the server was told to label tokens with
+        try:
+            self.model = self._served_model()
+            self.name = f"vllm:{base_url}#{self.model}"
+            self._check_routes()
+            self._set_version(initial_version)
+        except BaseException:
+            self.close()
+            raise
         self.policy_version = initial_version
 
     # -- start-up -------------------------------------------------------------------------------------------------
@@ -104,34 +119,37 @@ class VLLMEngine:
             resp = self.client.get("/v1/models", timeout=10)
             resp.raise_for_status()
             entry = resp.json()["data"][0]
+            model, owner = entry["id"], entry.get("owned_by")
         except httpx.HTTPError as e:
             raise ServerUnreachable(f"cannot reach a vLLM server at {self.base_url} ({type(e).__name__}: {e})") from e
-        except (ValueError, KeyError, IndexError, TypeError) as e:
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:  # the JSON is any shape at all
             raise NotAWeightServer(f"{self.base_url}/v1/models did not list a model: not an OpenAI-style server") from e
-        if entry.get("owned_by") != "vllm":
-            raise NotAWeightServer(f"{self.base_url} serves {entry.get('id')!r} owned by {entry.get('owned_by')!r}, "
-                                   "not vllm")
-        return str(entry["id"])
+        if owner != "vllm":
+            raise NotAWeightServer(f"{self.base_url} serves {model!r} owned by {owner!r}, not vllm")
+        return str(model)
 
     def _check_routes(self) -> None:
         """Fail at start-up, not at the first push, when the server lacks a route a run needs."""
-        paused = self.client.get("/is_paused", timeout=10)
+        paused = self._send("GET", "/is_paused", timeout=10)
         if paused.status_code == 404:
             raise NotAWeightServer(f"the vLLM server at {self.base_url} has no development routes (/pause, "
                                    "/collective_rpc): start it with VLLM_SERVER_DEV_MODE=1 to push weights to it")
-        probe = self.client.post("/inference/v1/generate", timeout=30,
-                                 json={"token_ids": [0], "sampling_params": {"max_tokens": 1}})
+        probe = self._send("POST", "/inference/v1/generate", timeout=30,
+                           json={"token_ids": [0], "sampling_params": {"max_tokens": 1}})
         if probe.status_code in (403, 404):
             raise NotAWeightServer(f"the vLLM server at {self.base_url} does not serve /inference/v1/generate "
                                    f"({probe.status_code}): start it with --enable-scale-out (vLLM >= 0.32)")
 
     # -- sampling -------------------------------------------------------------------------------------------------
 
-    def _post(self, path: str, **kwargs) -> httpx.Response:
+    def _send(self, method: str, path: str, **kwargs) -> httpx.Response:
         try:
-            resp = self.client.post(path, **kwargs)
-        except httpx.TransportError as e:
+            return self.client.request(method, path, **kwargs)
+        except httpx.RequestError as e:  # unreachable, reset, timed out, or a body that does not decode
             raise ServerUnreachable(f"lost the vLLM server at {self.base_url}: {type(e).__name__}: {e}") from e
+
+    def _post(self, path: str, **kwargs) -> httpx.Response:
+        resp = self._send("POST", path, **kwargs)
         if resp.status_code != 200:
             message = f"{self.base_url}{path} answered {resp.status_code}: {resp.text[:500]}"
             if 400 <= resp.status_code < 500 and resp.status_code != 429:  # the request's fault: not the server's
@@ -163,14 +181,10 @@ class VLLMEngine:
                 break
         resp = future.result()
         try:
-            choice = resp.json()["choices"][0]
-            ids = [int(t) for t in choice["token_ids"]]
-            lps = [float(e["logprob"]) for e in (choice.get("logprobs") or {}).get("content") or []]
-            spans = [(s["version"], int(s["start"]), int(s["end"])) for s in choice.get("weight_versions") or []]
-            finish = choice.get("finish_reason")
-        except (ValueError, KeyError, IndexError, TypeError) as e:
+            ids, lps, spans, finish = generation(resp.json())
+        except ValueError as e:
             raise ServerError(f"{self.base_url}/inference/v1/generate answered 200 with a body that is not a "
-                              f"generation ({type(e).__name__}: {e})") from e
+                              f"generation ({e}): {resp.text[:200]}") from e
         if len(lps) != len(ids):
             raise ServerError(f"{self.base_url} returned {len(ids)} tokens with {len(lps)} logprobs")
         versions = self._token_versions(spans, len(ids), started)
@@ -182,27 +196,38 @@ class VLLMEngine:
     def _token_versions(self, spans: list[tuple[str, int, int]], n: int, started: int) -> list[int]:
         """The version of each of `n` tokens from vLLM's spans, checked (module docstring: fence)."""
         out: list[int] = []
-        for version, start, end in spans:
-            if not version.isdigit():
-                raise ServerError(f"the vLLM server at {self.base_url} labels tokens with weights version {version!r}, "
+        for label, start, end in spans:
+            version = int(label) if label.isascii() and label.isdigit() and len(label) < 19 else None
+            if version is None or version > self.labelled:
+                raise ServerError(f"the vLLM server at {self.base_url} labels tokens with weights version {label!r}, "
                                   "which shipyard did not push (restarted with its initial weights?)")
-            if int(version) < started or start != len(out) or end < start:
+            if version < started:
                 raise ServerError(f"the vLLM server at {self.base_url} sampled with weights version {version} "
                                   f"(tokens {start}..{end}) a request started at version {started}: a push did not "
                                   "land")
-            out += [int(version)] * (end - start)
+            if out and version < out[-1]:
+                raise ServerError(f"the vLLM server at {self.base_url} labels tokens {start}..{end} of one request "
+                                  f"with weights version {version}, older than version {out[-1]} before them")
+            if start != len(out) or not start <= end <= n:
+                self._uncovered(spans, n)
+            out += [version] * (end - start)
         if len(out) != n:
-            raise ServerError(f"the vLLM server at {self.base_url} gave weight versions for {len(out)} of {n} tokens")
+            self._uncovered(spans, n)
         return out
+
+    def _uncovered(self, spans: list[tuple[str, int, int]], n: int) -> None:
+        raise ServerError(f"the vLLM server at {self.base_url} gave weight-version spans {spans[:8]} that do not cover "
+                          f"its {n} tokens once each")
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         if len(requests) == 1:
             return [self._one(requests[0])]
-        return list(self.pool.map(self._one, requests))
+        return list(self.batches.map(self._one, requests))
 
     # -- weights --------------------------------------------------------------------------------------------------
 
     def _set_version(self, version: int) -> None:
+        self.labelled = max(self.labelled, version)  # before the call: the server may label tokens before it answers
         self._post("/update_weight_version", json={"new_version": str(version)})
 
     def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -218,21 +243,49 @@ class VLLMEngine:
         try:
             self._post("/pause", params={"mode": "keep"})
             try:
-                results = self._post("/collective_rpc", json={"method": "shipyard_reload",
-                                                              "args": [str(path)]}).json().get("results") or []
-                if not results or any(r not in ("retied", "untied") for r in results):
-                    raise ServerError(f"the workers' reload answered {results}")
+                reload = self._post("/collective_rpc", json={"method": "shipyard_reload", "args": [str(path)]})
+                try:
+                    results = reload.json()["results"]
+                except (ValueError, KeyError, TypeError):
+                    results = None
+                if not isinstance(results, list) or not results or any(r not in ("retied", "untied") for r in results):
+                    raise ServerError(f"the workers' reload answered {reload.text[:500]}")
                 self._set_version(version)
                 self._post("/reset_prefix_cache")
+                self.policy_version = version  # before resuming: requests from now on are salted with it
             finally:
                 self._post("/resume")
-        except InfraError as e:
+        except (InfraError, RequestRejected) as e:  # a 4xx here is no request's fault: the server's state is unknown
             self.broken = (f"the vLLM server at {self.base_url} failed while loading weights version {version} "
                            f"({e}); its weights are unknown, so it takes no more requests")
             raise ServerError(self.broken) from e
-        self.policy_version = version
         self.last_push = PushStats(version, self.weights.last_bytes, t1 - t0, time.monotonic() - t1)
 
     def close(self) -> None:
+        self.batches.shutdown(wait=False, cancel_futures=True)
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
+
+
+def generation(body: object) -> tuple[list[int], list[float], list[tuple[str, int, int]], object]:
+    """(token ids, logprobs, weight-version spans, finish reason) of an answer of /inference/v1/generate, every type
+    checked (`ValueError` naming the first that is not as vLLM writes it): a broken server's JSON is any shape."""
+    choices = body.get("choices") if isinstance(body, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    if not isinstance(choice, dict):
+        raise ValueError("no choice")
+    ids = choice.get("token_ids")
+    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < MAX_TOKEN_ID for t in ids):
+        raise ValueError("token_ids are not a list of token ids")
+    logprobs = choice.get("logprobs") or {}
+    content = (logprobs.get("content") or []) if isinstance(logprobs, dict) else None
+    lps = [e.get("logprob") for e in content if isinstance(e, dict)] if isinstance(content, list) else None
+    if lps is None or len(lps) != len(content) or not all(type(x) in (int, float) and -math.inf < x <= 0 for x in lps):
+        raise ValueError("logprobs are not a list of finite logprobs <= 0")
+    spans = choice.get("weight_versions") or []
+    if not isinstance(spans, list) or not all(isinstance(s, dict) and isinstance(s.get("version"), str)
+                                              and type(s.get("start")) is int and type(s.get("end")) is int
+                                              for s in spans):
+        raise ValueError("weight_versions are not spans of a version string and int bounds")
+    return ids, [float(x) for x in lps], [(s["version"], s["start"], s["end"]) for s in spans], \
+        choice.get("finish_reason")

@@ -83,6 +83,11 @@ class ServerStartError(InfraError, UsageError):
     """A vLLM server that did not come up: its log's last lines say why."""
 
 
+def runnable(path: Path) -> bool:
+    """Whether `path` is a file this user may execute (a directory is "executable" too, and is no python)."""
+    return Path(path).is_file() and os.access(path, os.X_OK)
+
+
 def default_cpu_threads() -> str:
     """The cores this process may run on, as `VLLM_CPU_OMP_THREADS_BIND` writes them ("0-1" or "0,2,5")."""
     cores = sorted(os.sched_getaffinity(0))
@@ -94,7 +99,7 @@ class VLLMServers:
 
     def __init__(self, config: VLLMConfig, model_dir: Path, log_dir: Path):
         python = Path(config.python).expanduser()
-        if not os.access(python, os.X_OK):
+        if not runnable(python):
             raise UsageError(f"vllm.python = {str(config.python)!r} is not an executable python: create vLLM's venv "
                              "with `bash scripts/install-vllm.sh .venv-vllm` (docs/training.md, \"vLLM servers\"), or "
                              "point vllm.python at its bin/python")

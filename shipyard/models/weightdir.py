@@ -11,15 +11,21 @@ safetensors headers, no tensor loaded), before a file is written:
 - every shape is the manifest's; every value finite (a NaN served is a run silently gone);
 - tensors are written in the manifest's dtype (bf16 for the bundled models).
 
+A tied head is a second name of the embedding only when it *is* that tensor (the same memory, viewed the same way):
+a view that starts where the embedding starts, or an empty tensor (every one has address 0), is an unknown name.
+
 `WeightDir.write(version, tensors)` writes `ROOT/v{version}/model.safetensors` through a temporary directory and a
 rename, so a server never reads a half-written file; writing a version already there returns its path (several
-servers behind one router read one copy), and older versions are removed once a newer one is complete. A push to
+servers behind one router read one copy), and older versions — and partial ones a killed run left — are removed once
+a newer one is complete. `ROOT` is private (mode 0700) and refused when others can write it: whoever can write it
+can swap a version's directory for weights of their own between its write and the server's read. A push to
 servers on other machines needs `ROOT` on a filesystem they share (prime-rl's filesystem push works the same way).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import threading
@@ -30,10 +36,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from shipyard.errors import FileFormatError, InputNotFound, UserError
 from shipyard.models.engine import VersionConflict
 
 MAX_HEADER = 100 << 20  # bytes of one safetensors header; real ones are kilobytes
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+class UnsafeWeightsRoot(UserError, PermissionError):
+    """A weights directory that another user could write (module docstring)."""
 
 
 class PushRejected(ValueError):
@@ -51,37 +62,65 @@ def manifest(model_dir: Path) -> dict[str, TensorSpec]:
     """Name → shape and dtype of every tensor stored in the checkpoint `model_dir` (its *.safetensors headers)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{model_dir} holds no *.safetensors file: a server's model must be a directory of "
-                                "safetensors weights for pushes to be checked against it")
+        raise InputNotFound(f"{model_dir} holds no *.safetensors file: a server's model must be a directory of "
+                            "safetensors weights for pushes to be checked against it")
     out: dict[str, TensorSpec] = {}
     for path in files:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            if size > MAX_HEADER:
-                raise ValueError(f"{path}: a safetensors header of {size} bytes; is this a safetensors file?")
-            header = json.loads(f.read(size))
-        for name, entry in header.items():
+        for name, entry in _header(path).items():
             if name == "__metadata__":
                 continue
+            shape = entry.get("shape") if isinstance(entry, dict) else None
+            if not (isinstance(shape, list) and isinstance(entry.get("dtype"), str)
+                    and all(type(d) is int and d >= 0 for d in shape)):
+                raise FileFormatError(f"{path}: entry {name!r} of its header is not a safetensors header's "
+                                      "(dtype, shape); is this a safetensors file?")
             if entry["dtype"] not in _DTYPES:
-                raise ValueError(f"{path}: tensor {name} is stored as {entry['dtype']}; pushes write only "
-                                 f"{', '.join(_DTYPES)} checkpoints")
+                raise FileFormatError(f"{path}: tensor {name} is stored as {entry['dtype']}; pushes write only "
+                                      f"{', '.join(_DTYPES)} checkpoints")
             out[name] = TensorSpec(tuple(entry["shape"]), _DTYPES[entry["dtype"]])
     return out
+
+
+def _header(path: Path) -> dict:
+    """The JSON header of the safetensors file `path` (its first 8 bytes are the header's length)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise FileFormatError(f"{path}: {len(head)} bytes, shorter than a safetensors header's length; is this a "
+                                  "safetensors file?")
+        (size,) = struct.unpack("<Q", head)
+        if size > MAX_HEADER:
+            raise FileFormatError(f"{path}: a safetensors header of {size} bytes; is this a safetensors file?")
+        try:
+            header = json.loads(f.read(size))
+        except ValueError as e:
+            raise FileFormatError(f"{path}: its header is not JSON ({e}); is the file whole?") from e
+    if not isinstance(header, dict):
+        raise FileFormatError(f"{path}: its header is not a safetensors header (a JSON object of tensors)")
+    return header
+
+
+def _same(t: torch.Tensor) -> tuple | None:
+    """What two names of one tensor share: the memory and how it is viewed (None for a tensor without memory of its
+    own — meta or empty — which is never a second name)."""
+    if t.is_meta or t.numel() == 0:
+        return None
+    return t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride()
 
 
 def checked(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor]:
     """The push as the checkpoint stores it (module docstring): every tensor of `spec`, in its dtype, contiguous on
     the CPU; `PushRejected` naming the first problem otherwise."""
-    stored = {tensors[n].data_ptr() for n in tensors if n in spec}
-    tied = {n for n in tensors if n not in spec and tensors[n].data_ptr() in stored}  # a tied head's second name
+    stored = {_same(tensors[n]) for n in tensors if n in spec} - {None}
+    tied = {n for n in tensors if n not in spec and _same(tensors[n]) in stored}  # a tied head's second name
     unknown = sorted(n for n in tensors if n not in spec and n not in tied)
     missing = sorted(n for n in spec if n not in tensors)
     if unknown or missing:
         raise PushRejected(f"the push does not match the served checkpoint: {len(missing)} of its tensors missing "
                            f"{missing[:4]}, {len(unknown)} unknown {unknown[:4]}; push the whole model's state dict "
                            "(Trainer.engine_weights) of the model the servers serve")
-    out = {}
+    out: dict[str, torch.Tensor] = {}
+    memory: set[int] = set()  # of the tensors in `out`: safetensors refuses to save one memory under two names
     for name, want in spec.items():
         t = tensors[name]
         if tuple(t.shape) != want.shape:
@@ -89,7 +128,12 @@ def checked(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, TensorSpec])
                                f"{want.shape}")
         if not t.is_floating_point():
             raise PushRejected(f"pushed tensor {name} is {t.dtype}, not a floating-point weight")
+        if t.is_meta:
+            raise PushRejected(f"pushed tensor {name} is on the meta device: it has no values")
         value = t.detach().to("cpu", want.dtype).contiguous()
+        if value.numel() and value.untyped_storage().data_ptr() in memory:
+            value = value.clone()
+        memory.add(value.untyped_storage().data_ptr())
         if not torch.isfinite(value).all():
             raise PushRejected(f"pushed tensor {name} holds non-finite values (NaN or inf, after the cast to "
                                f"{want.dtype}); the servers keep their weights")
@@ -103,7 +147,12 @@ class WeightDir:
     def __init__(self, root: Path, spec: Mapping[str, TensorSpec]):
         self.root = Path(root)
         self.spec = dict(spec)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        info = self.root.stat()
+        if info.st_uid != os.getuid() or info.st_mode & 0o022:
+            raise UnsafeWeightsRoot(f"{self.root} is writable by other users (or not yours): anyone who can write it "
+                                    "can replace the weights the servers load; use a run directory of your own, or "
+                                    f"chmod 700 {self.root}")
         self._lock = threading.Lock()
         self.latest: int | None = None
         self.last_bytes = 0
@@ -129,8 +178,8 @@ class WeightDir:
             shutil.rmtree(target, ignore_errors=True)
             tmp.rename(target)
             self.last_bytes = (target / "model.safetensors").stat().st_size
-            for old in self.root.glob("v*"):
-                if old != target and old.is_dir():
+            for old in [*self.root.glob("v*"), *self.root.glob(".v*.partial")]:
+                if old != target and old.is_dir() and not old.is_symlink():
                     shutil.rmtree(old, ignore_errors=True)
             self.latest = version
             return target

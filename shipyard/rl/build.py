@@ -212,7 +212,7 @@ def _wired_loop(config: RLConfig, run: RunDir, tasks_dir: Path, evals: list[str]
                 vllm_settings(config), served, run.root / "vllm",
                 load_tokenizer(config.model.tokenizer or str(served), status), status))
         else:
-            engine = open_engine(name, tasks_dir=tasks_dir, **kwargs, status=status)
+            engine = open_engine(name, tasks_dir=tasks_dir, **kwargs, status=status, pushes=True)
             stack.callback(engine.close)
         tokenizer = engine.tokenizer or load_tokenizer(config.model.tokenizer or config.model.name, status)
         workers = config.rollout.max_in_flight or config.rollout.group_size * config.rollout.groups_per_step

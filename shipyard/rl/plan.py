@@ -12,11 +12,11 @@ passes when the configuration is sound, and says what this machine lacks to run 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shipyard.models.bundled import BUNDLED
+from shipyard.models.vllm_server import runnable
 from shipyard.rl.build import check_engine, trainer_config, vllm_settings
 from shipyard.rl.config import RLConfig
 from shipyard.tasks.taskset import list_tasks
@@ -69,7 +69,7 @@ def plan(config: RLConfig) -> Plan:
         out.lines.append(f"engine: {vllm.servers} vLLM server(s) of {vllm.model or config.model.name}, started by the "
                          f"run from {vllm.python} on private Unix sockets, context {vllm.max_model_len} tokens; "
                          f"{placement}; logs and pushed weights in {run.dir / 'vllm'}")
-        if not os.access(vllm.python, os.X_OK):
+        if not runnable(vllm.python):
             out.missing_here.append(f"vLLM's venv: {vllm.python} is not there (bash scripts/install-vllm.sh)")
         if vllm.gpus and gpus <= max(vllm.gpus):
             out.missing_here.append(f"the vLLM servers use GPUs up to {max(vllm.gpus)}; this machine has {gpus}")

@@ -61,12 +61,14 @@ def select_tasks(tasks_dir: Path, only: Iterable[str] | None = None) -> list[str
 
 def open_engine(model: str, *, tasks_dir: Path | None = None, task_ids: list[str] | None = None, device: str = "cpu",
                 tokenizer: str | None = None, lora: LoraConfig | None = None,
-                status: Callable[[str], None] = lambda _: None, loop: LoopConfig | None = None) -> Engine:
+                status: Callable[[str], None] = lambda _: None, loop: LoopConfig | None = None,
+                pushes: bool = False) -> Engine:
     """The engine `model` denotes (`make_engine`'s names, and `replay:gold`: the gold trajectories of `task_ids` in
     `tasks_dir`, all of the task set's when None). `tokenizer` names the tokenizer of id-only engines (openai:,
     replay:); `lora` attaches a trainer's adapter to a local engine's model; `status` hears what loading is doing
     (downloads, conversions). With `loop`, the episodes' turn budget is fitted to a replay engine
-    (`fit_turn_budget`). The caller closes the engine."""
+    (`fit_turn_budget`). With `pushes` (a training run), servers that cannot take weight pushes are refused now. The
+    caller closes the engine."""
     if model == GOLD:
         from shipyard.models.resolve import load_tokenizer
         from shipyard.rollout.gold import gold_engine
@@ -77,7 +79,7 @@ def open_engine(model: str, *, tasks_dir: Path | None = None, task_ids: list[str
     else:
         from shipyard.models.resolve import make_engine
 
-        engine = make_engine(model, device=device, tokenizer=tokenizer, lora=lora, status=status)
+        engine = make_engine(model, device=device, tokenizer=tokenizer, lora=lora, status=status, pushes=pushes)
     if loop is not None and fit_turn_budget(engine, loop) is not None:
         status(f"a turn's token budget is raised to {loop.max_new_tokens}, the longest recorded message")
     return engine

@@ -19,13 +19,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import httpx
 import torch
 from torch import nn
 
-from shipyard.httpguard import loopback_port, read_token
 from shipyard.models.engine import Engine
-from shipyard.models.payload import TOKEN_ENV, Format, decode, encode, token_path
+from shipyard.models.payload import Format, decode, encode, push_http
 from shipyard.train.mx import MXEmbedding, MXLinear
 
 
@@ -56,36 +54,6 @@ def push_to_engine(engine: Engine, payload: bytes, dtype: torch.dtype = torch.bf
     version, tensors = decode(payload, dtype)
     engine.update_weights(version, tensors)
     return version
-
-
-def push_http(base_url: str, payload: bytes, timeout: float = 600, token: str | None = None) -> dict:
-    """POST a payload to `shipyard serve` (`BASE_URL/v1/weights`); the server's reply. The bearer token is `token`,
-    else $SHIPYARD_SERVE_TOKEN, else the file $SHIPYARD_SERVE_TOKEN_FILE, else — for a server on this machine — the
-    file `shipyard serve --port PORT` wrote ($SHIPYARD_HOME/serve/PORT.token)."""
-    url = base_url.rstrip("/").removesuffix("/v1") + "/v1/weights"
-    port = loopback_port(url)  # the token file of a server on this machine, never sent to another host
-    if token is None:
-        token = read_token(TOKEN_ENV, token_path(port) if port is not None else None)
-    headers = {"content-type": "application/octet-stream"}
-    if token:
-        headers["authorization"] = f"Bearer {token}"
-    try:
-        r = httpx.post(url, content=payload, timeout=timeout, headers=headers)
-    except httpx.HTTPError as e:
-        raise ConnectionError(f"could not push weights to {url}: {e}; is `shipyard serve` running there?") from e
-    if r.status_code == 401:
-        raise RuntimeError(f"{url} refused the weights (401): the token is {'wrong' if token else 'missing'}; pass the "
-                           f"one `shipyard serve` wrote to its token file, in ${TOKEN_ENV} or ${TOKEN_ENV}_FILE")
-    if r.status_code != 200:
-        raise RuntimeError(f"{url} refused the weights ({r.status_code}): {_error_message(r)}")
-    return r.json()
-
-
-def _error_message(r: httpx.Response) -> str:
-    try:
-        return str(r.json()["error"]["message"])[:1000]
-    except (ValueError, KeyError, TypeError):
-        return r.text[:500]
 
 
 def sync(tensors: dict[str, torch.Tensor], version: int, *, fmt: Format = "bf16", mx_names: set[str] | None = None,
