@@ -60,6 +60,7 @@ from shipyard.models.weightdir import WeightDir
 CANCEL_POLL = 0.2  # seconds between checks of a request's `cancelled`
 SALT = "shipyard-v"
 MAX_TOKEN_ID = 1 << 31  # token ids are int32 in vLLM and the trainer (the tokenizer's decode overflows beyond)
+LOGPROB_SLACK = 1e-4  # a log-softmax's rounding above 0; a logprob above it is no log-probability
 
 
 class ServerError(InfraError, RuntimeError):
@@ -122,7 +123,7 @@ class VLLMEngine:
             model, owner = entry["id"], entry.get("owned_by")
         except httpx.HTTPError as e:
             raise ServerUnreachable(f"cannot reach a vLLM server at {self.base_url} ({type(e).__name__}: {e})") from e
-        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:  # the JSON is any shape at all
+        except (ValueError, KeyError, IndexError, TypeError) as e:  # the JSON is any shape at all
             raise NotAWeightServer(f"{self.base_url}/v1/models did not list a model: not an OpenAI-style server") from e
         if owner != "vllm":
             raise NotAWeightServer(f"{self.base_url} serves {model!r} owned by {owner!r}, not vllm")
@@ -280,7 +281,8 @@ def generation(body: object) -> tuple[list[int], list[float], list[tuple[str, in
     logprobs = choice.get("logprobs") or {}
     content = (logprobs.get("content") or []) if isinstance(logprobs, dict) else None
     lps = [e.get("logprob") for e in content if isinstance(e, dict)] if isinstance(content, list) else None
-    if lps is None or len(lps) != len(content) or not all(type(x) in (int, float) and -math.inf < x <= 0 for x in lps):
+    if lps is None or len(lps) != len(content) or not all(type(x) in (int, float) and -math.inf < x <= LOGPROB_SLACK
+                                                          for x in lps):
         raise ValueError("logprobs are not a list of finite logprobs <= 0")
     spans = choice.get("weight_versions") or []
     if not isinstance(spans, list) or not all(isinstance(s, dict) and isinstance(s.get("version"), str)
