@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from vllm_venv import vllm_python
 
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.errors import InfraError
@@ -27,12 +28,7 @@ from shipyard.models.weightdir import PushRejected, WeightDir, manifest
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[2]
-PYTHON = Path(os.environ.get("SHIPYARD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
-if not os.access(PYTHON, os.X_OK):
-    if os.environ.get("SHIPYARD_REQUIRE_VLLM"):
-        raise RuntimeError(f"$SHIPYARD_REQUIRE_VLLM is set but {PYTHON} is not vLLM's venv python")
-    pytest.skip(f"no vLLM venv at {PYTHON} (docs/training.md, 'vLLM')", allow_module_level=True)
+PYTHON = vllm_python()
 
 PROMPT = [3 + i % 250 for i in range(300)]  # two whole KV blocks of the CPU backend (128 tokens): cacheable
 LONG = 6000  # tokens of a request that is still generating when the test acts on it (~25 s on 2 cores)

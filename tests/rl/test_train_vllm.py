@@ -5,25 +5,19 @@ venv, samples from them, pushes the trainer's weights after every step, and stop
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from tiny_run import CONFIG
+from vllm_venv import vllm_python
 
 from shipyard.models.resolve import tiny_model
 from shipyard.sandbox.run import sandbox_problem
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[2]
-PYTHON = Path(os.environ.get("SHIPYARD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
-if not os.access(PYTHON, os.X_OK):
-    if os.environ.get("SHIPYARD_REQUIRE_VLLM"):
-        raise RuntimeError(f"$SHIPYARD_REQUIRE_VLLM is set but {PYTHON} is not vLLM's venv python")
-    pytest.skip(f"no vLLM venv at {PYTHON}", allow_module_level=True)
+PYTHON = vllm_python()
 _problem = sandbox_problem()
 if _problem is not None:
     pytest.skip(f"this host cannot start bubblewrap sandboxes: {_problem}", allow_module_level=True)
