@@ -20,7 +20,8 @@ vllm), with
   for its scheduler) and `VLLM_CPU_KVCACHE_SPACE` (`kv_cache_gib`); on GPUs, `CUDA_VISIBLE_DEVICES` from `gpus`,
   `gpus_per_server` each, and `--tensor-parallel-size`.
 
-Each server's output goes to `LOG_DIR/vllm-<i>.log`. `start` waits for `/health` on every server (vLLM compiles the
+Each server's output goes to `LOG_DIR/vllm-<i>.log`. A server gets SIGTERM when the process that started it dies
+however it dies (`DIE_WITH_PARENT`). `start` waits for `/health` on every server (vLLM compiles the
 model first: 45–135 s for the 0.5B on 2 cores) and fails with the end of the log when a server exits or the wait
 runs past `start_timeout`. The servers are in their own process group and die with `stop` (SIGTERM, then SIGKILL
 after `STOP_GRACE` seconds) — `VLLMServers` is a context manager, and a run's `with` block stops them however it
@@ -50,6 +51,14 @@ from shipyard.models.vllm import VLLMEngine
 from shipyard.models.weightdir import WeightDir, manifest
 
 STOP_GRACE = 20.0  # seconds a server gets to exit after SIGTERM
+# How a server starts: it asks the kernel for SIGTERM when the thread that started it ends (prctl PR_SET_PDEATHSIG,
+# kept across exec), checks that shipyard (argv[1]) is still its parent, then becomes vLLM's API server. So a run
+# killed outright (SIGKILL, the OOM killer) takes its servers with it: before, one outlived its run, holding 7 GB.
+# The servers must be started from a thread that lives as long as the run (the run's main thread does).
+DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+                   "os.getppid() == int(sys.argv[1]) or sys.exit('the process that started this server is gone'); "
+                   "os.execv(sys.executable, [sys.executable, '-m', 'vllm.entrypoints.openai.api_server', "
+                   "*sys.argv[2:]])")
 EXTENSION = Path(__file__).with_name("vllm_worker.py")
 EXTENSION_MODULE = "shipyard_vllm_worker"
 
@@ -113,7 +122,7 @@ class VLLMServers:
         cfg = self.config
         if cfg.max_model_len < 16:
             raise UsageError(f"vllm.max_model_len = {cfg.max_model_len}: give the servers' context length (>= 16)")
-        cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+        cmd = [str(self.python), "-c", DIE_WITH_PARENT, str(os.getpid()), "--model", str(self.model_dir),
                "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len), "--uds", str(socket),
                "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
                "--worker-extension-cls", f"{EXTENSION_MODULE}.ShipyardWorker"]

@@ -58,6 +58,14 @@ def engine(server):
     e.close()
 
 
+def in_thread(out: dict, work) -> None:
+    """`work()` into out["c"], or what it raised into out["error"] (a thread's exception is otherwise lost)."""
+    try:
+        out["c"] = work()
+    except Exception as e:
+        out["error"] = e
+
+
 def wait_running(engine) -> None:
     """Until the server runs a request (its scheduler's gauge): an event, polled."""
     for _ in range(3000):
@@ -116,11 +124,16 @@ def test_every_token_carries_the_version_that_drew_it_across_a_push_in_flight(en
     vLLM's weight-version spans say; the completion's `policy_version` is the oldest."""
     v = engine.policy_version
     out = {}
-    worker = threading.Thread(target=lambda: out.setdefault("c", greedy(engine, n=LONG, prompt=PROMPT[:10])))
+    drawn = metric(engine, "vllm:generation_tokens_total")
+    worker = threading.Thread(target=in_thread, args=(out, lambda: greedy(engine, n=LONG, prompt=PROMPT[:10])))
     worker.start()
-    wait_running(engine)
-    engine.update_weights(v + 1, model(4).state_dict())
-    assert worker.is_alive(), "the request ended before the push: nothing in flight was tested"
+    for _ in range(3000):  # the request has drawn tokens (an event, polled) ...
+        if metric(engine, "vllm:generation_tokens_total") > drawn:
+            break
+        threading.Event().wait(0.01)
+    engine.client.post("/pause", params={"mode": "keep"})  # ... and is held there, however slow the machine, ...
+    engine.update_weights(v + 1, model(4).state_dict())  # ... until the push resumes the server
+    assert worker.is_alive(), f"the request ended before the push: nothing in flight was tested ({out})"
     worker.join(timeout=300)
     c = out["c"]
     assert c.policy_version == v and len(c.token_versions) == len(c.token_ids) == LONG

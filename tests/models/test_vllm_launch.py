@@ -3,7 +3,9 @@ while starting. The servers themselves are tested in test_vllm.py (-m vllm)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 from dataclasses import replace
 
 import pytest
@@ -62,3 +64,56 @@ def test_what_managed_servers_cannot_do_yet_is_refused_before_the_run_starts():
         check_engine(lora)
     with pytest.raises(ConfigError, match="servers on a Ray cluster are not built yet"):
         check_engine(replace(vllm, ray=object()))
+
+
+def test_a_run_killed_outright_takes_its_servers_with_it(tmp_path):
+    """The process that started the servers is SIGKILLed (as the OOM killer did to a run): its server gets SIGTERM
+    from the kernel (`DIE_WITH_PARENT`) instead of outliving it. The server is tests/models/fake_vllm.py behind a
+    package named vllm, so the launcher's own start-up line runs as it does with vLLM."""
+    import os
+    import signal
+    import subprocess
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    api = tmp_path / "pkg" / "vllm" / "entrypoints" / "openai"
+    api.mkdir(parents=True)
+    for d in (api, api.parent, api.parent.parent):
+        (d / "__init__.py").write_text("")
+    (api / "api_server.py").write_text(f"import sys\nsys.path.insert(0, {str(here)!r})\n"
+                                       "from fake_vllm import serve_as_vllm\nserve_as_vllm(sys.argv[1:])\n")
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path / 'pkg'}:$PYTHONPATH exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    run = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+from pathlib import Path
+from shipyard.models.vllm_server import VLLMConfig, VLLMServers
+servers = VLLMServers(VLLMConfig(python=Path({str(python)!r}), max_model_len=64, start_timeout=120), Path('.'),
+                      Path({str(tmp_path / 'logs')!r}))
+servers.start()
+print(servers.procs[0].pid, flush=True)
+time.sleep(600)
+"""], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    server = int(run.stdout.readline())
+    try:
+        run.kill()
+        run.wait()
+        for _ in range(600):  # the kernel's signal, then the server's exit: an event, polled
+            if gone(server):
+                break
+            threading.Event().wait(0.1)
+        assert gone(server), "the server outlived the process that started it"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server, signal.SIGKILL)  # the fake's child that ignores SIGTERM, and the server if it lingers
+
+
+def gone(pid: int) -> bool:
+    """Whether `pid` has exited (a zombie waiting for a reaper counts: it runs nothing)."""
+    from pathlib import Path
+
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
