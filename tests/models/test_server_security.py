@@ -183,8 +183,11 @@ def test_engine_failure_fails_only_the_request_that_caused_it(served):
     engine, url = served
     bad_r, good_r = _batched_pair(engine, url, {"prompt": [POISON, 65, 66]}, "good mate of a poisoned prompt")
     poisoned = engine.calls_with([POISON, 65, 66])[0]
-    occupy = engine.calls_with(ids("occupy the worker before good mate of a poisoned prompt"))[0]
-    assert occupy["start"] < poisoned["end"] < occupy["end"], "the poisoned sequence did not fail beside a running one"
+    occupying = engine.calls_with(ids("occupy the worker before good mate of a poisoned prompt"))
+    # Any record of the occupying sequence that was running when the poisoned one failed (a CI run once found the first
+    # record starting after that failure: with every record considered, the premise is checked, not one record's)
+    assert any(o["start"] < poisoned["end"] < o.get("end", math.inf) for o in occupying), \
+        f"the poisoned sequence did not fail beside a running one: {poisoned}, {occupying}"
     assert good_r.status_code == 200, good_r.text
     assert bad_r.status_code == 400 and "poisoned prompt" in bad_r.json()["error"]["message"]
 
