@@ -522,6 +522,15 @@ def test_cleanup_removes_stale_partials_and_never_follows_a_planted_link(model_d
     assert not (root / ".v3.partial").exists() and (root / "v5" / "model.safetensors").is_file()
 
 
+def run_together(work, args) -> None:
+    """`work(a)` for each of `args`, each on its own thread (they meet at a barrier inside `work`); all joined."""
+    threads = [threading.Thread(target=work, args=(a,)) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def test_threads_writing_one_version_write_it_once(model_dir, tmp_path):
     store = WeightDir(tmp_path / "w", manifest(model_dir))
     barrier = threading.Barrier(4)
@@ -531,11 +540,7 @@ def test_threads_writing_one_version_write_it_once(model_dir, tmp_path):
         barrier.wait()
         paths.append(store.write(1, push(seed)))
 
-    threads = [threading.Thread(target=write, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_together(write, range(4))
     assert len(paths) == 4 and len(set(paths)) == 1 and sorted(os.listdir(store.root)) == ["v1"]
 
 
@@ -551,11 +556,7 @@ def test_threads_writing_different_versions_leave_the_newest(model_dir, tmp_path
         except VersionConflict:
             outcomes.append("conflict")
 
-    threads = [threading.Thread(target=write, args=(v,)) for v in (1, 2, 3, 4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_together(write, (1, 2, 3, 4))
     assert "v4" in outcomes and store.latest == 4 and sorted(os.listdir(store.root)) == ["v4"]
 
 
