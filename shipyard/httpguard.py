@@ -144,6 +144,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def bearer(token: str | None) -> dict[str, str]:
+    """The `Authorization` header a client sends a server started with `token` (none without one)."""
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
 def loopback_port(url: str) -> int | None:
     """The port of an http(s) URL naming this machine (`is_loopback`), else None: a default token file holds a local
     server's token, which must never be sent to another host."""

@@ -1,7 +1,8 @@
-"""Real servers for tests: a free loopback port, and an ASGI app on a real uvicorn server for a with-block.
+"""Real servers for tests: a free loopback port, an ASGI app on a real uvicorn server for a with-block, and whether a
+server's (or any) process still runs.
 
-Imported by test modules as `from servers import free_port, running_app, wait_for` (pytest puts `tests/` on `sys.path`
-for its root conftest)."""
+Imported by test modules as `from servers import alive, free_port, running_app, wait_for` (pytest puts `tests/` on
+`sys.path` for its root conftest)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import uvicorn
 
@@ -19,6 +21,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie waiting for its reaper runs nothing)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def wait_for(predicate, timeout: float = 30.0) -> bool:

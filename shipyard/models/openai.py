@@ -34,7 +34,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from shipyard.errors import UsageError
-from shipyard.httpguard import read_token
+from shipyard.httpguard import bearer, read_token
 from shipyard.models.engine import Completion, GenerationRequest, VersionConflict
 from shipyard.models.errors import InfraError, ServerUnreachable
 from shipyard.models.payload import encode, error_message, push_http
@@ -43,15 +43,12 @@ API_KEY_ENV = "SHIPYARD_API_KEY"  # the key for a server started with an API key
 
 
 class ServerError(InfraError, RuntimeError):
-    """The server answered, but failed (5xx, 429 overloaded, or a body that is not a completion)."""
+    """The server answered, but failed (5xx, 429 overloaded, a body that is not a completion, or — vLLM — tokens
+    labelled with weights shipyard did not push)."""
 
 
 class RequestRejected(RuntimeError):
     """The server refused the request itself (a 4xx other than 429): retrying it elsewhere would not help."""
-
-
-def _auth(api_key: str | None) -> dict[str, str]:
-    return {"authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def served_model(base_url: str, api_key: str | None = None) -> tuple[str, str]:
@@ -60,7 +57,7 @@ def served_model(base_url: str, api_key: str | None = None) -> tuple[str, str]:
     base_url = base_url.rstrip("/")
     api_key = api_key or read_token(API_KEY_ENV, None)
     try:
-        resp = httpx.get(f"{base_url}/models", timeout=10, headers=_auth(api_key))
+        resp = httpx.get(f"{base_url}/models", timeout=10, headers=bearer(api_key))
         if resp.status_code == 401:
             raise ServerUnreachable(f"{base_url} needs an API key ({'a wrong one was' if api_key else 'none was'} "
                                     f"sent): set ${API_KEY_ENV} to the key the server was started with")
@@ -96,7 +93,7 @@ class OpenAIEngine:
         self.tokenizer = tokenizer
         self.policy_version = 0
         api_key = api_key or read_token(API_KEY_ENV, None)
-        self.client = httpx.Client(base_url=self.base_url, timeout=timeout, headers=_auth(api_key))
+        self.client = httpx.Client(base_url=self.base_url, timeout=timeout, headers=bearer(api_key))
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="shipyard-http")
 
     def _one(self, req: GenerationRequest) -> Completion:

@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from shipyard.httpguard import loopback_port, read_token
+from shipyard.httpguard import bearer, loopback_port, read_token
 from shipyard.models.mxformat import BLOCK, MXTensor, dequantize, quantize
 
 Format = Literal["bf16", "mxfp8"]
@@ -146,9 +146,7 @@ def push_http(base_url: str, payload: bytes, timeout: float = 600, token: str | 
     port = loopback_port(url)  # the token file of a server on this machine, never sent to another host
     if token is None:
         token = read_token(TOKEN_ENV, token_path(port) if port is not None else None)
-    headers = {"content-type": "application/octet-stream"}
-    if token:
-        headers["authorization"] = f"Bearer {token}"
+    headers = {"content-type": "application/octet-stream", **bearer(token)}
     try:
         r = httpx.post(url, content=payload, timeout=timeout, headers=headers)
     except httpx.HTTPError as e:

@@ -52,19 +52,16 @@ import httpx
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from shipyard.httpguard import bearer
 from shipyard.models.engine import Completion, GenerationRequest, VersionConflict
 from shipyard.models.errors import InfraError, ServerUnreachable
-from shipyard.models.openai import RequestRejected
+from shipyard.models.openai import RequestRejected, ServerError
 from shipyard.models.weightdir import WeightDir
 
 CANCEL_POLL = 0.2  # seconds between checks of a request's `cancelled`
 SALT = "shipyard-v"
 MAX_TOKEN_ID = 1 << 31  # token ids are int32 in vLLM and the trainer (the tokenizer's decode overflows beyond)
 LOGPROB_SLACK = 1e-4  # a log-softmax's rounding above 0; a logprob above it is no log-probability
-
-
-class ServerError(InfraError, RuntimeError):
-    """The vLLM server failed a request, or answered with weights shipyard did not push."""
 
 
 class NotAWeightServer(ServerUnreachable):
@@ -81,11 +78,10 @@ class PushStats:
 
 def client_for(base_url: str, timeout: float, api_key: str | None = None) -> httpx.Client:
     """An HTTP client for `http://HOST:PORT` or `unix:PATH` (a server on a Unix socket)."""
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     if base_url.startswith("unix:"):
         return httpx.Client(transport=httpx.HTTPTransport(uds=base_url.removeprefix("unix:")),
-                            base_url="http://vllm", timeout=timeout, headers=headers)
-    return httpx.Client(base_url=base_url.rstrip("/").removesuffix("/v1"), timeout=timeout, headers=headers)
+                            base_url="http://vllm", timeout=timeout, headers=bearer(api_key))
+    return httpx.Client(base_url=base_url.rstrip("/").removesuffix("/v1"), timeout=timeout, headers=bearer(api_key))
 
 
 class VLLMEngine:

@@ -47,7 +47,7 @@ from shipyard.errors import UsageError
 from shipyard.models.engine import Engine
 from shipyard.models.errors import InfraError
 from shipyard.models.router import EngineRouter
-from shipyard.models.vllm import VLLMEngine
+from shipyard.models.vllm import VLLMEngine, client_for
 from shipyard.models.weightdir import WeightDir, manifest
 
 STOP_GRACE = 20.0  # seconds a server gets to exit after SIGTERM
@@ -168,8 +168,7 @@ class VLLMServers:
         return list(self.urls)
 
     def _wait_ready(self, i: int, url: str, deadline: float) -> None:
-        transport = httpx.HTTPTransport(uds=url.removeprefix("unix:"))
-        with httpx.Client(transport=transport, base_url="http://vllm", timeout=5) as client:
+        with client_for(url, timeout=5) as client:
             while True:
                 code = self.procs[i].poll()
                 if code is not None:
@@ -191,9 +190,6 @@ class VLLMServers:
             return "\n".join(self.logs[i].read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
-
-    def alive(self) -> list[bool]:
-        return [p.poll() is None for p in self.procs]
 
     def stop(self) -> None:
         """Stop every server (module docstring); idempotent."""

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from shipyard.errors import UserError
-from shipyard.httpguard import loopback_port, read_token
+from shipyard.httpguard import bearer, loopback_port, read_token
 from shipyard.models.bundled import shipyard_home
 from shipyard.models.errors import InfraError
 from shipyard.sandbox.sandbox import SandboxFailed, SessionWorkspace
@@ -85,8 +85,7 @@ class EnvClient:
         """Look for the token (again, while none was found: a server starting next to us writes it a moment later)."""
         self.token = self.given_token or read_token(TOKEN_ENV, self.default_token_file)
         self.token_source = _token_source(self.given_token, self.default_token_file)
-        if self.token:
-            self.http.headers["Authorization"] = f"Bearer {self.token}"
+        self.http.headers.update(bearer(self.token))
 
     def _unauthorized(self) -> str:
         default = self.default_token_file or token_file(8100).with_name("PORT.token")

@@ -25,7 +25,7 @@ import torch
 from fake_vllm import FakeVLLM
 from fastapi.responses import Response, StreamingResponse
 from safetensors.torch import load_file, save_file
-from servers import free_port, running_app, wait_for
+from servers import alive, free_port, running_app, wait_for
 
 from shipyard.errors import FileFormatError, UsageError, UserError
 from shipyard.models.engine import GenerationRequest, SamplingParams, VersionConflict
@@ -571,14 +571,6 @@ def fake_python(tmp_path: Path) -> Path:
     return script
 
 
-def gone(pid: int) -> bool:
-    """Whether `pid` has exited (a zombie waiting for a reaper counts: it runs nothing)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def test_a_python_that_is_a_directory_is_refused_before_anything_starts(tmp_path):
     with pytest.raises(UsageError, match="not an executable python"):
         VLLMServers(VLLMConfig(python=tmp_path, max_model_len=64), tmp_path, tmp_path / "logs")
@@ -596,7 +588,7 @@ def test_managed_servers_are_private_isolated_and_die_whole_with_the_block(model
         assert info["pgid"] == info["pid"]  # its own process group: stopping it stops its children
         engine.update_weights(1, push(1))
         assert sample(engine).policy_version == 1
-    assert wait_for(lambda: gone(info["pid"]) and gone(info["child"])), "a server process outlived its run"
+    assert wait_for(lambda: not alive(info["pid"]) and not alive(info["child"])), "a server process outlived its run"
     assert not socket.parent.exists()
 
 
@@ -608,7 +600,7 @@ def test_stop_is_idempotent_and_a_server_that_never_gets_healthy_fails_the_start
         servers.start()
     log = (tmp_path / "logs" / "vllm-0.log").read_text()
     child = int(log.split("child pid ")[1].split(":")[0])
-    assert wait_for(lambda: gone(child))
+    assert wait_for(lambda: not alive(child))
     servers.stop()
     servers.stop()
     assert servers.procs == []

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 from dataclasses import replace
 
 import pytest
+from servers import alive, wait_for
 
 from shipyard.errors import UsageError
 from shipyard.models.vllm_server import EXTENSION_MODULE, ServerStartError, VLLMConfig, VLLMServers
@@ -99,21 +99,8 @@ time.sleep(600)
     try:
         run.kill()
         run.wait()
-        for _ in range(600):  # the kernel's signal, then the server's exit: an event, polled
-            if gone(server):
-                break
-            threading.Event().wait(0.1)
-        assert gone(server), "the server outlived the process that started it"
+        # the kernel's signal, then the server's exit: an event, polled
+        assert wait_for(lambda: not alive(server), 60), "the server outlived the process that started it"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server, signal.SIGKILL)  # the fake's child that ignores SIGTERM, and the server if it lingers
-
-
-def gone(pid: int) -> bool:
-    """Whether `pid` has exited (a zombie waiting for a reaper counts: it runs nothing)."""
-    from pathlib import Path
-
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True

@@ -9,10 +9,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+from servers import alive, wait_for
 
 DRIVER = textwrap.dedent("""
     import sys, time
@@ -44,14 +44,6 @@ def children(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 found.append(int(entry.name))
     return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def start(iterations: int) -> subprocess.Popen:
@@ -88,12 +80,9 @@ def test_ranks_die_with_a_killed_rank_0():
     (rank,) = children(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate()
-    deadline = time.monotonic() + 30
-    while alive(rank):
-        if time.monotonic() > deadline:
-            os.kill(rank, signal.SIGKILL)
-            pytest.fail("a trainer rank outlived rank 0 by 30 s")
-        time.sleep(0.1)
+    if not wait_for(lambda: not alive(rank), 30):
+        os.kill(rank, signal.SIGKILL)
+        pytest.fail("a trainer rank outlived rank 0 by 30 s")
 
 
 @pytest.mark.skipif(__import__("torch").cuda.device_count() >= 2, reason="this host has the GPUs")
