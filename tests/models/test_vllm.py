@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from servers import wait_for
 from vllm_venv import vllm_python
 
 from shipyard.models.engine import GenerationRequest, SamplingParams
@@ -68,11 +69,7 @@ def in_thread(out: dict, work) -> None:
 
 def wait_running(engine) -> None:
     """Until the server runs a request (its scheduler's gauge): an event, polled."""
-    for _ in range(3000):
-        if metric(engine, "vllm:num_requests_running") >= 1:
-            return
-        threading.Event().wait(0.01)
-    raise AssertionError("the server never ran the request")
+    assert wait_for(lambda: metric(engine, "vllm:num_requests_running") >= 1, 60), "the server never ran the request"
 
 
 def greedy(engine, n: int = 8, prompt=PROMPT):
@@ -127,10 +124,8 @@ def test_every_token_carries_the_version_that_drew_it_across_a_push_in_flight(en
     drawn = metric(engine, "vllm:generation_tokens_total")
     worker = threading.Thread(target=in_thread, args=(out, lambda: greedy(engine, n=LONG, prompt=PROMPT[:10])))
     worker.start()
-    for _ in range(3000):  # the request has drawn tokens (an event, polled) ...
-        if metric(engine, "vllm:generation_tokens_total") > drawn:
-            break
-        threading.Event().wait(0.01)
+    # the request has drawn tokens (an event, polled) ...
+    assert wait_for(lambda: metric(engine, "vllm:generation_tokens_total") > drawn, 60), "no token was drawn"
     engine.client.post("/pause", params={"mode": "keep"})  # ... and is held there, however slow the machine, ...
     engine.update_weights(v + 1, model(4).state_dict())  # ... until the push resumes the server
     assert worker.is_alive(), f"the request ended before the push: nothing in flight was tested ({out})"
