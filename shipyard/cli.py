@@ -23,7 +23,10 @@ from shipyard.console import (
     TAGS_HELP,
     UNTAGGED_HELP,
     check_shown,
+    compare_shown,
     console,
+    eval_shown,
+    finish_eval,
     need,
     out,
     print_hits,
@@ -31,7 +34,6 @@ from shipyard.console import (
     progress_bar,
     run_bench,
     run_configured,
-    run_eval_shown,
     sft_shown,
     status_line,
     synth_shown,
@@ -406,6 +408,8 @@ def eval_(
     markdown_path: Path | None = typer.Option(None, "--markdown", help="Also write the markdown table here."),
     rollouts_path: Path | None = typer.Option(None, "--rollouts", help="Append every rollout record, trajectory "
                                               "included, to this JSON-lines file."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the stopped eval whose --rollouts file this is: "
+                                "its scored rollouts are kept, the rest run (same settings required)."),
     compare_files: tuple[Path, Path] | None = typer.Option(
         None, "--compare", show_default=False, help="Compare two result files (A B): B − A per task and overall. "
         "Runs no eval."),
@@ -433,43 +437,22 @@ def eval_(
     """Evaluate a model on held-out tasks without training: pass@1, unbiased pass@k, effort, infra failures and
     monitor flags per task and overall (a markdown table on stdout; JSON with --out). Exit 0 when the eval ran
     (pass@1 0 included), 1 when no rollout could be scored (infrastructure), 2 for a usage error."""
-    from shipyard.rollout import eval as evaluation
-    from shipyard.rollout.setup import select_tasks
-    from shipyard.tasks.baseline import record
-
     with user_errors():
         if compare_files is not None:
-            if model is not None or tasks is not None or baseline:
-                raise UserError("--compare reads two result files and runs no eval: leave out --model, --tasks and "
-                                "--baseline")
-            doc = evaluation.compare(*(evaluation.load_results(p) for p in compare_files))
-            table = evaluation.compare_markdown(doc)
+            need(model is None and tasks is None and not baseline, "--compare reads two result files and runs no "
+                 "eval: leave out --model, --tasks and --baseline")
+            doc, table = compare_shown(*compare_files)
         else:
             need(tasks is not None and model is not None, "eval needs --tasks DIR and --model M (or --compare A.json "
                  "B.json)")
-            config = evaluation.EvalConfig(samples=samples, ks=k or None, seed=seed, concurrency=concurrency,
-                                           max_infra_retries=retries, rollout_time_budget=rollout_timeout)
-            task_ids = select_tasks(tasks, task)
-            from shipyard.rollout.episode import episode_config  # imports torch: after the checks above
-
-            episode = episode_config(model, max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature,
-                                     grade_timeout=grade_timeout, untagged_calls=untagged, tags=tags,
-                                     search=search)
-            doc = run_eval_shown(tasks, task_ids, model, config, episode, env_server, device, tokenizer, rollouts_path)
-            table = evaluation.markdown(doc)
-        evaluation.write_outputs(doc, table, out_path, markdown_path)
-        if baseline and doc["overall"]["scored"]:
-            console.print(f"[dim]baseline recorded in {record(doc, tasks, model)}[/]")
-    sys.stdout.write(table)
-    sys.stdout.flush()
-    if out_path is not None:
-        console.print(f"[dim]results written to {out_path}[/]")
-    if compare_files is None:
-        try:
-            evaluation.check_scored(doc)
-        except evaluation.EvalFailed as e:
-            console.print(f"[bold red]eval failed:[/] {e}", soft_wrap=True)
-            raise typer.Exit(1) from None
+            need(rollouts_path is not None or not resume, "--resume continues the eval journalled in --rollouts FILE")
+            episode = {"max_turns": max_turns, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                       "grade_timeout": grade_timeout, "untagged_calls": untagged, "tags": tags, "search": search}
+            run = {"samples": samples, "ks": k or None, "seed": seed, "concurrency": concurrency,
+                   "max_infra_retries": retries, "rollout_time_budget": rollout_timeout}
+            doc, table = eval_shown(tasks, task, model, run, episode, env_server, device, tokenizer, rollouts_path,
+                                    resume)
+    finish_eval(doc, table, out_path, markdown_path, baseline=tasks if baseline else None, check=not compare_files)
 
 
 @app.command(context_settings=EXTRA_ARGS)

@@ -7,6 +7,7 @@ training run, a synthesis). Only `shipyard/cli.py` imports this; the library nev
 from __future__ import annotations
 
 import json
+import sys
 from contextlib import closing, contextmanager
 from pathlib import Path
 
@@ -81,10 +82,59 @@ TAGS_HELP = ("How the <tool_call> tags reach the model: 'token' (the tokenizer's
              "a trained export's own, else 'token'. See docs/harness.md.")
 
 
+def compare_shown(a: Path, b: Path) -> tuple[dict, str]:
+    """`shipyard eval --compare A B`: the comparison document and its table."""
+    from shipyard.rollout import eval as evaluation
+
+    doc = evaluation.compare(evaluation.load_results(a), evaluation.load_results(b))
+    return doc, evaluation.compare_markdown(doc)
+
+
+def eval_shown(tasks: Path, task: list[str] | None, model: str, run: dict, episode: dict, env_server: str | None,
+               device: str, tokenizer: str | None, rollouts_path: Path | None, resume: bool) -> tuple[dict, str]:
+    """`shipyard eval`: the tasks selected, the eval's and the episode's settings checked, the eval run with a progress
+    bar (`run_eval_shown`); the results document and its table."""
+    from shipyard.rollout import eval as evaluation
+    from shipyard.rollout.evalrun import EvalConfig
+    from shipyard.rollout.setup import select_tasks
+
+    config = EvalConfig(**run)
+    task_ids = select_tasks(tasks, task)
+    from shipyard.rollout.episode import episode_config  # imports torch: after the checks above
+
+    doc = run_eval_shown(tasks, task_ids, model, config, episode_config(model, **episode), env_server, device,
+                         tokenizer, rollouts_path, resume)
+    return doc, evaluation.markdown(doc)
+
+
+def finish_eval(doc: dict, table: str, out_path: Path | None, markdown_path: Path | None, baseline: Path | None,
+                check: bool) -> None:
+    """Write an eval's (or a comparison's) outputs, record the baseline in task set `baseline` if given, print the
+    table; with `check`, exit 1 when no rollout could be scored."""
+    from shipyard.rollout import eval as evaluation
+    from shipyard.tasks.baseline import record
+
+    with user_errors():
+        evaluation.write_outputs(doc, table, out_path, markdown_path)
+        if baseline is not None and doc["overall"]["scored"]:
+            console.print(f"[dim]baseline recorded in {record(doc, baseline, doc['config']['model'])}[/]")
+    sys.stdout.write(table)
+    sys.stdout.flush()
+    if out_path is not None:
+        console.print(f"[dim]results written to {out_path}[/]")
+    if check:
+        try:
+            evaluation.check_scored(doc)
+        except evaluation.EvalFailed as e:
+            console.print(f"[bold red]eval failed:[/] {e}", soft_wrap=True)
+            raise typer.Exit(1) from None
+
+
 def run_eval_shown(tasks: Path, task_ids: list[str], model: str, config, episode, env_server: str | None, device: str,
-              tokenizer: str | None, rollouts_path: Path | None) -> dict:
+                   tokenizer: str | None, rollouts_path: Path | None, resume: bool = False) -> dict:
     """Open the engine and the environment, run the eval with a progress bar, close both (`shipyard.rollout.setup`)."""
-    from shipyard.rollout.eval import passed, run_eval
+    from shipyard.rollout.eval import passed
+    from shipyard.rollout.evalrun import run_eval
     from shipyard.rollout.setup import SandboxesUnavailable, open_engine, open_environment
 
     with console.status(f"loading model {model}"):
@@ -105,9 +155,10 @@ def run_eval_shown(tasks: Path, task_ids: list[str], model: str, config, episode
                 counts["infra"] += rollout.masked
                 bar.update(job, advance=1, **counts)
 
+            described = {"model": model, "tasks_dir": str(tasks.resolve()), "engine": engine.name,
+                         "environment": env.name}
             return run_eval(engine, env, tasks, task_ids, episode, config, progress=progress,
-                            rollouts_path=rollouts_path, describe={"model": model, "tasks_dir": str(tasks.resolve()),
-                                                                   "engine": engine.name, "environment": env.name})
+                            rollouts_path=rollouts_path, resume=resume, describe=described)
 
 
 def synth_shown(specs: list[str], out_dir: Path, config, skip_done: bool) -> list:

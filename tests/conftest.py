@@ -52,3 +52,14 @@ def taskset(tmp_path_factory):
     out = tmp_path_factory.mktemp("tasks")
     report = Synthesizer(repo, out, SynthConfig(max_tasks=3), log=lambda m: None).run()
     return out, report, repo
+
+
+@pytest.fixture
+def source_copy():
+    """The sandboxes' copy of shipyard's source, made once before episodes start in parallel: two sandboxes starting
+    at once in a fresh checkout race to make it (`shipyard.sandbox.sandbox.shipyard_source` has no lock), and the
+    loser's rollout is an infra_error — retried and masked, as it should be, but then pass@k is over fewer samples."""
+    from shipyard.sandbox.host import host
+    from shipyard.sandbox.sandbox import shipyard_source
+
+    return shipyard_source(host())

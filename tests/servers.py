@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import uvicorn
 
 
@@ -60,3 +61,14 @@ def running_app(app, startup: float = 30.0) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=60)
+
+
+def _sandbox_problem() -> str | None:
+    from shipyard.sandbox.run import sandbox_problem
+
+    return sandbox_problem()
+
+
+# Tests that start bubblewrap sandboxes skip themselves, saying why, on a host that cannot start them.
+needs_sandbox = pytest.mark.skipif(_sandbox_problem() is not None,
+                                   reason=f"this host cannot start bubblewrap sandboxes: {_sandbox_problem()}")

@@ -30,7 +30,9 @@ the runs' own before/after evaluations would be the same work twice.
 **Resuming.** A long measurement is resumed stage by stage: run the same command with the same `--out`. A training
 stage whose run directory there is finished (with an export) is reused, an unfinished one continues from its last
 checkpoint (`--run.resume true`), and an arm's evaluation file there is reused when it evaluated the same model, tasks,
-samples, seed and episode settings. `--reuse ARM=DIR` uses a finished run elsewhere as the arm's stage, `--reuse
+samples, seed and episode settings. An evaluation that was stopped goes on from its journal (`ARM.rollouts.jsonl`,
+`shipyard eval --resume`): its finished rollouts are kept when the journal's settings are this arm's and its model was
+not exported again since. `--reuse ARM=DIR` uses a finished run elsewhere as the arm's stage, `--reuse
 ARM=FILE.json` an evaluation elsewhere as the arm's results (checked the same way, but for the model).
 
 **Figures.** pass@1 per arm over the held-out tasks × samples, with a bootstrap 95 % interval over tasks; for every
@@ -93,6 +95,18 @@ def eval_command(config, tasks: Path, model: str, held_out: list[str], samples: 
             str(config.episode.grade_timeout), "--untagged", loop.untagged_calls, "--tags", loop.tags,
             "--device", config.engine.device, *(["--search"] if config.episode.search else []),
             "--out", str(out), "--rollouts", str(out.with_suffix(".rollouts.jsonl"))]
+
+
+def journal_usable(journal: Path, expected: dict[str, Any], model: str) -> bool:
+    """Whether the stopped evaluation journalled in `journal` is this arm's (its settings file, `shipyard.rollout.
+    evalrun.settings_path`, names the same model and episode settings; the model not exported again since)."""
+    from shipyard.rollout.evalrun import settings_path
+
+    settings = _json(settings_path(journal))
+    episode = settings.get("episode", {})
+    seen = {"grade_timeout": episode.get("grade_timeout"), **{k: episode.get("loop", {}).get(k) for k in LOOP_SETTINGS}}
+    return (journal.is_file() and settings.get("model") == model and not newer(Path(model) / "config.json", journal)
+            and all(seen[k] == expected[k] for k in seen))
 
 
 def eval_mismatch(doc: dict[str, Any], expected: dict[str, Any], model: str | None) -> str | None:
@@ -269,13 +283,16 @@ class Bench:
             seconds = self.seconds.get(key) if not given else None
             self.runs[key] = {"reused": str(path), "seconds": seconds or doc.get("wall_seconds"), "ok": True}
             return doc
-        path.with_suffix(".rollouts.jsonl").unlink(missing_ok=True)  # eval appends: a stale file would mix runs
-        path.unlink(missing_ok=True)
         rollouts = path.with_suffix(".rollouts.jsonl")
-        record = run_stage(key, eval_command(self.config, self.tasks, model, self.held_out, self.args.samples,
-                                             self.args.concurrency, path), self.out / "eval" / f"{arm}.log", None,
-                           lambda: len(_lines(rollouts)), len(self.held_out) * self.args.samples)
-        record = self.ran(key, record)
+        resumed = doc == {} and journal_usable(rollouts, self.expected, model)
+        if not resumed:
+            rollouts.unlink(missing_ok=True)  # another model's or settings' rollouts: eval refuses to mix them
+        path.unlink(missing_ok=True)
+        command = eval_command(self.config, self.tasks, model, self.held_out, self.args.samples, self.args.concurrency,
+                               path) + (["--resume"] if resumed else [])
+        record = run_stage(key, command, self.out / "eval" / f"{arm}.log", None, lambda: len(_lines(rollouts)),
+                           len(self.held_out) * self.args.samples)
+        record = self.ran(key, record, resumed)
         doc = _json(path)
         if record["returncode"] != 0 or not doc:
             self.failures.append(f"{key}: `shipyard eval` exited {record['returncode']} (see {record['log']})")

@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from shipyard.errors import FileFormatError, InputNotFound, UserError
+from shipyard.errors import InputNotFound, UsageError, UserError
 from shipyard.harness.tools import default_tools
 from shipyard.harness.trajectory import Trajectory
 from shipyard.harness.wire import ChatFormat
@@ -55,7 +55,7 @@ from shipyard.rl.ranks import RankSpec, trainer_ranks
 from shipyard.rl.rundir import RunDir
 from shipyard.rollout.episode import WireSettings
 from shipyard.rollout.gold import GOLD_ENGINE, gold_engine
-from shipyard.rollout.record import Rollout
+from shipyard.rollout.record import Rollout, read_rollout_lines
 from shipyard.tasks.taskset import list_tasks, load_task
 from shipyard.train.batch import Batch, turn_span
 from shipyard.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -92,19 +92,7 @@ def read_rollouts(path: Path) -> list[Rollout]:
         raise InputNotFound(f"SFT source {path} does not exist: give `gold`, a rollouts file (`shipyard eval "
                             f"--rollouts FILE`) or a run's trajectories/ directory")
     files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
-    out = []
-    for file in files:
-        for number, line in enumerate(file.read_text(errors="replace").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                data = json.loads(line)
-                data.pop("hints", None)
-                out.append(Rollout.from_json(data))
-            except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
-                raise FileFormatError(f"{file}:{number}: not a rollout record ({type(e).__name__}: {e}); SFT reads "
-                                      f"the lines `shipyard eval --rollouts` and a run's trajectories/ hold") from None
-    return out
+    return [rollout for file in files for rollout in read_rollout_lines(file)]
 
 
 def why_dropped(rollout: Rollout) -> str | None:
@@ -171,11 +159,12 @@ def _check_rendering(source: str, rollout: Rollout, statement: str, chat: ChatFo
 def gold_rollouts(config: RLConfig, tasks_dir: Path, task_ids: list[str], tokenizer, out: Path,
                   status: Status) -> list[Rollout]:
     """Replay the gold demonstration of every task in `task_ids` through the harness in sandboxes (an eval with the
-    `replay:gold` engine), its records appended to `out`; an existing `out` (a resumed run) is read back instead."""
+    `replay:gold` engine), its records appended to `out`; an existing `out` (a resumed run) is read back instead, and
+    the replays a stopped run finished (`OUT.partial`, their journal) are kept."""
     if out.exists():
         return read_rollouts(out)
     from shipyard.rollout.environment import LocalEnvironment
-    from shipyard.rollout.eval import EvalConfig, run_eval
+    from shipyard.rollout.evalrun import EvalConfig, run_eval, settings_path
 
     engine = gold_engine(tasks_dir, task_ids, tokenizer=tokenizer)
     loop = config.episode.loop
@@ -183,17 +172,20 @@ def gold_rollouts(config: RLConfig, tasks_dir: Path, task_ids: list[str], tokeni
     episode = replace(config.episode, loop=replace(loop, max_new_tokens=max(loop.max_new_tokens, engine.longest() + 8),
                                                    max_turns=max(loop.max_turns, turns)))
     env = LocalEnvironment()
-    partial = out.with_name(out.name + ".partial")
-    partial.unlink(missing_ok=True)
+    partial = out.with_name(out.name + ".partial")  # the replays' journal: a stopped run's finished ones are kept
+    eval_config = EvalConfig(samples=1, seed=config.run.seed, concurrency=max(1, config.rollout.max_in_flight or 2))
     status(f"replaying {len(task_ids)} gold demonstrations in sandboxes")
     try:
-        run_eval(engine, env, tasks_dir, task_ids, episode,
-                 EvalConfig(samples=1, seed=config.run.seed, concurrency=max(1, config.rollout.max_in_flight or 2)),
-                 rollouts_path=partial)
+        try:
+            run_eval(engine, env, tasks_dir, task_ids, episode, eval_config, rollouts_path=partial, resume=True)
+        except UsageError:  # replayed with other settings (or before journals had them): replay all again
+            partial.unlink(missing_ok=True)
+            run_eval(engine, env, tasks_dir, task_ids, episode, eval_config, rollouts_path=partial)
     finally:
         env.close()
         engine.close()
     partial.rename(out)
+    settings_path(partial).unlink(missing_ok=True)
     return read_rollouts(out)
 
 

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shipyard.errors import FileFormatError
 from shipyard.harness.trajectory import Trajectory
 
 NO_REWARD = ("infra_error", "cancelled")  # statuses whose reward is None: masked or retried, never a zero
@@ -139,3 +140,21 @@ def append_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as fh:
         fh.write("".join(json.dumps(r) + "\n" for r in records))
+
+
+def read_rollout_lines(file: Path) -> list[Rollout]:
+    """The rollout records of one JSON-lines file (`shipyard eval --rollouts`, a run's trajectories/step-*.jsonl).
+    Keys a run adds beside a record (`hints`) are ignored; a line that is not a record is a FileFormatError naming
+    its file and line."""
+    out = []
+    for number, line in enumerate(Path(file).read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+            data.pop("hints", None)
+            out.append(Rollout.from_json(data))
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+            raise FileFormatError(f"{file}:{number}: not a rollout record ({type(e).__name__}: {e}); such files "
+                                  f"hold the lines of `shipyard eval --rollouts` and a run's trajectories/") from None
+    return out

@@ -372,14 +372,18 @@ class Scheduler:
                        stop_reason="infra_error", infra_cause=cause)
 
     # Evaluation --------------------------------------------------------------------------------------------
-    async def evaluate(self, task_ids: list[str], samples: int,
-                       progress: Callable[[Rollout], None] | None = None) -> dict[str, list[Rollout]]:
+    async def evaluate(self, task_ids: list[str], samples: int, progress: Callable[[Rollout], None] | None = None,
+                       done: Mapping[tuple[str, int], Rollout] | None = None) -> dict[str, list[Rollout]]:
         """`samples` rollouts of each task (seeds of group 0), infra failures retried then masked; no dynamic
-        sampling, no advantages, nothing recorded in the curriculum. `progress` is called as each one finishes."""
+        sampling, no advantages, nothing recorded in the curriculum. `progress` is called as each one finishes.
+        `done` holds rollouts already finished, by (task, index) (a resumed eval): they are returned, not run."""
         if samples < 1:
             raise ValueError(f"samples must be at least 1, got {samples}")
+        done = done or {}
 
         async def one(spec: EpisodeSpec, flight: _Flight) -> Rollout:
+            if (spec.task_id, spec.index) in done:
+                return done[spec.task_id, spec.index]
             rollout = await self._run_rollout(spec, flight)
             if progress is not None:
                 progress(rollout)

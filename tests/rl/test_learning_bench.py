@@ -90,6 +90,36 @@ def test_the_evaluations_take_the_configurations_episode_settings(tmp_path):
     assert settings["task_ids"] == ["x", "y"] and settings["temperature"] == 0.3 and settings["seed"] == 1
 
 
+def test_a_stopped_evaluation_is_resumed_only_when_its_journal_is_this_arms(tmp_path):
+    from shipyard.rollout.evalrun import settings_path
+
+    expected = {"task_ids": ["x"], "samples": 2, "seed": 0, "grade_timeout": 300.0, "max_turns": 8,
+                "max_new_tokens": 384, "temperature": 1.0, "untagged_calls": "accept", "tags": "token"}
+    model = tmp_path / "export"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    journal = tmp_path / "arm.rollouts.jsonl"
+    journal.write_text('{"a": 1}\n')
+    loop = {k: expected[k] for k in learning.LOOP_SETTINGS}
+
+    def written(**changes):
+        episode = {"grade_timeout": 300.0, "loop": {**loop, "seed": 0}}
+        settings = {"model": str(model), "episode": episode, **changes}
+        settings_path(journal).write_text(json.dumps(settings))
+        return learning.journal_usable(journal, expected, str(model))
+
+    os.utime(model / "config.json", (time.time() - 60, time.time() - 60))
+    assert written()
+    assert not written(model="other")
+    assert not written(episode={"grade_timeout": 300.0, "loop": {**loop, "temperature": 0.7}})
+    assert not written(episode={"grade_timeout": 60.0, "loop": loop})
+    (model / "config.json").write_text("{}")  # exported again after the journal's last line
+    os.utime(model / "config.json", (time.time() + 60, time.time() + 60))
+    assert not written()
+    settings_path(journal).unlink()
+    assert not learning.journal_usable(journal, expected, str(model))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--arms", "base,reward"], "name arms among"),
     (["--reuse", "sft"], "name arms among"),

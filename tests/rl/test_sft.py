@@ -117,6 +117,7 @@ def test_sft_on_gold_replays_trains_the_policy_tokens_and_exports(taskset, tmp_p
     config = load_config(config_path, ["--run.dir", str(tmp_path / "run")])
     lines = sft(config)
     run = tmp_path / "run"
+    assert sorted(p.name for p in (run / "sft").iterdir() if "gold" in p.name) == ["gold.jsonl"]  # journal renamed
     data = json.loads((run / "sft" / "data.json").read_text())
     held = load_config(run / "config.toml").run.held_out
     assert len(held) == 1

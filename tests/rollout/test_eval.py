@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from servers import free_port
+from servers import free_port, needs_sandbox
 
 from shipyard.harness.trajectory import CallRecord, Trajectory, Turn
 from shipyard.rollout.eval import (
@@ -401,31 +401,10 @@ def test_gold_replay_file_round_trips_through_the_replay_engine(taskset, tmp_pat
 
 
 # through real sandboxes --------------------------------------------------------------------------------------------
-def _sandbox_problem():
-    from shipyard.sandbox.run import sandbox_problem
-
-    return sandbox_problem()
-
-
-needs_sandbox = pytest.mark.skipif(_sandbox_problem() is not None,
-                                   reason=f"this host cannot start bubblewrap sandboxes: {_sandbox_problem()}")
-
-
-@pytest.fixture
-def source_copy():
-    """The sandboxes' copy of shipyard's source, made once before episodes start in parallel: two sandboxes starting
-    at once in a fresh checkout race to make it (`shipyard.sandbox.sandbox.shipyard_source` has no lock), and the
-    loser's rollout is an infra_error — retried and masked, as it should be, but then pass@k is over fewer samples."""
-    from shipyard.sandbox.host import host
-    from shipyard.sandbox.sandbox import shipyard_source
-
-    return shipyard_source(host())
-
-
 def evaluate(engine, tasks_dir, task_ids, samples, **overrides):
     from shipyard.rollout.environment import LocalEnvironment
     from shipyard.rollout.episode import episode_config
-    from shipyard.rollout.eval import EvalConfig, run_eval
+    from shipyard.rollout.evalrun import EvalConfig, run_eval
 
     seen = []
     episode = episode_config(engine.name, max_turns=8, grade_timeout=300, **overrides)
