@@ -21,6 +21,11 @@ The machine is shared with other jobs: compare the ratio, not the absolute figur
 set (sampled every 20 ms per phase; `peak_memory_mb` is the whole run's maximum).
 
     shipyard bench engine [-- --model smollm2-135m --sessions 6 --turns 3 --threads 1]
+
+With `--engines local,vllm` it compares the loop's samplers instead: the in-process engine and vLLM servers, tokens/s
+at concurrency 1/8/16 on ~1k-token prompts and 256 new tokens (shipyard/bench/_engines.py).
+
+    shipyard bench engine -- --engines local,vllm [--concurrency 1,8,16 --vllm-python .venv-vllm/bin/python]
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from pathlib import Path
 import torch
 
 from shipyard.bench._common import finish, table
+from shipyard.bench._engines import add_arguments, compare
+from shipyard.models.bundled import DEFAULT_MODEL
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.local import LocalEngine
 from shipyard.models.resolve import load_hf
@@ -130,7 +137,7 @@ def run_group(model, tok, prompt: list[int], new: int, shared: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=None, help="default: smollm2-135m; with --engines the bundled 0.5B")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--sessions", type=int, default=6, help="agents at once: the concurrency of both modes")
@@ -142,7 +149,13 @@ def main() -> None:
     ap.add_argument("--group-prompt", type=int, default=512)
     ap.add_argument("--group-new", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    add_arguments(ap)
     args = ap.parse_args()
+    if args.engines:  # the samplers side by side (shipyard/bench/_engines.py)
+        args.model = args.model or DEFAULT_MODEL
+        compare(args)
+        return
+    args.model = args.model or "smollm2-135m"
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = load_hf(args.model, dtype=getattr(torch, args.dtype))

@@ -161,7 +161,8 @@ class VLLMEngine:
         started = self.policy_version
         request_id = f"shipyard-{uuid.uuid4().hex}"
         params = {"max_tokens": sp.max_tokens, "temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed,
-                  "stop_token_ids": list(sp.stop_token_ids), "logprobs": 0, "skip_special_tokens": False}
+                  "stop_token_ids": list(sp.stop_token_ids), "logprobs": 0, "skip_special_tokens": False,
+                  "ignore_eos": True}  # stops at `stop_token_ids` only, as every engine of shipyard does
         body = {"request_id": request_id, "token_ids": req.prompt_ids, "sampling_params": params,
                 "cache_salt": f"{SALT}{started}"}
         t0 = time.monotonic()
