@@ -5,8 +5,7 @@ import subprocess
 import sys
 
 import pytest
-
-from shipyard.sandbox.run import sandbox_problem
+from servers import needs_sandbox
 
 HEAVY = ("torch", "transformers")
 
@@ -20,7 +19,7 @@ def imported(*args: str, cwd=None) -> tuple[subprocess.CompletedProcess, set[str
     return proc, names
 
 
-@pytest.mark.skipif(sandbox_problem() is not None, reason="this host cannot start bubblewrap sandboxes")
+@needs_sandbox
 def test_sandbox_exec_imports_no_model_libraries(repo):
     proc, names = imported("sandbox", "exec", "--repo", str(repo), "--", "true")
     assert proc.returncode == 0, proc.stderr[-2000:]

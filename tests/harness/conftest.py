@@ -3,26 +3,18 @@
 from __future__ import annotations
 
 import pytest
+from servers import needs_sandbox
 
 from shipyard.harness.workspace import LocalWorkspace
 
 
-@pytest.fixture(scope="session")
-def sandbox_problem():
-    from shipyard.sandbox.run import sandbox_problem
-
-    return sandbox_problem()
-
-
-@pytest.fixture(params=["local", "sandbox"])
-def ws(request, repo, sandbox_problem):
+@pytest.fixture(params=["local", pytest.param("sandbox", marks=needs_sandbox)])
+def ws(request, repo):
     if request.param == "local":
         w = LocalWorkspace(repo)
         yield w
         w.close()
         return
-    if sandbox_problem:
-        pytest.skip(f"this host cannot start bubblewrap sandboxes: {sandbox_problem}")
     from shipyard.sandbox.host import host
     from shipyard.sandbox.sandbox import Sandbox
     from shipyard.sandbox.snapshot import snapshot_of

@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 import pytest
+from servers import needs_sandbox
 
 from shipyard.harness.tools import ToolContext, ToolError
 from shipyard.harness.tools.base import installed_binary
@@ -142,12 +143,11 @@ def test_a_venv_that_is_only_a_name_is_not_activated(repo):
         ws.close()
 
 
-def test_the_task_environment_comes_first_in_a_task_sandbox(taskset, sandbox_problem):
+@needs_sandbox
+def test_the_task_environment_comes_first_in_a_task_sandbox(taskset):
     """In a task's sandbox, `pytest` is the task venv's: the project's tests are collected and run (before, `pytest`
     was shipyard's, without the project: every test module failed with an ImportError), `python` imports the project,
     `pip` is the venv's, and shipyard's `rg` still resolves."""
-    if sandbox_problem:
-        pytest.skip(f"this host cannot start bubblewrap sandboxes: {sandbox_problem}")
     from shipyard.rollout.environment import LocalEnvironment
     from shipyard.rollout.record import EpisodeSpec
     from shipyard.tasks.taskset import list_tasks

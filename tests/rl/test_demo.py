@@ -11,9 +11,9 @@ import sys
 
 import pytest
 from rich.console import Console
+from servers import needs_sandbox
 
 from shipyard.rl.demo import DEMO_CONFIG, demo_config, report
-from shipyard.sandbox.run import sandbox_problem
 
 EVAL0 = {"step": 0, "eval/scored": 4, "eval/reward_mean": 0.0, "eval/pass@1": 0.0, "eval/grounded_fraction": 0.0,
          "eval/tool_calls": 12, "eval/placeholder_calls": 3, "eval/untagged_grounded_calls": 5,
@@ -109,7 +109,7 @@ def test_demo_config_is_the_checked_in_file_in_a_fresh_run_directory(tmp_path, m
 
 
 @pytest.mark.slow  # ~1-2 minutes: a real run with sandboxes
-@pytest.mark.skipif(sandbox_problem() is not None, reason="this host cannot start bubblewrap sandboxes")
+@needs_sandbox
 def test_demo_with_a_model_that_learns_nothing_prints_its_table_and_fails(taskset, tmp_path):
     args = ["--model.name", "random:tiny", "--run.tasks", str(taskset[0]), "--run.dir", str(tmp_path / "run"),
             "--run.steps", "1", "--run.held_out_count", "1", "--run.eval_samples", "1", "--run.checkpoint_every", "1",

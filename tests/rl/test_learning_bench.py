@@ -16,10 +16,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from servers import needs_sandbox
 from tiny_run import CONFIG
 
 from shipyard.bench import learning
-from shipyard.sandbox.run import sandbox_problem
 
 TINY = CONFIG + '\n[sft]\nsources = ["gold"]\nepochs = 1\nbatch_size = 4\n'
 
@@ -164,7 +164,7 @@ def _bench(config: Path, out: Path, *extra: str) -> tuple[int, dict, str]:
     return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-@pytest.mark.skipif(sandbox_problem() is not None, reason="this host cannot start bubblewrap sandboxes")
+@needs_sandbox
 def test_the_bench_trains_and_evaluates_base_sft_and_sft_rl(taskset, tmp_path):
     config = tmp_path / "tiny.toml"
     config.write_text(TINY.format(tasks=taskset[0]))

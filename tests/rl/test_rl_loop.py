@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from servers import needs_sandbox
 
 from shipyard.harness.tools import default_tools
 from shipyard.harness.wire import ChatFormat
@@ -22,12 +23,10 @@ from shipyard.rollout.environment import LocalEnvironment
 from shipyard.rollout.episode import WireSettings, episode_config, wire_defaults
 from shipyard.rollout.scheduler import Scheduler, SchedulerConfig
 from shipyard.rollout.transport import InProcessTransport
-from shipyard.sandbox.run import sandbox_problem
 from shipyard.tasks.taskset import list_tasks
 from shipyard.train.trainer import OptimConfig, TrainConfig, Trainer
 
-_problem = sandbox_problem()
-pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+pytestmark = needs_sandbox
 
 
 @pytest.fixture

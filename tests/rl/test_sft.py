@@ -10,14 +10,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from servers import needs_sandbox
 from tiny_run import CONFIG
 
 from shipyard.harness.trajectory import Trajectory, Turn
 from shipyard.rl.config import SFTConfig, load_config
 from shipyard.rollout.record import Rollout
-from shipyard.sandbox.run import sandbox_problem
-
-_problem = sandbox_problem()
 
 
 def _rollout(task: str, reward: float | None = 1.0, flags: list | None = None, turns: int = 1) -> Rollout:
@@ -106,7 +104,7 @@ batch_size = 2
 """
 
 
-@pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+@needs_sandbox
 def test_sft_on_gold_replays_trains_the_policy_tokens_and_exports(taskset, tmp_path):
     from safetensors.torch import load_file
 
@@ -147,7 +145,7 @@ def test_sft_on_gold_replays_trains_the_policy_tokens_and_exports(taskset, tmp_p
     assert (tmp_path / "again" / "export" / "model.safetensors").exists()
 
 
-@pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+@needs_sandbox
 def test_the_sft_command_refuses_a_held_out_task_in_its_data(taskset, tmp_path):
     config_path = tmp_path / "tiny.toml"
     config_path.write_text(CONFIG.format(tasks=taskset[0]))

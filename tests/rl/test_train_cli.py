@@ -14,13 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from servers import needs_sandbox
 from tiny_run import CONFIG
 
-from shipyard.sandbox.run import sandbox_problem
-
-_problem = sandbox_problem()
-pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
-
+pytestmark = needs_sandbox
 
 
 def shipyard(*args: str, **kw) -> subprocess.Popen:

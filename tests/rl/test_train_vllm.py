@@ -9,18 +9,15 @@ import subprocess
 import sys
 
 import pytest
+from servers import needs_sandbox
 from tiny_run import CONFIG
 from vllm_venv import vllm_python
 
 from shipyard.models.resolve import tiny_model
-from shipyard.sandbox.run import sandbox_problem
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, needs_sandbox]
 
 PYTHON = vllm_python()
-_problem = sandbox_problem()
-if _problem is not None:
-    pytest.skip(f"this host cannot start bubblewrap sandboxes: {_problem}", allow_module_level=True)
 
 
 def test_two_steps_with_managed_vllm_servers_push_every_step_and_stop_them(taskset, tmp_path):

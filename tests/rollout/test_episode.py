@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from servers import running_app
+from servers import needs_sandbox, running_app
 
 from shipyard.models.bundled import BUNDLED
 from shipyard.models.errors import InfraError, ServerUnreachable
@@ -23,15 +23,12 @@ from shipyard.rollout.environment import LocalEnvironment
 from shipyard.rollout.episode import episode_config, run_episode, run_on_repo, wire_defaults
 from shipyard.rollout.record import EpisodeSpec, rollout_seed
 from shipyard.sandbox.host import host
-from shipyard.sandbox.run import sandbox_problem
 from shipyard.sandbox.sandbox import SandboxFailed
 from shipyard.sandbox.snapshot import remove_snapshot
 from shipyard.tasks.grade import patch_paths
 from shipyard.tasks.taskset import TaskFormatError, list_tasks, load_task
 
 ROOT = Path(__file__).resolve().parents[2]
-_problem = sandbox_problem()
-sandboxes = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
 
 
 def call(name, **args):
@@ -177,7 +174,7 @@ def test_a_malformed_task_is_not_infrastructure(tmp_path):
 
 # Real episodes through real sandboxes ------------------------------------------------------------------------------
 
-@sandboxes
+@needs_sandbox
 def test_gold_episode_scores_one_and_empty_episode_zero_from_one_snapshot(tasks, tmp_path):
     tasks_dir, ids = tasks
     task_id = next(t for t in ids if load_task(tasks_dir, t)[0].tier == 3)  # whole definitions: distinctive lines
@@ -197,7 +194,7 @@ def test_gold_episode_scores_one_and_empty_episode_zero_from_one_snapshot(tasks,
     assert empty.monitor_flags == [] and not empty.masked
 
 
-@sandboxes
+@needs_sandbox
 def test_an_episode_that_fits_the_tests_scores_zero_and_is_flagged(tasks, tmp_path):
     """The agent writes a table of the tests' calls (redteam's generic lookup hack) as its final file: the tests
     pass, the differential check does not (issue 28)."""
@@ -221,7 +218,7 @@ def test_an_episode_that_fits_the_tests_scores_zero_and_is_flagged(tasks, tmp_pa
     assert flags[0]["evidence"].startswith("the tests pass, but the code differs from the original on")
 
 
-@sandboxes
+@needs_sandbox
 def test_env_server_shut_down_mid_episode_is_infra_error_with_the_turns_kept(tasks):
     from shipyard.httpguard import new_token
     from shipyard.sandbox.client import EnvClient
@@ -259,7 +256,7 @@ def test_env_server_shut_down_mid_episode_is_infra_error_with_the_turns_kept(tas
     assert "grade" not in rollout.timings
 
 
-@sandboxes
+@needs_sandbox
 def test_engine_unreachable_mid_episode_is_infra_error(tasks):
     tasks_dir, ids = tasks
 
@@ -274,7 +271,7 @@ def test_engine_unreachable_mid_episode_is_infra_error(tasks):
     assert len(rollout.trajectory.turns) == 1 and rollout.trajectory.turns[0].calls[0].error is None
 
 
-@sandboxes
+@needs_sandbox
 def test_a_sandbox_that_cannot_restart_is_infra_error_not_a_tool_error(tasks):
     """The session dies (the model kills it: a tool error, restarted) while the host lost the snapshot under it
     (the restart fails: the sandbox is gone, an InfraError)."""
@@ -288,7 +285,7 @@ def test_a_sandbox_that_cannot_restart_is_infra_error_not_a_tool_error(tasks):
     assert "SandboxFailed" in rollout.infra_cause and len(rollout.trajectory.turns) == 2
 
 
-@sandboxes
+@needs_sandbox
 def test_cancelled_episode_is_not_graded_and_carries_its_session(tasks):
     tasks_dir, ids = tasks
     engine = Scripted([call("list_dir", path=".")] * 4 + ["done"])
@@ -303,7 +300,7 @@ def test_cancelled_episode_is_not_graded_and_carries_its_session(tasks):
     assert [r.sampling.seed for r in engine.requests] == [spec.seed, spec.seed + 1]
 
 
-@sandboxes
+@needs_sandbox
 def test_one_snapshot_serves_every_episode_and_grading_of_a_task(tasks):
     """Four episodes of one task on four threads at once, each graded: one copy of the task's tree, removed on
     close (the snapshot directory this process owns is the environment's, and nothing else appeared)."""

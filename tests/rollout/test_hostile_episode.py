@@ -7,17 +7,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
+from servers import needs_sandbox
 
 from shipyard.models.replay import ReplayEngine
 from shipyard.rollout.environment import LocalEnvironment
 from shipyard.rollout.episode import episode_config, run_episode
 from shipyard.rollout.record import EpisodeSpec, rollout_seed
-from shipyard.sandbox.run import sandbox_problem
 from shipyard.tasks.taskset import list_tasks
-
-_problem = sandbox_problem()
-sandboxes = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
 
 # A daemon (its own session: not a background job, so closing the tool context does not stop it) that waits for
 # the episode's final diff and then kills every process of the sandbox uid: the exec session dies in the middle of
@@ -41,7 +37,7 @@ def spec_of(tasks_dir: Path, task_id: str) -> EpisodeSpec:
     return EpisodeSpec(task_id, tasks_dir, f"hostile-{task_id}", 0, rollout_seed(0, task_id, 0))
 
 
-@sandboxes
+@needs_sandbox
 def test_killing_the_session_during_the_final_diff_is_scored_not_raised(taskset):
     """Before: the diff's `SessionRestarted` (an OSError, the model's doing) escaped `Agent.run` and `run_episode`,
     and the scheduler failed the whole run with it. The model's act is the model's: the episode is graded (0)."""
@@ -55,7 +51,7 @@ def test_killing_the_session_during_the_final_diff_is_scored_not_raised(taskset)
     assert "b/hostile/f1\n" in rollout.trajectory.patch  # taken again over the same files, on the restarted session
 
 
-@sandboxes
+@needs_sandbox
 def test_a_background_job_lost_to_a_restart_does_not_break_the_episode(taskset):
     """The model starts a background job, then kills its session (restarted: the job is gone). Stopping the
     episode's jobs at the end must not raise out of `run_episode`: the episode is graded."""

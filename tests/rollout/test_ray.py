@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from schedfakes import wait_until
+from servers import needs_sandbox
 
 ray = pytest.importorskip("ray")
 
@@ -19,11 +20,9 @@ from shipyard.rollout.episode import episode_config  # noqa: E402
 from shipyard.rollout.gold import gold_scripts  # noqa: E402
 from shipyard.rollout.ray_transport import RayConfig, RayTransport  # noqa: E402
 from shipyard.rollout.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from shipyard.sandbox.run import sandbox_problem  # noqa: E402
 from shipyard.tasks.taskset import list_tasks  # noqa: E402
 
-_problem = sandbox_problem()
-pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+pytestmark = needs_sandbox
 
 SLEEP = 4  # seconds the slow scripts' first command runs: the window in which a test kills something
 

@@ -9,13 +9,11 @@ import subprocess
 import sys
 
 import pytest
-
-from shipyard.sandbox.run import sandbox_problem
+from servers import needs_sandbox
 
 TINY_RUN = ["--model", "random:tiny", "--group-size", "2", "--groups", "1", "--workers", "2", "--max-turns", "2",
             "--max-new-tokens", "16"]
-_problem = sandbox_problem()
-pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+pytestmark = needs_sandbox
 
 
 def bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:

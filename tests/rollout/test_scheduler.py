@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from schedfakes import Outcome, ScriptedTransport
+from servers import needs_sandbox
 
 from shipyard.models.errors import InfraError
 from shipyard.rollout.record import rollout_seed
@@ -293,13 +294,7 @@ def test_close_cancels_running_episodes_and_closes_the_transport():
 
 
 # Through real episodes -------------------------------------------------------------------------------------------
-def _sandbox_problem():
-    from shipyard.sandbox.run import sandbox_problem
-
-    return sandbox_problem()
-
-
-@pytest.mark.skipif(_sandbox_problem() is not None, reason="this host cannot start bubblewrap sandboxes")
+@needs_sandbox
 def test_training_batch_through_in_process_episodes(taskset):
     """The gold replay engine through InProcessTransport, LocalEnvironment sandboxes and the real grader: every
     rollout is solved, so the first group to finish has no signal and is dropped; the bound (max_refills 1) keeps

@@ -8,7 +8,7 @@ import re
 import shutil
 
 import pytest
-from servers import free_port
+from servers import free_port, needs_sandbox
 
 from shipyard.rollout.eval import ResultsFileError, load_results, save_results
 from shipyard.rollout.setup import (
@@ -27,10 +27,6 @@ def _sandbox_problem():
     from shipyard.sandbox.run import sandbox_problem
 
     return sandbox_problem()
-
-
-needs_sandbox = pytest.mark.skipif(_sandbox_problem() is not None,
-                                   reason=f"this host cannot start bubblewrap sandboxes: {_sandbox_problem()}")
 
 
 # hostile input -----------------------------------------------------------------------------------------------------

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import free_port, running_app
-from test_security import _problem, nothing_left
+from servers import free_port, needs_sandbox, running_app
+from test_security import nothing_left
 
 from shipyard.harness.diff import MAX_DIFF_BYTES, tree_diff
 from shipyard.httpguard import new_token
@@ -40,7 +40,7 @@ from shipyard.sandbox.snapshot import recover_snapshots
 from shipyard.tasks.grade import grade
 from shipyard.tasks.taskset import TaskFormatError, list_tasks, load_task
 
-pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+pytestmark = needs_sandbox
 
 TOKEN = new_token()
 

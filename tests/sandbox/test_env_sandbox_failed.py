@@ -7,8 +7,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from servers import running_app
-from test_security import _problem
+from servers import needs_sandbox, running_app
 
 from shipyard.httpguard import new_token
 from shipyard.models.errors import InfraError
@@ -17,7 +16,7 @@ from shipyard.sandbox.host import host
 from shipyard.sandbox.server import ServerConfig, create_app
 from shipyard.sandbox.snapshot import remove_snapshot
 
-pytestmark = pytest.mark.skipif(_problem is not None, reason=f"no sandboxes here: {_problem}")
+pytestmark = needs_sandbox
 
 
 def test_a_remote_sandbox_that_cannot_restart_is_an_infra_error(tmp_path):

@@ -4,8 +4,8 @@ import threading
 import time
 
 import pytest
-from servers import free_port, running_app
-from test_security import _problem, nothing_left
+from servers import free_port, needs_sandbox, running_app
+from test_security import nothing_left
 
 from shipyard.harness.tools import ToolContext
 from shipyard.harness.tools.edit import search_replace
@@ -16,7 +16,7 @@ from shipyard.httpguard import new_token
 from shipyard.sandbox.client import EnvClient, EnvServerError, EnvServerUnreachable
 from shipyard.sandbox.server import ServerConfig, create_app
 
-pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+pytestmark = needs_sandbox
 
 TOKEN = new_token()
 

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import free_port, running_app, wait_for
-from test_security import _problem
+from servers import free_port, needs_sandbox, running_app, wait_for
 
 from shipyard.harness.workspace import PathError
 from shipyard.httpguard import new_token
@@ -31,7 +30,7 @@ from shipyard.sandbox.sandbox import Sandbox, SandboxFailed
 from shipyard.sandbox.server import ServerConfig, create_app
 from shipyard.sandbox.snapshot import CopyBounds, SnapshotRefused, make_snapshot, remove_snapshot
 
-pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+pytestmark = needs_sandbox
 
 TOKEN = new_token()
 MAX_BODY, MAX_FILES, MAX_BYTES = 1 << 20, 200, 4 << 20

@@ -7,13 +7,11 @@ import sys
 import time
 import uuid
 
-import pytest
+from servers import needs_sandbox
 
 from shipyard.sandbox.host import host
-from shipyard.sandbox.run import sandbox_problem
 
-_problem = sandbox_problem()
-pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+pytestmark = needs_sandbox
 
 RECOVER = ("from shipyard.sandbox.host import host; from shipyard.sandbox.layout import recover_stale; "
            "from shipyard.sandbox.snapshot import recover_snapshots; h = host(); "

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_security import _problem, nothing_left
+from servers import needs_sandbox
+from test_security import nothing_left
 
 from shipyard.harness.tools import ToolContext
 from shipyard.harness.tools.files import grep
@@ -16,7 +17,7 @@ from shipyard.sandbox.host import _bwrap_source, host
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 
-pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+pytestmark = needs_sandbox
 
 
 @pytest.fixture

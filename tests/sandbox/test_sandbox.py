@@ -5,7 +5,8 @@ import subprocess
 import sys
 
 import pytest
-from test_security import _problem, nothing_left
+from servers import needs_sandbox
+from test_security import nothing_left
 
 from shipyard.sandbox.bwrap import Limits
 from shipyard.sandbox.host import host
@@ -13,7 +14,7 @@ from shipyard.sandbox.layout import recover_stale
 from shipyard.sandbox.sandbox import Sandbox, SandboxFailed, SessionRestarted
 from shipyard.sandbox.snapshot import make_snapshot, recover_snapshots, remove_snapshot
 
-pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+pytestmark = needs_sandbox
 
 
 @pytest.fixture

@@ -11,18 +11,18 @@ import uuid
 from pathlib import Path
 
 import pytest
+from servers import needs_sandbox
 
 from shipyard.sandbox.bwrap import Limits
 from shipyard.sandbox.host import host
 from shipyard.sandbox.layout import leftovers
-from shipyard.sandbox.run import run_in_sandbox, sandbox_problem
+from shipyard.sandbox.run import run_in_sandbox
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 
 SECRET = "shipyard-secret-" + uuid.uuid4().hex
 
 
-_problem = sandbox_problem()
-pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+pytestmark = needs_sandbox
 
 
 @pytest.fixture(scope="module")

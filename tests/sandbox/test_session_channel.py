@@ -23,7 +23,8 @@ from concurrent.futures import Future
 
 import pytest
 from own_memory import traced
-from test_security import _problem, nothing_left
+from servers import needs_sandbox
+from test_security import nothing_left
 
 from shipyard.harness.workspace import MAX_FILE_BYTES, PathError
 from shipyard.sandbox.host import host
@@ -31,7 +32,7 @@ from shipyard.sandbox.sandbox import Sandbox, SessionRestarted, _Channel
 from shipyard.sandbox.session import MAX_LINE_BYTES, channel_keys, encode_reply
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 
-pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+pytestmark = needs_sandbox
 
 # Inside the sandbox: every pipe or socket another process holds, reached through /proc/PID/fd (open) and through
 # pidfd_getfd, and the session's memory (/proc/PID/mem, ptrace); into each pipe that opens for writing, a forged

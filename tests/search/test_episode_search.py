@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import json
 
-import pytest
+from servers import needs_sandbox
 
 from shipyard.models.replay import ReplayEngine
 from shipyard.rollout.environment import LocalEnvironment
 from shipyard.rollout.episode import episode_config, run_episode
 from shipyard.rollout.record import EpisodeSpec
 from shipyard.rollout.scheduler import rollout_seed
-from shipyard.sandbox.run import sandbox_problem
 from shipyard.search.index import CodeIndex
 from shipyard.search.service import TASK_INDEX, shared_embedder, task_index
 from shipyard.tasks.taskset import list_tasks, load_task
 
-_problem = sandbox_problem()
-pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+pytestmark = needs_sandbox
 
 
 def call(name, **arguments):

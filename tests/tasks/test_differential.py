@@ -14,8 +14,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from servers import needs_sandbox
 
-from shipyard.sandbox.run import sandbox_problem
 from shipyard.tasks import differential, probe
 from shipyard.tasks.differential import Case, Differential, compare
 from shipyard.tasks.grade import grade
@@ -23,9 +23,6 @@ from shipyard.tasks.monitors import verdict_flags
 from shipyard.tasks.probe import literal
 from shipyard.tasks.redteam import FITTING, _with_body, edited, target
 from shipyard.tasks.taskset import TaskFormatError, list_tasks, load_task
-
-_problem = sandbox_problem()
-needs_sandbox = pytest.mark.skipif(_problem is not None, reason=f"no bubblewrap sandboxes here: {_problem}")
 
 
 def result(value, args=()) -> dict:

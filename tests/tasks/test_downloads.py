@@ -33,8 +33,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
+from servers import needs_sandbox
 
-from shipyard.sandbox.run import sandbox_problem
 from shipyard.tasks.downloads import (
     Downloader,
     DownloadError,
@@ -45,10 +45,6 @@ from shipyard.tasks.downloads import (
     sdist_metadata,
 )
 from shipyard.tasks.environment import prepare
-
-_problem = sandbox_problem()
-needs_sandbox = pytest.mark.skipif(_problem is not None,
-                                   reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
 
 BACKEND = r'''
 import base64

@@ -13,10 +13,10 @@ import subprocess
 from pathlib import Path, PurePosixPath
 
 import pytest
+from servers import needs_sandbox
 
 from shipyard.harness.diff import MAX_DIFF_BYTES
 from shipyard.sandbox.host import host
-from shipyard.sandbox.run import sandbox_problem
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 from shipyard.tasks.grade import DETAIL_CHARS, Refused, Verdict, apply_patch, grade, not_regular
@@ -24,8 +24,7 @@ from shipyard.tasks.patchparse import FileChange, parse_patch
 from shipyard.tasks.redteam import CORPUS, Target, edited, target
 from shipyard.tasks.taskset import Task, TaskFormatError, list_tasks, load_task
 
-_problem = sandbox_problem()
-pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+pytestmark = needs_sandbox
 
 
 @dataclasses.dataclass

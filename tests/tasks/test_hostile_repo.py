@@ -23,16 +23,13 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from servers import needs_sandbox
 
-from shipyard.sandbox.run import sandbox_problem
 from shipyard.tasks.environment import copy_repository, regular_files
 from shipyard.tasks.synth import SynthConfig, Synthesizer, empty_patch_reason
 from shipyard.tasks.taskset import list_tasks, load_task, read_canonical
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pocketlib"
-_problem = sandbox_problem()
-needs_sandbox = pytest.mark.skipif(_problem is not None,
-                                   reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
 
 SETUP_PY = """from pathlib import Path
 import os

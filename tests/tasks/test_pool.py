@@ -10,16 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from servers import needs_sandbox
 
-from shipyard.sandbox.run import sandbox_problem
 from shipyard.tasks.pool import read_list, synthesize_specs
 from shipyard.tasks.sources import SourceError, directory_project, resolve
 from shipyard.tasks.synth import SynthConfig, Synthesizer
 from shipyard.tasks.taskset import Project, TaskSetConflict, index_entries, list_tasks, load_task, task_projects
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pocketlib"
-_problem = sandbox_problem()
-needs_sandbox = pytest.mark.skipif(_problem is not None, reason=f"no bubblewrap sandboxes here: {_problem}")
 SMALL = SynthConfig(max_tasks=1, tiers=(1,), suite_runs=1, oracle_runs=1, search_index=False, timeout=300)
 STATS = '''def median(values):
     """The middle value of `values` (the mean of the two middle ones when their count is even)."""

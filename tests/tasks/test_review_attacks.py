@@ -18,20 +18,16 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 from cpu_time import cpu_seconds
+from servers import needs_sandbox
 
 from shipyard.harness.diff import MAX_DIFF_BYTES
 from shipyard.sandbox.host import host
-from shipyard.sandbox.run import sandbox_problem
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 from shipyard.tasks.grade import Verdict, grade, read_gold
 from shipyard.tasks.patchparse import parse_patch
 from shipyard.tasks.patchscan import GRADER_KINDS, machinery
 from shipyard.tasks.redteam import Target, edited, target
 from shipyard.tasks.taskset import Task, TaskFormatError, list_tasks, load_task
-
-_problem = sandbox_problem()
-needs_sandbox = pytest.mark.skipif(_problem is not None,
-                                   reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
 
 
 @dataclasses.dataclass

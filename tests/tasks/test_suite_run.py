@@ -4,15 +4,15 @@ defences, each tested on files planted straight into the workspace (no patch, so
 configuration the run was not given, a top-level `pytest` package, canaries, the integrity check and the seal."""
 
 import pytest
+from servers import needs_sandbox
 
 from shipyard.sandbox.host import host
-from shipyard.sandbox.run import sandbox_problem
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 from shipyard.tasks.environment import prepare
 from shipyard.tasks.suite import Canary, SuiteRun, canary_problems, run_suite
 
-pytestmark = pytest.mark.skipif(sandbox_problem() is not None, reason=str(sandbox_problem()))
+pytestmark = needs_sandbox
 
 FILES = {
     "pyproject.toml": """[build-system]

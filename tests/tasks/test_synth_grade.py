@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from servers import needs_sandbox
 
 from shipyard.harness.trajectory import CallRecord, Trajectory, Turn
 from shipyard.harness.workspace import tree_diff
 from shipyard.sandbox.host import host
-from shipyard.sandbox.run import sandbox_problem
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 from shipyard.tasks.features import symbols_of
@@ -21,8 +21,7 @@ from shipyard.tasks.monitors import monitor
 from shipyard.tasks.statement import stub_source
 from shipyard.tasks.taskset import Project, list_tasks, load_task
 
-_problem = sandbox_problem()
-pytestmark = pytest.mark.skipif(_problem is not None, reason=f"this host cannot start bubblewrap sandboxes: {_problem}")
+pytestmark = needs_sandbox
 # `taskset` (the example repository's task set, made once per session) is in tests/tasks/conftest.py.
 
 

@@ -15,9 +15,9 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 from _pytest.assertion.rewrite import rewrite_asserts
+from servers import needs_sandbox
 
 from shipyard.sandbox.host import host
-from shipyard.sandbox.run import sandbox_problem
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import make_snapshot, remove_snapshot
 from shipyard.tasks.environment import prepare
@@ -28,8 +28,6 @@ from shipyard.tasks.redteam import edited, target
 from shipyard.tasks.suite import SuiteRun, parse_junit, read_seal, run_suite
 from shipyard.tasks.taskset import list_tasks, load_task
 from shipyard.tasks.testcode import TrustedTests, is_test_side, plain_names
-
-needs_sandbox = pytest.mark.skipif(sandbox_problem() is not None, reason=str(sandbox_problem()))
 
 
 def test_test_side_rule_is_the_task_formats():
