@@ -69,6 +69,7 @@ def _sandbox_problem() -> str | None:
     return sandbox_problem()
 
 
+_SANDBOX_PROBLEM = _sandbox_problem()  # probed once per test process
 # Tests that start bubblewrap sandboxes skip themselves, saying why, on a host that cannot start them.
-needs_sandbox = pytest.mark.skipif(_sandbox_problem() is not None,
-                                   reason=f"this host cannot start bubblewrap sandboxes: {_sandbox_problem()}")
+needs_sandbox = pytest.mark.skipif(_SANDBOX_PROBLEM is not None,
+                                   reason=f"this host cannot start bubblewrap sandboxes: {_SANDBOX_PROBLEM}")

@@ -16,6 +16,12 @@ aborted on the server (`POST /inference/v1/abort_requests`) and comes back with 
 4. `POST /update_weight_version` with the new version: from the next token on, vLLM labels tokens with it;
 5. `POST /reset_prefix_cache`, then `POST /resume`.
 
+**A LoRA push** (the weight directory's versions are adapters, `WeightDir(lora=...)`: a `[trainer.lora]` run pushes
+the adapter alone) replaces step 3 by `POST /v1/load_lora_adapter` with the version's directory under one adapter
+name (`ADAPTER_NAME`, `load_inplace`: the server's copy is replaced whole), on a server started with `--enable-lora`
+and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` (`vllm_server`). From the first push on, requests name that adapter as
+their model; before it they sample the base, which is what a fresh adapter (B = 0) computes.
+
 Requests in flight during a push continue under the new weights (in-flight weight updates, as in PipelineRL: Piché
 et al. 2025); their tokens carry the version that drew each (`Completion.token_versions`), exactly, from vLLM's
 spans. **Prefix caching across versions is impossible**: every request is salted with the version current when it
@@ -61,6 +67,7 @@ from shipyard.models.weightdir import WeightDir
 CANCEL_POLL = 0.2  # seconds between checks of a request's `cancelled`
 SALT = "shipyard-v"
 MAX_TOKEN_ID = 1 << 31  # token ids are int32 in vLLM and the trainer (the tokenizer's decode overflows beyond)
+ADAPTER_NAME = "shipyard-policy"  # the served adapter of a LoRA run
 LOGPROB_SLACK = 1e-4  # a log-softmax's rounding above 0; a logprob above it is no log-probability
 
 
@@ -99,6 +106,7 @@ class VLLMEngine:
         self.broken: str | None = None
         self.last_push: PushStats | None = None
         self.labelled = initial_version  # the newest version the server was told to label tokens with
+        self.adapter = False  # a LoRA run's adapter is loaded: requests name it
         try:
             self.model = self._served_model()
             self.name = f"vllm:{base_url}#{self.model}"
@@ -131,6 +139,10 @@ class VLLMEngine:
         if paused.status_code == 404:
             raise NotAWeightServer(f"the vLLM server at {self.base_url} has no development routes (/pause, "
                                    "/collective_rpc): start it with VLLM_SERVER_DEV_MODE=1 to push weights to it")
+        if self.weights.lora is not None and self._send("POST", "/v1/load_lora_adapter", json={},
+                                                        timeout=10).status_code == 404:
+            raise NotAWeightServer(f"the vLLM server at {self.base_url} cannot load adapters at run time: start it "
+                                   "with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True for a LoRA run")
         probe = self._send("POST", "/inference/v1/generate", timeout=30,
                            json={"token_ids": [0], "sampling_params": {"max_tokens": 1}})
         if probe.status_code in (403, 404):
@@ -164,7 +176,7 @@ class VLLMEngine:
                   "stop_token_ids": list(sp.stop_token_ids), "logprobs": 0, "skip_special_tokens": False,
                   "ignore_eos": True}  # stops at `stop_token_ids` only, as every engine of shipyard does
         body = {"request_id": request_id, "token_ids": req.prompt_ids, "sampling_params": params,
-                "cache_salt": f"{SALT}{started}"}
+                "cache_salt": f"{SALT}{started}", **({"model": ADAPTER_NAME} if self.adapter else {})}
         t0 = time.monotonic()
         future = self.pool.submit(self._post, "/inference/v1/generate", json=body)
         while req.cancelled is not None and not future.done():
@@ -241,16 +253,15 @@ class VLLMEngine:
         try:
             self._post("/pause", params={"mode": "keep"})
             try:
-                reload = self._post("/collective_rpc", json={"method": "shipyard_reload", "args": [str(path)]})
-                try:
-                    results = reload.json()["results"]
-                except (ValueError, KeyError, TypeError):
-                    results = None
-                if not isinstance(results, list) or not results or any(r not in ("retied", "untied") for r in results):
-                    raise ServerError(f"the workers' reload answered {reload.text[:500]}")
+                if self.weights.lora is not None:
+                    self._post("/v1/load_lora_adapter", json={"lora_name": ADAPTER_NAME, "lora_path": str(path),
+                                                              "load_inplace": True})
+                else:
+                    self._reload(path)
                 self._set_version(version)
                 self._post("/reset_prefix_cache")
                 self.policy_version = version  # before resuming: requests from now on are salted with it
+                self.adapter = self.weights.lora is not None
             finally:
                 self._post("/resume")
         except (InfraError, RequestRejected) as e:  # a 4xx here is no request's fault: the server's state is unknown
@@ -258,6 +269,16 @@ class VLLMEngine:
                            f"({e}); its weights are unknown, so it takes no more requests")
             raise ServerError(self.broken) from e
         self.last_push = PushStats(version, self.weights.last_bytes, t1 - t0, time.monotonic() - t1)
+
+    def _reload(self, path) -> None:
+        """Step 3 of a full push: every worker reloads the checkpoint in `path` (`vllm_worker.shipyard_reload`)."""
+        reload = self._post("/collective_rpc", json={"method": "shipyard_reload", "args": [str(path)]})
+        try:
+            results = reload.json()["results"]
+        except (ValueError, KeyError, TypeError):
+            results = None
+        if not isinstance(results, list) or not results or any(r not in ("retied", "untied") for r in results):
+            raise ServerError(f"the workers' reload answered {reload.text[:500]}")
 
     def close(self) -> None:
         self.batches.shutdown(wait=False, cancel_futures=True)

@@ -20,6 +20,10 @@ vllm), with
   for its scheduler) and `VLLM_CPU_KVCACHE_SPACE` (`kv_cache_gib`); on GPUs, `CUDA_VISIBLE_DEVICES` from `gpus`,
   `gpus_per_server` each, and `--tensor-parallel-size`.
 
+With `lora` (a run's `[trainer.lora]`), the servers are started for adapters pushed at run time: `--enable-lora`,
+`--max-loras 1`, `--max-lora-rank` the smallest rank vLLM offers at or above the adapter's, and
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` (the `/v1/load_lora_adapter` route a LoRA push uses).
+
 Each server's output goes to `LOG_DIR/vllm-<i>.log`. A server gets SIGTERM when the process that started it dies
 however it dies (`DIE_WITH_PARENT`). `start` waits for `/health` on every server (vLLM compiles the
 model first: 45–135 s for the 0.5B on 2 cores) and fails with the end of the log when a server exits or the wait
@@ -46,6 +50,7 @@ import httpx
 from shipyard.errors import UsageError
 from shipyard.models.engine import Engine
 from shipyard.models.errors import InfraError
+from shipyard.models.lora import LoraConfig
 from shipyard.models.router import EngineRouter
 from shipyard.models.vllm import VLLMEngine, client_for
 from shipyard.models.weightdir import WeightDir, manifest
@@ -60,6 +65,7 @@ DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, s
                    "os.execv(sys.executable, [sys.executable, '-m', 'vllm.entrypoints.openai.api_server', "
                    "*sys.argv[2:]])")
 EXTENSION = Path(__file__).with_name("vllm_worker.py")
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32 accepts
 EXTENSION_MODULE = "shipyard_vllm_worker"
 
 
@@ -106,13 +112,16 @@ def default_cpu_threads() -> str:
 class VLLMServers:
     """`config.servers` vLLM servers of the checkpoint `model_dir` (module docstring); `urls` once started."""
 
-    def __init__(self, config: VLLMConfig, model_dir: Path, log_dir: Path):
+    def __init__(self, config: VLLMConfig, model_dir: Path, log_dir: Path, lora: LoraConfig | None = None):
         python = Path(config.python).expanduser()
         if not runnable(python):
             raise UsageError(f"vllm.python = {str(config.python)!r} is not an executable python: create vLLM's venv "
                              "with `bash scripts/install-vllm.sh .venv-vllm` (docs/training.md, \"vLLM servers\"), or "
                              "point vllm.python at its bin/python")
         self.config, self.python, self.model_dir, self.log_dir = config, python, Path(model_dir), Path(log_dir)
+        self.lora = lora if lora is not None and lora.enabled else None
+        if self.lora is not None and self.lora.rank > max(LORA_RANKS):
+            raise UsageError(f"trainer.lora.rank = {self.lora.rank}: vLLM serves adapters of rank <= {max(LORA_RANKS)}")
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Path] = []
         self._private = Path()  # made by `start`: the sockets and the worker extension
@@ -126,6 +135,9 @@ class VLLMServers:
                "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len), "--uds", str(socket),
                "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
                "--worker-extension-cls", f"{EXTENSION_MODULE}.ShipyardWorker"]
+        if self.lora is not None:
+            rank = min(r for r in LORA_RANKS if r >= self.lora.rank)
+            cmd += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(rank)]
         if cfg.gpus:
             cmd += ["--tensor-parallel-size", str(cfg.gpus_per_server)]
         else:  # whole prompts only: on the CPU a seeded request's chunked prefill kills the engine (module docstring)
@@ -135,6 +147,8 @@ class VLLMServers:
     def environment(self, index: int) -> dict[str, str]:
         cfg = self.config
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(self._private / "python")}
+        if self.lora is not None:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if cfg.gpus:
             mine = cfg.gpus[index * cfg.gpus_per_server:(index + 1) * cfg.gpus_per_server]
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, mine))
@@ -217,14 +231,14 @@ class VLLMServers:
 
 @contextlib.contextmanager
 def managed_engine(config: VLLMConfig, model_dir: Path, directory: Path, tokenizer,
-                   status=lambda _: None) -> Iterator[Engine]:
+                   status=lambda _: None, lora: LoraConfig | None = None) -> Iterator[Engine]:
     """`config.servers` vLLM servers of `model_dir` started (logs in `directory`), and one engine over them — a
     `VLLMEngine`, or an `EngineRouter` over one per server — whose pushes write to `directory/weights`. The servers
-    stop when the block ends, however it ends."""
+    stop when the block ends, however it ends. With `lora` enabled, pushes are adapters of `model_dir`."""
     spec = manifest(model_dir)  # before minutes of start-up: a directory without safetensors is refused now
-    with VLLMServers(config, model_dir, directory) as servers:
+    with VLLMServers(config, model_dir, directory, lora) as servers:
         urls = servers.start(status)
-        weights = WeightDir(Path(directory) / "weights", spec)
+        weights = WeightDir(Path(directory) / "weights", spec, lora, base=str(model_dir))
         engines: list[VLLMEngine] = []
         try:
             engines += [VLLMEngine(url, tokenizer, weights) for url in urls]

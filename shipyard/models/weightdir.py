@@ -14,6 +14,13 @@ safetensors headers, no tensor loaded), before a file is written:
 A tied head is a second name of the embedding only when it *is* that tensor (the same memory, viewed the same way):
 a view that starts where the embedding starts, or an empty tensor (every one has address 0), is an unknown name.
 
+**Adapters** (`[trainer.lora]`: a push carries the LoRA adapter alone, `shipyard.models.lora`). `checked_adapter`
+holds an adapter to the same standard, against the base checkpoint it adapts: every name is `<layer>.lora_A.default.
+weight` or `.lora_B.` of a 2-D `<layer>.weight` of the manifest; A is (rank, in) and B (out, rank) for that layer's
+(out, in) and the configured rank; every adapted layer has both; values finite; and every push names the same
+tensors as the first (vLLM replaces an adapter whole). The version is written as peft saves an adapter
+(`adapter_model.safetensors` in the base's dtype, `adapter_config.json`), which vLLM's `/v1/load_lora_adapter` reads.
+
 `WeightDir.write(version, tensors)` writes `ROOT/v{version}/model.safetensors` through a temporary directory and a
 rename, so a server never reads a half-written file; writing a version already there returns its path (several
 servers behind one router read one copy), and older versions — and partial ones a killed run left — are removed once
@@ -38,6 +45,7 @@ from safetensors.torch import save_file
 
 from shipyard.errors import FileFormatError, InputNotFound, UserError
 from shipyard.models.engine import VersionConflict
+from shipyard.models.lora import ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, LoraConfig, peft_config
 
 MAX_HEADER = 100 << 20  # bytes of one safetensors header; real ones are kilobytes
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -134,19 +142,68 @@ def checked(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, TensorSpec])
         if value.numel() and value.untyped_storage().data_ptr() in memory:
             value = value.clone()
         memory.add(value.untyped_storage().data_ptr())
-        if not torch.isfinite(value).all():
-            raise PushRejected(f"pushed tensor {name} holds non-finite values (NaN or inf, after the cast to "
-                               f"{want.dtype}); the servers keep their weights")
+        _finite(name, value)
         out[name] = value
     return out
+
+
+def _finite(name: str, value: torch.Tensor) -> None:
+    if not torch.isfinite(value).all():
+        raise PushRejected(f"pushed tensor {name} holds non-finite values (NaN or inf, after the cast to "
+                           f"{value.dtype}); the servers keep their weights")
+
+
+def checked_adapter(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, TensorSpec], lora: LoraConfig,
+                    first: set[str] | None) -> dict[str, torch.Tensor]:
+    """An adapter push as its files store it (module docstring): peft's names, the base's dtype, contiguous on the
+    CPU; `PushRejected` naming the first problem otherwise. `first`: the names of the first push (None: this is it)."""
+    if not tensors:
+        raise PushRejected("the adapter push holds no tensor")
+    out: dict[str, torch.Tensor] = {}
+    layers: dict[str, set[str]] = {}
+    for name, t in sorted(tensors.items()):
+        layer, sep, part = name.rpartition(".lora_")
+        base = spec.get(f"{layer}.weight")
+        if not sep or part not in (f"A.{ADAPTER}.weight", f"B.{ADAPTER}.weight") or base is None \
+                or len(base.shape) != 2:
+            raise PushRejected(f"pushed tensor {name} is not a LoRA matrix of a linear layer of the served checkpoint "
+                               f"(<layer>.lora_A.{ADAPTER}.weight / lora_B of a 2-D <layer>.weight); push "
+                               "Trainer.engine_weights() of a [trainer.lora] trainer of the served model")
+        out_features, in_features = base.shape
+        want = (lora.rank, in_features) if part[0] == "A" else (out_features, lora.rank)
+        if tuple(t.shape) != want or not t.is_floating_point() or t.is_meta:
+            raise PushRejected(f"pushed tensor {name} is {tuple(t.shape)} {t.dtype}; rank {lora.rank} over the "
+                               f"served layer's {base.shape} needs {want} floating-point values")
+        value = t.detach().to("cpu", base.dtype).contiguous().clone()
+        _finite(name, value)
+        layers.setdefault(layer, set()).add(part[0])
+        out[PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")] = value
+    half = sorted(layer for layer, parts in layers.items() if parts != {"A", "B"})
+    if half:
+        raise PushRejected(f"the adapter push holds only one of LoRA's two matrices for {half[:4]}")
+    if first is not None and set(tensors) != first:
+        raise PushRejected(f"the adapter push names {len(tensors)} tensors, not the {len(first)} of the first push "
+                           f"(differing: {sorted(set(tensors) ^ first)[:4]}); an adapter is replaced whole")
+    return out
+
+
+def adapter_config(lora: LoraConfig, tensors: Mapping[str, torch.Tensor], base: str) -> dict:
+    """peft's `adapter_config.json` for `lora` over the modules `tensors` (peft's names) adapt."""
+    fields = peft_config(lora, base).to_dict()
+    fields["target_modules"] = sorted({n.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for n in tensors})
+    fields["peft_type"], fields["task_type"] = "LORA", None
+    return json.loads(json.dumps(fields, default=str))
 
 
 class WeightDir:
     """The versions written for the servers (module docstring). Thread-safe."""
 
-    def __init__(self, root: Path, spec: Mapping[str, TensorSpec]):
+    def __init__(self, root: Path, spec: Mapping[str, TensorSpec], lora: LoraConfig | None = None, base: str = ""):
         self.root = Path(root)
         self.spec = dict(spec)
+        self.lora = lora if lora is not None and lora.enabled else None  # versions are adapters of the checkpoint
+        self.base = base  # the checkpoint's name, recorded in adapters' configs
+        self.adapter_names: set[str] | None = None
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         info = self.root.stat()
         if info.st_uid != os.getuid() or info.st_mode & 0o022:
@@ -170,14 +227,20 @@ class WeightDir:
             if self.latest is not None and version < self.latest:
                 raise VersionConflict(f"weights version {version} is older than version {self.latest}, already "
                                       "written for the servers")
-            weights = checked(tensors, self.spec)
+            if self.lora is None:
+                weights, file = checked(tensors, self.spec), "model.safetensors"
+            else:
+                weights, file = checked_adapter(tensors, self.spec, self.lora, self.adapter_names), ADAPTER_WEIGHTS
             tmp = self.root / f".v{version}.partial"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-            save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt", "version": str(version)})
+            save_file(weights, str(tmp / file), metadata={"format": "pt", "version": str(version)})
+            if self.lora is not None:
+                (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(self.lora, weights, self.base), indent=1))
+                self.adapter_names = set(tensors)
             shutil.rmtree(target, ignore_errors=True)
             tmp.rename(target)
-            self.last_bytes = (target / "model.safetensors").stat().st_size
+            self.last_bytes = sum(f.stat().st_size for f in target.iterdir())
             for old in [*self.root.glob("v*"), *self.root.glob(".v*.partial")]:
                 if old != target and old.is_dir() and not old.is_symlink():
                     shutil.rmtree(old, ignore_errors=True)

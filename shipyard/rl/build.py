@@ -171,10 +171,6 @@ def check_engine(config: RLConfig) -> None:
         raise ConfigError("engine.kind = \"vllm\" starts its servers on this machine, and a [ray] section runs the "
                           "engines as Ray actors: servers on a Ray cluster are not built yet — start vLLM on the "
                           "nodes and name them with engine.kind = \"openai:URL,…\", or drop [ray]")
-    if config.engine.kind == "vllm" and config.trainer.lora.enabled:
-        raise ConfigError("[trainer.lora] pushes the adapter alone, and engine.kind = \"vllm\" loads whole checkpoints "
-                          "only (adapters through vLLM's /v1/load_lora_adapter are not built yet): train the full "
-                          "model, or use engine.kind = \"local\" for LoRA")
     if config.engine.kind == "vllm":
         vllm_settings(config)
 
@@ -210,7 +206,7 @@ def _wired_loop(config: RLConfig, run: RunDir, tasks_dir: Path, evals: list[str]
             served = config.vllm.model or model_directory(config.model.name, status)
             engine = stack.enter_context(managed_engine(
                 vllm_settings(config), served, run.root / "vllm",
-                load_tokenizer(config.model.tokenizer or str(served), status), status))
+                load_tokenizer(config.model.tokenizer or str(served), status), status, lora=config.trainer.lora))
         else:
             engine = open_engine(name, tasks_dir=tasks_dir, **kwargs, status=status, pushes=True)
             stack.callback(engine.close)

@@ -42,6 +42,26 @@ def test_cpu_servers_prefill_whole_prompts_and_gpu_servers_split_their_gpus(tmp_
     assert "--no-enable-chunked-prefill" not in gpu.command(tmp_path / "0.sock")
 
 
+def test_lora_servers_take_adapters_at_run_time_of_the_next_rank_vllm_offers(tmp_path):
+    from shipyard.models.lora import LoraConfig
+
+    def flags(rank: int):
+        servers = VLLMServers(VLLMConfig(python=sys.executable, max_model_len=64), tmp_path, tmp_path,
+                              LoraConfig(enabled=True, rank=rank))
+        command = servers.command(tmp_path / "0.sock")
+        env = servers.environment(0)
+        return command[command.index("--max-lora-rank") + 1], "--enable-lora" in command, \
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]
+
+    assert flags(16) == ("16", True, "True") and flags(2) == ("8", True, "True") and flags(1)[0] == "1"
+    plain = VLLMServers(VLLMConfig(python=sys.executable, max_model_len=64), tmp_path, tmp_path, LoraConfig())
+    assert "--enable-lora" not in plain.command(tmp_path / "0.sock")  # LoRA off: a full-weight server
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plain.environment(0)
+    with pytest.raises(UsageError, match="rank <= 512"):
+        VLLMServers(VLLMConfig(python=sys.executable, max_model_len=64), tmp_path, tmp_path,
+                    LoraConfig(enabled=True, rank=600))
+
+
 def test_the_servers_context_is_the_episodes_budget_and_never_shorter():
     config = RLConfig()
     budget = config.episode.loop.max_tokens
@@ -59,9 +79,7 @@ def test_what_managed_servers_cannot_do_yet_is_refused_before_the_run_starts():
 
     vllm = replace(RLConfig(), engine=EngineConfig(kind="vllm"))
     check_engine(vllm)
-    lora = replace(vllm, trainer=replace(vllm.trainer, lora=LoraConfig(enabled=True)))
-    with pytest.raises(ConfigError, match="load_lora_adapter are not built yet"):
-        check_engine(lora)
+    check_engine(replace(vllm, trainer=replace(vllm.trainer, lora=LoraConfig(enabled=True))))  # adapters are pushed
     with pytest.raises(ConfigError, match="servers on a Ray cluster are not built yet"):
         check_engine(replace(vllm, ray=object()))
 

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from shipyard.models.engine import VersionConflict
+from shipyard.models.lora import LoraConfig, adapter_tensors, attach
 from shipyard.models.resolve import tiny_model
 from shipyard.models.weightdir import PushRejected, WeightDir, checked, manifest
 
@@ -81,3 +82,72 @@ def test_versions_are_written_once_and_only_the_latest_is_kept(served, tmp_path)
 def test_a_directory_without_safetensors_has_no_manifest(tmp_path):
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         manifest(tmp_path)
+
+
+# LoRA: the adapter alone, checked against the base checkpoint it adapts --------------------------------------------
+LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
+
+
+def adapter(seed: int = 1) -> dict[str, torch.Tensor]:
+    model = attach(tiny_model(seed=0)[0], LORA)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()
+    return adapter_tensors(model.state_dict())
+
+
+def test_an_adapter_is_written_as_peft_saves_one(served, tmp_path):
+    import json
+
+    path, spec = served
+    store = WeightDir(tmp_path / "w", spec, LORA, base=str(path))
+    tensors = adapter(1)
+    target = store.write(1, tensors)
+    files = load_file(str(target / "adapter_model.safetensors"))
+    q = "model.layers.0.self_attn.q_proj"
+    assert files[f"base_model.model.{q}.lora_A.weight"].shape == (4, 64) and len(files) == len(tensors) == 2 * 7 * 2
+    assert all(t.dtype == torch.bfloat16 for t in files.values())  # the served base's dtype
+    assert torch.equal(files[f"base_model.model.{q}.lora_B.weight"], tensors[f"{q}.lora_B.default.weight"]
+                       .to(torch.bfloat16))
+    config = json.loads((target / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert config["base_model_name_or_path"] == str(path)
+    assert store.last_bytes == sum(f.stat().st_size for f in target.iterdir())
+
+
+@pytest.mark.parametrize("break_it, words", [
+    (lambda a: a.clear(), "holds no tensor"),
+    (lambda a: a.pop("model.layers.0.mlp.up_proj.lora_B.default.weight"), "only one of LoRA's two matrices"),
+    (lambda a: a.__setitem__("model.layers.0.mlp.up_proj.lora_A.default.weight", torch.zeros(8, 64)),
+     "rank 4 over the served layer's (128, 64) needs (4, 64)"),
+    (lambda a: a.__setitem__("model.norm.lora_A.default.weight", torch.zeros(4, 64)), "not a LoRA matrix of a linear"),
+    (lambda a: a.__setitem__("model.layers.0.mlp.up_proj.weight", torch.zeros(128, 64)), "not a LoRA matrix"),
+    (lambda a: a.__setitem__("lm_head.lora_A.default.weight", torch.zeros(4, 64)), "not a LoRA matrix"),
+    (lambda a: a["model.layers.1.mlp.down_proj.lora_B.default.weight"].__setitem__((0, 0), float("inf")),
+     "non-finite"),
+    (lambda a: a.__setitem__("model.layers.0.mlp.up_proj.lora_A.default.weight", torch.zeros(4, 64,
+                                                                                            dtype=torch.int32)),
+     "floating-point"),
+])
+def test_an_adapter_that_does_not_fit_is_refused_before_anything_is_written(served, tmp_path, break_it, words):
+    _, spec = served
+    tensors = {k: v.clone() for k, v in adapter().items()}
+    break_it(tensors)
+    store = WeightDir(tmp_path / "w", spec, LORA)
+    with pytest.raises(PushRejected) as e:
+        store.write(1, tensors)
+    assert words in str(e.value)
+    assert list((tmp_path / "w").iterdir()) == [] and store.latest is None
+
+
+def test_every_adapter_push_names_the_first_ones_tensors(served, tmp_path):
+    _, spec = served
+    store = WeightDir(tmp_path / "w", spec, LORA)
+    store.write(1, adapter(1))
+    fewer = {k: v for k, v in adapter(2).items() if "layers.1." not in k}
+    with pytest.raises(PushRejected, match="names 14 tensors, not the 28 of the first push"):
+        store.write(2, fewer)
+    assert store.latest == 1 and store.write(2, adapter(2)).name == "v2"

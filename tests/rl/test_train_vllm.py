@@ -1,6 +1,6 @@
 """`shipyard train` with `engine.kind = "vllm"` (a real subprocess): the run starts its vLLM servers from vLLM's own
-venv, samples from them, pushes the trainer's weights after every step, and stops them when it ends. Marked `vllm`
-(tests/models/test_vllm.py says how the venv is found)."""
+venv, samples from them, pushes the trainer's weights after every step (the whole model, or with [trainer.lora] the
+adapter alone), and stops them when it ends. Marked `vllm` (tests/models/test_vllm.py says how the venv is found)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.vllm, needs_sandbox]
 PYTHON = vllm_python()
 
 
-def test_two_steps_with_managed_vllm_servers_push_every_step_and_stop_them(taskset, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_two_steps_with_managed_vllm_servers_push_every_step_and_stop_them(taskset, tmp_path, lora):
     model_dir = tmp_path / "model"
     m, tok = tiny_model(seed=0, hidden=256, layers=2)  # head dimension 64: one vLLM's CPU attention takes
     m.save_pretrained(model_dir)  # float32: the trainer's; the servers load it as bf16
@@ -35,7 +36,11 @@ kind = "vllm"
 python = "{PYTHON}"
 
 kv_cache_gib = 1.0
-""")
+""" + ("""
+[trainer.lora]
+enabled = true
+rank = 8
+""" if lora else ""))
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "shipyard.cli", "train", str(config), "--run.dir", str(run)],
                           capture_output=True, text=True, timeout=1200)
@@ -45,6 +50,8 @@ kv_cache_gib = 1.0
     assert [s["engine/policy_version"] for s in trained] == [0, 1]  # batch k sampled by the weights of step k - 1
     assert all(s["time/weight_sync_seconds"] > 0 for s in trained)
     assert sorted(p.name for p in (run / "vllm" / "weights").iterdir()) == ["v2"]  # the last push's, alone
+    pushed = sorted(p.name for p in (run / "vllm" / "weights" / "v2").iterdir())
+    assert pushed == (["adapter_config.json", "adapter_model.safetensors"] if lora else ["model.safetensors"])
     assert "Application startup complete" in (run / "vllm" / "vllm-0.log").read_text()
     out = subprocess.run(["pgrep", "-f", str(model_dir)], capture_output=True, text=True)
     assert out.stdout.strip() == "", "a vLLM server outlived its run"
