@@ -7,6 +7,11 @@ between the next-token distributions of the bf16 model and of the model loaded f
 (post-training quantization of a model not trained in MXFP8: the error MXFP8 training removes).
 
     shipyard bench sync [-- --model qwen2.5-coder-0.5b]
+
+With `--engine vllm`, the pushes to a vLLM server instead: a whole model against a LoRA adapter, bytes and seconds
+(shipyard/bench/_sync_vllm.py).
+
+    shipyard bench sync -- --engine vllm [--lora-rank 16 --pushes 3 --vllm-python .venv-vllm/bin/python]
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import time
 import torch
 
 from shipyard.bench._common import finish, table
+from shipyard.bench._sync_vllm import add_arguments, main_vllm
 from shipyard.models.bundled import DEFAULT_MODEL
 from shipyard.models.payload import decode, encode
 from shipyard.models.resolve import load_hf
@@ -26,7 +32,11 @@ from shipyard.train.sync import mx_weight_names
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=DEFAULT_MODEL)
+    add_arguments(ap)
     args = ap.parse_args()
+    if args.engine == "vllm":
+        main_vllm(args)
+        return
     model, tok = load_hf(args.model, dtype=torch.bfloat16)
     state = model.state_dict()
     names = mx_weight_names(model)

@@ -1,6 +1,7 @@
 """`shipyard bench engine -- --engines ...`: the loop's samplers side by side on one workload (shipyard/bench/
-_engines.py). The in-process engine alone runs in the default suite; with vLLM's venv (`-m vllm`), both engines
-against a real server of a tiny random model."""
+_engines.py), and `shipyard bench sync -- --engine vllm`: pushes to a vLLM server, full and LoRA (_sync_vllm.py). The
+in-process engine alone runs in the default suite; with vLLM's venv (`-m vllm`), real servers of a tiny random
+model."""
 
 from __future__ import annotations
 
@@ -58,3 +59,21 @@ def test_local_and_vllm_side_by_side(model_dir):
         assert doc["ratio"][c] == pytest.approx(doc["tokens_per_s"]["vllm"][c] / doc["tokens_per_s"]["local"][c],
                                                 rel=1e-2)
     assert doc["target_met"] == (doc["ratio"]["2"] >= 1.5)
+
+
+@pytest.mark.vllm
+def test_pushes_to_vllm_full_and_lora(model_dir):
+    """`bench sync -- --engine vllm`: both kinds pushed and sampled after (else the bench exits 1), figures and targets
+    in the JSON."""
+    from vllm_venv import vllm_python
+
+    proc = subprocess.run([sys.executable, "-m", "shipyard.cli", "bench", "sync", "--", "--engine", "vllm", "--model",
+                           str(model_dir), "--lora-rank", "8", "--pushes", "2", "--vllm-python", str(vllm_python())],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["engine"] == "vllm" and doc["full"]["pushes"] == doc["lora"]["pushes"] == 2
+    assert 0 < doc["lora"]["bytes"] < doc["full"]["bytes"] and doc["lora_bytes_fraction"] == pytest.approx(
+        doc["lora"]["bytes"] / doc["full"]["bytes"], rel=1e-3)
+    assert all(doc[k]["push_s"] >= doc[k]["server_s"] > 0 for k in ("full", "lora"))
+    assert set(doc["target_met"]) == {"full_seconds", "lora_seconds", "lora_bytes_fraction"}
