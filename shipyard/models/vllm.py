@@ -250,6 +250,12 @@ class VLLMEngine:
         t0 = time.monotonic()
         path = self.weights.write(version, tensors)
         t1 = time.monotonic()
+        self.load(version, path)
+        self.last_push = PushStats(version, self.weights.last_bytes, t1 - t0, time.monotonic() - t1)
+
+    def load(self, version: int, path) -> None:
+        """Steps 2–5 of a push: the server loads the version written in `path` (a full checkpoint or an adapter, as
+        the weight directory writes them) and labels tokens with `version`. An `InfraError` leaves the engine broken."""
         try:
             self._post("/pause", params={"mode": "keep"})
             try:
@@ -268,7 +274,6 @@ class VLLMEngine:
             self.broken = (f"the vLLM server at {self.base_url} failed while loading weights version {version} "
                            f"({e}); its weights are unknown, so it takes no more requests")
             raise ServerError(self.broken) from e
-        self.last_push = PushStats(version, self.weights.last_bytes, t1 - t0, time.monotonic() - t1)
 
     def _reload(self, path) -> None:
         """Step 3 of a full push: every worker reloads the checkpoint in `path` (`vllm_worker.shipyard_reload`)."""

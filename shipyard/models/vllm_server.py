@@ -27,8 +27,9 @@ With `lora` (a run's `[trainer.lora]`), the servers are started for adapters pus
 Each server's output goes to `LOG_DIR/vllm-<i>.log`. A server gets SIGTERM when the process that started it dies
 however it dies (`DIE_WITH_PARENT`). `start` waits for `/health` on every server (vLLM compiles the
 model first: 45–135 s for the 0.5B on 2 cores) and fails with the end of the log when a server exits or the wait
-runs past `start_timeout`. The servers are in their own process group and die with `stop` (SIGTERM, then SIGKILL
-after `STOP_GRACE` seconds) — `VLLMServers` is a context manager, and a run's `with` block stops them however it
+runs past `start_timeout`. A server that dies during the run is started again with the newest pushed weights
+(`ManagedServer`, up to three times). The servers are in their own process group and die with `stop` (SIGTERM, then
+SIGKILL after `STOP_GRACE` seconds) — `VLLMServers` is a context manager, and a run's `with` block stops them however it
 ends.
 """
 
@@ -40,15 +41,17 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import torch
 
 from shipyard.errors import UsageError
-from shipyard.models.engine import Engine
+from shipyard.models.engine import Completion, Engine, GenerationRequest
 from shipyard.models.errors import InfraError
 from shipyard.models.lora import LoraConfig
 from shipyard.models.router import EngineRouter
@@ -165,13 +168,9 @@ class VLLMServers:
         shutil.copyfile(EXTENSION, self._private / "python" / f"{EXTENSION_MODULE}.py")
         try:
             for i in range(self.config.servers):
-                socket, log = self._private / f"{i}.sock", self.log_dir / f"vllm-{i}.log"
-                with open(log, "ab") as out:
-                    self.procs.append(subprocess.Popen(self.command(socket), env=self.environment(i), stdout=out,
-                                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                       start_new_session=True))
-                self.logs.append(log)
-                self.urls.append(f"unix:{socket}")
+                self.logs.append(self.log_dir / f"vllm-{i}.log")
+                self.urls.append(f"unix:{self._private / f'{i}.sock'}")
+                self.procs.append(self._spawn(i))
             status(f"starting {len(self.procs)} vLLM server(s) of {self.model_dir} (logs: {self.log_dir})")
             deadline = time.monotonic() + self.config.start_timeout
             for i, url in enumerate(self.urls):
@@ -180,6 +179,22 @@ class VLLMServers:
             self.stop()
             raise
         return list(self.urls)
+
+    def _spawn(self, i: int) -> subprocess.Popen:
+        with open(self.logs[i], "ab") as out:
+            return subprocess.Popen(self.command(self._private / f"{i}.sock"), env=self.environment(i), stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def restart(self, i: int) -> str:
+        """Stop server `i` (whatever is left of it) and start it again on the same socket, with its initial weights;
+        its URL once it answers `/health` (`ServerStartError` otherwise)."""
+        _kill(self.procs[i])
+        (self._private / f"{i}.sock").unlink(missing_ok=True)  # a killed server leaves it: the next bind would fail
+        with open(self.logs[i], "ab") as out:
+            out.write(f"\n--- shipyard: restarting server {i} ---\n".encode())
+        self.procs[i] = self._spawn(i)
+        self._wait_ready(i, self.urls[i], time.monotonic() + self.config.start_timeout)
+        return self.urls[i]
 
     def _wait_ready(self, i: int, url: str, deadline: float) -> None:
         with client_for(url, timeout=5) as client:
@@ -207,16 +222,7 @@ class VLLMServers:
 
     def stop(self) -> None:
         """Stop every server (module docstring); idempotent."""
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE
-        for p in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            with contextlib.suppress(ProcessLookupError):  # the rest of the group: engine core, workers
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        _kill(*self.procs)
         self.procs.clear()
         if self._private != Path():
             shutil.rmtree(self._private, ignore_errors=True)
@@ -229,6 +235,88 @@ class VLLMServers:
         self.stop()
 
 
+def _kill(*procs: subprocess.Popen) -> None:
+    """SIGTERM to each server's process group, SIGKILL to what is left after `STOP_GRACE` seconds; reaped."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        with contextlib.suppress(ProcessLookupError):  # the rest of the group: engine core, workers
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+class ManagedServer:
+    """The engine of managed server `index` of `servers` (a `VLLMEngine`), started again when it dies.
+
+    A request or a push that fails with `InfraError` while the server's process has exited, or after the engine
+    marked itself broken (a push that failed on the server), restarts that server (`VLLMServers.restart`: its initial
+    weights), loads the newest version written for the servers into it (`VLLMEngine.load`, the push's own steps), and
+    serves from it; the failed request still raises, so its rollout is retried by the scheduler, not lost or scored.
+    Threads that fail on the dead server together wait for one restart. After `max_restarts` the server stays down
+    and its errors go on (a router serves from the other servers; with none left the run ends with the cause)."""
+
+    def __init__(self, servers: VLLMServers, index: int, tokenizer, weights: WeightDir, max_restarts: int = 3,
+                 status=lambda _: None):
+        self.servers, self.index, self.tokenizer, self.weights = servers, index, tokenizer, weights
+        self.max_restarts, self.status = max_restarts, status
+        self.engine = VLLMEngine(servers.urls[index], tokenizer, weights)
+        self.name = self.engine.name
+        self.restarts = 0
+        self._lock = threading.Lock()
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    @property
+    def last_push(self):
+        return self.engine.last_push
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        engine = self.engine
+        try:
+            return engine.generate(requests)
+        except InfraError:
+            self._recover(engine)
+            raise
+
+    def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        engine = self.engine
+        try:
+            engine.update_weights(version, tensors)
+        except InfraError:
+            self._recover(engine)  # a restarted server loads the newest version written: this one, when it was
+            if self.engine is engine or self.engine.policy_version != version:
+                raise
+
+    def _recover(self, failed: VLLMEngine) -> None:
+        with self._lock:
+            if self.engine is not failed:
+                return  # another thread's failure restarted it already
+            code = self.servers.procs[self.index].poll()
+            if code is None and not failed.broken:
+                return  # alive and sound: the error was the request's (a timeout, a dropped connection)
+            if self.restarts >= self.max_restarts:
+                return
+            self.restarts += 1
+            cause = f"exited with code {code}" if code is not None else failed.broken
+            self.status(f"vLLM server {self.index} {cause}; restarting it ({self.restarts} of {self.max_restarts}, "
+                        f"log: {self.servers.logs[self.index]})")
+            failed.close()
+            engine = VLLMEngine(self.servers.restart(self.index), self.tokenizer, self.weights)
+            if self.weights.latest is not None:
+                engine.load(self.weights.latest, self.weights.path(self.weights.latest))
+            self.engine = engine
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 @contextlib.contextmanager
 def managed_engine(config: VLLMConfig, model_dir: Path, directory: Path, tokenizer,
                    status=lambda _: None, lora: LoraConfig | None = None) -> Iterator[Engine]:
@@ -239,9 +327,9 @@ def managed_engine(config: VLLMConfig, model_dir: Path, directory: Path, tokeniz
     with VLLMServers(config, model_dir, directory, lora) as servers:
         urls = servers.start(status)
         weights = WeightDir(Path(directory) / "weights", spec, lora, base=str(model_dir))
-        engines: list[VLLMEngine] = []
+        engines: list[ManagedServer] = []
         try:
-            engines += [VLLMEngine(url, tokenizer, weights) for url in urls]
+            engines += [ManagedServer(servers, i, tokenizer, weights, status=status) for i in range(len(urls))]
             yield engines[0] if len(engines) == 1 else EngineRouter(engines, name=f"vllm[{len(engines)} servers]")
         finally:
             for engine in engines:

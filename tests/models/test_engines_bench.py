@@ -72,7 +72,7 @@ def test_pushes_to_vllm_full_and_lora(model_dir):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert doc["engine"] == "vllm" and doc["full"]["pushes"] == doc["lora"]["pushes"] == 2
+    assert doc["engine"] == "vllm" and doc["full"]["pushes"] == doc["lora"]["pushes"] == 4
     assert 0 < doc["lora"]["bytes"] < doc["full"]["bytes"] and doc["lora_bytes_fraction"] == pytest.approx(
         doc["lora"]["bytes"] / doc["full"]["bytes"], rel=1e-3)
     assert all(doc[k]["push_s"] >= doc[k]["server_s"] > 0 for k in ("full", "lora"))

@@ -579,9 +579,9 @@ def test_a_python_that_is_a_directory_is_refused_before_anything_starts(tmp_path
 def test_managed_servers_are_private_isolated_and_die_whole_with_the_block(model_dir, tmp_path):
     config = VLLMConfig(python=fake_python(tmp_path), max_model_len=64, start_timeout=120)
     with managed_engine(config, model_dir, tmp_path / "run", TOKENIZER) as engine:
-        socket = Path(engine.base_url.removeprefix("unix:"))
+        socket = Path(engine.engine.base_url.removeprefix("unix:"))  # the managed server's VLLMEngine
         assert socket.is_socket() and stat.S_IMODE(socket.parent.stat().st_mode) == 0o700
-        info = engine.client.get("/fake/info").json()
+        info = engine.engine.client.get("/fake/info").json()
         assert info["pythonpath"] == str(socket.parent / "python")  # nothing of the caller's PYTHONPATH
         assert os.listdir(info["pythonpath"]) == ["shipyard_vllm_worker.py"]
         assert info["worker"] == str(socket.parent / "python" / "shipyard_vllm_worker.py")
