@@ -10,9 +10,7 @@ import subprocess
 import sys
 
 import pytest
-import torch
-
-from shipyard.models.resolve import tiny_model
+from vllm_venv import served_model
 
 SMALL = ["--concurrency", "1,2", "--prompt-tokens", "64", "--new-tokens", "8", "--rounds", "1"]
 
@@ -25,9 +23,7 @@ def bench(model_dir, *args):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("engines") / "model"
-    m, tok = tiny_model(seed=0, hidden=256, layers=2)
-    m.to(torch.bfloat16).save_pretrained(root)
-    tok.save_pretrained(root)
+    served_model(root)
     return root
 
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 from servers import wait_for
-from vllm_venv import vllm_python
+from vllm_venv import served_model, vllm_python
 
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.errors import InfraError
@@ -42,9 +42,7 @@ def model(seed: int):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
-    m, tok = tiny_model(seed=0, hidden=256, layers=2)
-    m.to(torch.bfloat16).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
+    tok = served_model(root / "model")
     config = VLLMConfig(python=str(PYTHON), max_model_len=LONG + 16, kv_cache_gib=1.0)
     with VLLMServers(config, root / "model", root / "logs") as servers:
         servers.start()

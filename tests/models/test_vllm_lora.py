@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm_venv import vllm_python
+from vllm_venv import served_model, vllm_python
 
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.lora import LoraConfig, adapter_tensors, attach
@@ -47,9 +47,7 @@ def greedy(engine, n: int = 8):
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-lora")
-    m, tok = tiny_model(seed=0, hidden=256, layers=2)
-    m.to(torch.bfloat16).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
+    tok = served_model(root / "model")
     config = VLLMConfig(python=str(PYTHON), max_model_len=512, kv_cache_gib=1.0)
     with VLLMServers(config, root / "model", root / "logs", lora=LORA) as servers:
         servers.start()

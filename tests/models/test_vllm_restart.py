@@ -9,7 +9,7 @@ import signal
 
 import pytest
 import torch
-from vllm_venv import vllm_python
+from vllm_venv import served_model, vllm_python
 
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.errors import InfraError
@@ -33,9 +33,7 @@ def reference_logprobs(m, ids) -> list[float]:
 
 
 def test_a_killed_server_comes_back_with_the_newest_weights(tmp_path):
-    m, tok = tiny_model(seed=0, hidden=256, layers=2)
-    m.to(torch.bfloat16).save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
+    tok = served_model(tmp_path / "model")
     config = VLLMConfig(python=str(vllm_python()), max_model_len=256, kv_cache_gib=1.0)
     said = []
     with managed_engine(config, tmp_path / "model", tmp_path / "run", tok, status=said.append) as engine:

@@ -9,11 +9,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from servers import needs_sandbox
 from tiny_run import CONFIG
-from vllm_venv import vllm_python
-
-from shipyard.models.resolve import tiny_model
+from vllm_venv import served_model, vllm_python
 
 pytestmark = [pytest.mark.vllm, needs_sandbox]
 
@@ -23,9 +22,7 @@ PYTHON = vllm_python()
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_two_steps_with_managed_vllm_servers_push_every_step_and_stop_them(taskset, tmp_path, lora):
     model_dir = tmp_path / "model"
-    m, tok = tiny_model(seed=0, hidden=256, layers=2)  # head dimension 64: one vLLM's CPU attention takes
-    m.save_pretrained(model_dir)  # float32: the trainer's; the servers load it as bf16
-    tok.save_pretrained(model_dir)
+    served_model(model_dir, torch.float32)  # float32: the trainer's; the servers load it as bf16
     config = tmp_path / "vllm.toml"
     text = CONFIG.format(tasks=taskset[0]).replace('name = "random:tiny"', f'name = "{model_dir}"')
     config.write_text(text.replace("steps = 3", "steps = 2") + f"""
