@@ -29,8 +29,9 @@ network can reach the sockets whose messages the ranks unpickle.
 
 **Devices.** `run.device = "cpu"`: every rank on the CPU (gloo); ranks 1..N−1 use cores / N threads each (rank 0
 keeps its threads for the engine). `"cuda"`: rank r on `cuda:r` (checked against the visible GPUs first), NCCL for
-tensors, gloo for the control group. Every rank gathers the full weights for the weight sync (`full_state_dict` is
-an all-gather); at a 7B scale that is a transient full copy per GPU — a gather to rank 0 alone is not done yet.
+tensors, gloo for the control group. The full weights a step's push, checkpoint and export need are gathered
+once, to rank 0 alone, tensor by tensor into its CPU memory (`Trainer.full_state_dict`): no GPU holds a second full
+copy of the model.
 """
 
 from __future__ import annotations

@@ -196,3 +196,4 @@ def load_checkpoint(trainer: Trainer, path: str | Path) -> None:
     if rng.exists():  # a rank the writing run did not have keeps its own seeded state (module docstring)
         torch.set_rng_state(torch.load(rng))
     trainer.version, trainer.step_count = meta["version"], meta["step"]
+    trainer.weights_changed()

@@ -69,6 +69,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -272,6 +273,7 @@ class Trainer:
                            for o in self.optimizers]
         self.version = 0
         self.step_count = 0
+        self._gathered: dict[bool, dict[str, torch.Tensor]] = {}  # this version's full weights, on rank 0
 
     # Set-up --------------------------------------------------------------------------------------------------
     def _own(self, model: nn.Module, config: TrainConfig) -> nn.Module:
@@ -383,6 +385,7 @@ class Trainer:
             self._update_ema()
         self.version += 1
         self.step_count += 1
+        self.weights_changed()
         keys = sorted(sums)
         if self.world > 1:  # a rank without hinted rows has no distillation figures: agree on the keys first
             everyone: list[list[str]] = [[] for _ in range(self.world)]
@@ -462,22 +465,32 @@ class Trainer:
                 _local(t).lerp_(_local(p).to(t.dtype), 1 - decay)
 
     # Weights -----------------------------------------------------------------------------------------------------
+    def weights_changed(self) -> None:
+        """Forget the weights gathered for the version before (a step, a checkpoint loaded)."""
+        self._gathered.clear()
+
     def full_state_dict(self, adapter_only: bool = False) -> dict[str, torch.Tensor]:
-        """Unsharded weights (collective: every rank calls it; every rank gets them), or with `adapter_only` the LoRA
-        adapter's alone (only they are gathered). Tied weights (the head and the embedding) come back as one tensor
-        under both names."""
+        """Unsharded weights, or with `adapter_only` the LoRA adapter's alone (collective: every rank calls it).
+
+        Gathered to rank 0 alone, one tensor at a time, and kept on its CPU (`get_model_state_dict` with
+        `full_state_dict` and `cpu_offload`): no rank holds a second full copy of the model on its device, and the
+        other ranks get `{}`. Gathered once per version: the push, the checkpoint and the export of one step share the
+        copy (`weights_changed` forgets it). On one rank the tensors are the parameters themselves. Tied weights (the
+        head and the embedding) come back as one tensor under both names."""
+        if adapter_only in self._gathered:
+            return self._gathered[adapter_only]
         first: dict[int, str] = {}  # tied parameters are one parameter under several names; FSDP2's state_dict
         alias = {name: first.setdefault(id(p), name)  # gives each name its own DTensor, so tie by the parameters
                  for name, p in self.model.named_parameters(remove_duplicate=False)}
+        if self.world > 1:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapter_only)
+            gathered = get_model_state_dict(self.model, options=options)  # {} on ranks other than 0
+        else:
+            gathered = {k: v.detach() for k, v in self.model.state_dict().items()}
         full: dict[str, torch.Tensor] = {}
-        out = {}
-        for k, v in self.model.state_dict().items():
-            if adapter_only and not is_adapter(k):
-                continue
-            source = alias.get(k, k)
-            if source not in full:
-                full[source] = (v.full_tensor() if isinstance(v, DTensor) else v).detach()
-            out[k] = full[source]
+        out = {k: full.setdefault(alias.get(k, k), v) for k, v in gathered.items()
+               if not adapter_only or is_adapter(k)}
+        self._gathered[adapter_only] = out
         return out
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
@@ -490,4 +503,4 @@ class Trainer:
         """A plain transformers state dict of the policy (collective): the full weights, or with LoRA the base with
         the adapter merged in (float32; `shipyard.models.lora.merged`), which transformers loads without peft."""
         full = self.full_state_dict()
-        return merged(self.model, full) if self.config.lora.enabled else full
+        return merged(self.model, full) if self.config.lora.enabled and full else full

@@ -88,11 +88,13 @@ def _reshard_worker(rank, world, episodes, ckpt, mode, out):
         assert trainer.version == 2
     for b in batches[2:]:
         trainer.step(b)
-    full = trainer.full_state_dict()
-    assert full["lm_head.weight"] is full["model.embed_tokens.weight"]  # tied, on any number of ranks: stored once
-    state = {k: v.clone() for k, v in full.items()}
+    full = trainer.full_state_dict()  # gathered to rank 0 alone, on its CPU
     if rank == 0:
-        torch.save(state, out)
+        assert full["lm_head.weight"] is full["model.embed_tokens.weight"]  # tied, on any number of ranks: stored once
+        assert all(v.device.type == "cpu" for v in full.values())
+        torch.save({k: v.clone() for k, v in full.items()}, out)
+    else:
+        assert full == {}  # no other rank holds the whole model
 
 
 def _run(world, episodes, ckpt, mode, out):

@@ -214,6 +214,8 @@ def _dist_worker(rank, world, episodes, out):
     for _ in range(2):
         metrics = trainer.train_step(episodes[:4], ADV[:4])
     state = trainer.full_state_dict()
+    assert trainer.engine_weights() is state and trainer.export_weights() is state  # one gather per version
+    assert (state == {}) == (rank != 0)  # gathered to rank 0 alone
     bf16 = _trainer(compute_dtype="bfloat16").train_step(episodes[:4], ADV[:4])  # FSDP2 mixed precision
     # 3 rows over 2 ranks, one row per micro-batch: one rank runs an idle micro-batch to match the other's two.
     uneven = _trainer(micro_batch=1).train_step(episodes[:3], ADV[:3])
