@@ -78,6 +78,11 @@ class PushUnsupported(UsageError):
 
 
 def push_unsupported(url: str, owned_by: str) -> str:
+    if owned_by == "vllm":  # the same push as servers the run starts, configured as such
+        return (f"the server at {url} is vLLM: a training run pushes to vLLM servers through engine.kind = \"vllm\"; "
+                f"for servers you run, set [vllm] urls = [\"{url}\"] and weights_dir (a directory they read at the "
+                "same path) and start them with shipyard's worker extension (docs/training.md, \"vLLM servers you "
+                "run\")")
     return (f"the server at {url} (owned by {owned_by or 'an unnamed server'}) takes no weight pushes from shipyard: "
             "a training run needs `shipyard serve` behind openai:URL, or vLLM servers the run starts and pushes to "
             "(engine.kind = \"vllm\", docs/training.md)")

@@ -143,6 +143,16 @@ class VLLMEngine:
                                                         timeout=10).status_code == 404:
             raise NotAWeightServer(f"the vLLM server at {self.base_url} cannot load adapters at run time: start it "
                                    "with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True for a LoRA run")
+        ready = self._send("POST", "/collective_rpc", json={"method": "shipyard_ready"}, timeout=30)
+        try:
+            answers = ready.json()["results"] if ready.status_code == 200 else None
+        except (ValueError, KeyError, TypeError):
+            answers = None
+        if not isinstance(answers, list) or not answers or any(a != "ready" for a in answers):
+            raise NotAWeightServer(f"the vLLM server at {self.base_url} lacks shipyard's worker extension (its "
+                                   f"/collective_rpc answered {ready.status_code}: {ready.text[:200]}): start it with "
+                                   "--worker-extension-cls shipyard_vllm_worker.ShipyardWorker and "
+                                   "shipyard/models/vllm_worker.py on its PYTHONPATH as shipyard_vllm_worker.py")
         probe = self._send("POST", "/inference/v1/generate", timeout=30,
                            json={"token_ids": [0], "sampling_params": {"max_tokens": 1}})
         if probe.status_code in (403, 404):

@@ -24,6 +24,15 @@ With `lora` (a run's `[trainer.lora]`), the servers are started for adapters pus
 `--max-loras 1`, `--max-lora-rank` the smallest rank vLLM offers at or above the adapter's, and
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` (the `/v1/load_lora_adapter` route a LoRA push uses).
 
+**Servers you run** (`urls`: vLLM servers on other machines, or started by hand): the run starts nothing and
+connects to them, with the same push. They must have been started as `VLLMServers.command` starts them — dev mode,
+`--enable-scale-out`, `--logprobs-mode processed_logprobs`, `--worker-extension-cls shipyard_vllm_worker.ShipyardWorker`
+with `shipyard/models/vllm_worker.py` on their PYTHONPATH as `shipyard_vllm_worker.py` (checked at connection:
+`VLLMEngine` refuses a server without it, naming what is missing), and for LoRA the two LoRA settings — serving the
+checkpoint `model` at the same path, and reading `weights_dir` at the same path (a shared filesystem; it is private
+to the user who runs the trainer, mode 0700, so run them as that user). At connection each server reloads `model`,
+whatever an earlier run pushed to it, and is told version 0. `$VLLM_API_KEY`, if set, is sent as the bearer token.
+
 Each server's output goes to `LOG_DIR/vllm-<i>.log`. A server gets SIGTERM when the process that started it dies
 however it dies (`DIE_WITH_PARENT`). `start` waits for `/health` on every server (vLLM compiles the
 model first: 45–135 s for the 0.5B on 2 cores) and fails with the end of the log when a server exits or the wait
@@ -85,6 +94,10 @@ class VLLMConfig:
     kv_cache_gib: float = 4.0  # VLLM_CPU_KVCACHE_SPACE (CPU servers)
     extra_args: tuple[str, ...] = ()
     start_timeout: float = 900.0
+    # Servers someone else runs (module docstring, "Servers you run"): none started; the run connects to these URLs
+    # and writes its pushes to `weights_dir`, which the servers must read at the same path.
+    urls: tuple[str, ...] = ()
+    weights_dir: Path | None = None  # default RUN/vllm/weights
 
     def __post_init__(self) -> None:
         if self.servers < 1 or self.gpus_per_server < 1:
@@ -322,8 +335,13 @@ def managed_engine(config: VLLMConfig, model_dir: Path, directory: Path, tokeniz
                    status=lambda _: None, lora: LoraConfig | None = None) -> Iterator[Engine]:
     """`config.servers` vLLM servers of `model_dir` started (logs in `directory`), and one engine over them — a
     `VLLMEngine`, or an `EngineRouter` over one per server — whose pushes write to `directory/weights`. The servers
-    stop when the block ends, however it ends. With `lora` enabled, pushes are adapters of `model_dir`."""
+    stop when the block ends, however it ends. With `lora` enabled, pushes are adapters of `model_dir`. With
+    `config.urls`, servers someone else runs (module docstring)."""
     spec = manifest(model_dir)  # before minutes of start-up: a directory without safetensors is refused now
+    if config.urls:
+        with _connected(config, model_dir, directory, tokenizer, spec, lora) as engine:
+            yield engine
+        return
     with VLLMServers(config, model_dir, directory, lora) as servers:
         urls = servers.start(status)
         weights = WeightDir(Path(directory) / "weights", spec, lora, base=str(model_dir))
@@ -334,3 +352,19 @@ def managed_engine(config: VLLMConfig, model_dir: Path, directory: Path, tokeniz
         finally:
             for engine in engines:
                 engine.close()
+
+
+@contextlib.contextmanager
+def _connected(config: VLLMConfig, model_dir: Path, directory: Path, tokenizer, spec,
+               lora: LoraConfig | None) -> Iterator[Engine]:
+    weights = WeightDir(Path(config.weights_dir or Path(directory) / "weights"), spec, lora, base=str(model_dir))
+    engines: list[VLLMEngine] = []
+    try:
+        for url in config.urls:
+            engines.append(VLLMEngine(url, tokenizer, weights, api_key=os.environ.get("VLLM_API_KEY")))
+            if weights.lora is None:  # whatever an earlier run pushed to it: the run starts from the checkpoint
+                engines[-1].load(0, Path(model_dir))
+        yield engines[0] if len(engines) == 1 else EngineRouter(engines, name=f"vllm[{len(engines)} servers]")
+    finally:
+        for engine in engines:
+            engine.close()

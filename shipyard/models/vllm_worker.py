@@ -36,3 +36,7 @@ class ShipyardWorker:
             head.weight = embed.weight
             head.quant_method.process_weights_after_loading(head)
         return "retied"
+
+    def shipyard_ready(self) -> str:
+        """What a client calls first: the answer says this extension is loaded in every worker."""
+        return "ready"

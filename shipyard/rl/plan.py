@@ -59,7 +59,12 @@ def plan(config: RLConfig) -> Plan:
     if run.device == "cuda" and gpus < run.world_size:
         out.missing_here.append(f"the trainer needs {run.world_size} CUDA device(s); this machine has {gpus}")
     kind = config.engine.kind
-    if kind == "vllm":
+    if kind == "vllm" and config.vllm.urls:
+        vllm = vllm_settings(config)
+        out.lines.append(f"engine: {len(vllm.urls)} vLLM server(s) someone else runs, at {', '.join(vllm.urls)}; "
+                         f"each reloads {vllm.model or config.model.name} at connection; pushes written to "
+                         f"{vllm.weights_dir or run.dir / 'vllm' / 'weights'} (the servers must read it at that path)")
+    elif kind == "vllm":
         vllm = vllm_settings(config)
         share = vllm.gpus_per_server
         placement = (", ".join(f"server {i} on GPU(s) {', '.join(map(str, vllm.gpus[i * share:(i + 1) * share]))}"

@@ -136,6 +136,8 @@ class FakeVLLM:
             body = await request.json()
 
             def normal():
+                if body.get("method") == "shipyard_ready" and not os.environ.get("FAKE_VLLM_NO_EXTENSION"):
+                    return {"results": ["ready"]}
                 if body.get("method") != "shipyard_reload":
                     return JSONResponse({"error": f"no method {body.get('method')}"}, status_code=500)
                 ok = (Path(body["args"][0]) / "model.safetensors").is_file()

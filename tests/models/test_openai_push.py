@@ -52,7 +52,7 @@ def test_a_push_reaches_shipyard_serve_through_the_engine(serve_url, monkeypatch
 
 
 def test_a_server_that_takes_no_pushes_is_refused_when_a_run_connects(other_url):
-    with pytest.raises(PushUnsupported, match="owned by vllm.*engine.kind = \"vllm\""):
+    with pytest.raises(PushUnsupported, match=r"is vLLM: .*engine.kind = \"vllm\".*\[vllm\] urls = \[\""):
         make_engine(f"openai:{other_url}", tokenizer="random:tiny", pushes=True)
     engine = make_engine(f"openai:{other_url}", tokenizer="random:tiny")  # an eval pushes nothing: fine
     try:

@@ -24,7 +24,7 @@ from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.errors import InfraError
 from shipyard.models.resolve import tiny_model
 from shipyard.models.vllm import VLLMEngine, client_for
-from shipyard.models.vllm_server import VLLMConfig, VLLMServers
+from shipyard.models.vllm_server import VLLMConfig, VLLMServers, managed_engine
 from shipyard.models.weightdir import PushRejected, WeightDir, manifest
 
 pytestmark = pytest.mark.vllm
@@ -171,6 +171,25 @@ def test_the_dev_routes_take_no_api_key_so_managed_servers_listen_on_a_private_s
     socket = Path(servers.urls[0].removeprefix("unix:"))
     assert socket.is_socket() and (socket.parent.stat().st_mode & 0o077) == 0
     assert all("--port" not in a and "--host" not in a for a in servers.command(socket))
+
+
+def test_a_run_connects_to_servers_it_did_not_start_and_starts_them_from_the_checkpoint(server, engine, tmp_path):
+    """[vllm] urls: servers someone else runs (here the module's, which earlier tests pushed to). The run reloads
+    the checkpoint into them at connection, pushes as to its own servers, and leaves them running. Before the last
+    test: the module's engine no longer knows the server's version after it."""
+    servers, root, tok = server
+    engine.update_weights(engine.policy_version + 1, model(5).state_dict())  # what an earlier run left there
+    config = VLLMConfig(python=str(PYTHON), urls=(servers.urls[0],), weights_dir=tmp_path / "weights")
+    with managed_engine(config, root / "model", tmp_path / "run", tok) as other:
+        c = greedy(other)
+        assert c.policy_version == 0 and c.logprobs == pytest.approx(reference_logprobs(model(0), PROMPT, c.token_ids),
+                                                                     abs=0.03)
+        pushed = model(7)
+        other.update_weights(1, pushed.state_dict())
+        c = greedy(other)
+        assert c.policy_version == 1 and c.logprobs == pytest.approx(reference_logprobs(pushed, PROMPT, c.token_ids),
+                                                                     abs=0.03)
+    assert sorted(os.listdir(tmp_path / "weights")) == ["v1"] and servers.procs[0].poll() is None  # not ours to stop
 
 
 def test_a_server_killed_mid_request_is_an_infra_error_and_its_engine_stays_out(server, engine):

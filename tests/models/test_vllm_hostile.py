@@ -330,6 +330,16 @@ def test_a_server_without_scale_out_says_how_to_start_it(fake, connect, status):
         connect()
 
 
+@pytest.mark.parametrize("answer", [
+    reply({"error": "no method shipyard_ready"}, status=500), reply({"results": []}),
+    reply({"results": ["ready", "no"]}), reply(text="not json"), reply({"results": "ready"}),
+], ids=["no method", "no worker", "one worker without it", "not json", "not a list"])
+def test_a_server_without_shipyards_worker_extension_says_how_to_start_it(fake, connect, answer):
+    fake.misbehave["/collective_rpc"] = answer
+    with pytest.raises(NotAWeightServer, match="--worker-extension-cls shipyard_vllm_worker.ShipyardWorker"):
+        connect()
+
+
 def test_nothing_listening_is_unreachable(connect):
     with pytest.raises(ServerUnreachable, match="cannot reach"):
         connect(f"http://127.0.0.1:{free_port()}")

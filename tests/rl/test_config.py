@@ -266,6 +266,15 @@ def test_gpu_node_example_is_managed_vllm_muon_mxfp8_and_hints_and_checks_here()
         assert "the trainer needs 4 CUDA device(s); this machine has 0" in text
 
 
+def test_the_check_of_servers_someone_else_runs_starts_nothing_and_needs_no_venv(tmp_path):
+    path = write(tmp_path, '[engine]\nkind = "vllm"\n\n[vllm]\npython = "/nonexistent/python"\n'
+                           'urls = ["http://node-2:8000", "http://node-3:8000"]\nweights_dir = "/shared/w"\n')
+    found = plan(load_config(path))
+    engine = " ".join(line for line in found.lines if line.startswith("engine: "))
+    assert "2 vLLM server(s) someone else runs, at http://node-2:8000, http://node-3:8000" in engine
+    assert "pushes written to /shared/w" in engine and not any("venv" in m for m in found.missing_here)
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.toml")))
 def test_every_checked_in_config_passes_the_check_of_what_it_would_start(name):
     found = plan(load_config(ROOT / "configs" / name))
