@@ -289,9 +289,15 @@ class Bench:
             rollouts.unlink(missing_ok=True)  # another model's or settings' rollouts: eval refuses to mix them
         path.unlink(missing_ok=True)
         command = eval_command(self.config, self.tasks, model, self.held_out, self.args.samples, self.args.concurrency,
-                               path) + (["--resume"] if resumed else [])
-        record = run_stage(key, command, self.out / "eval" / f"{arm}.log", None, lambda: len(_lines(rollouts)),
+                               path)
+        log = self.out / "eval" / f"{arm}.log"
+        record = run_stage(key, command + (["--resume"] if resumed else []), log, None, lambda: len(_lines(rollouts)),
                            len(self.held_out) * self.args.samples)
+        if resumed and record["returncode"] == 2:  # eval refused the journal (its own settings check): start over
+            rollouts.unlink(missing_ok=True)
+            resumed = False
+            record = run_stage(key, command, log, None, lambda: len(_lines(rollouts)),
+                               len(self.held_out) * self.args.samples)
         record = self.ran(key, record, resumed)
         doc = _json(path)
         if record["returncode"] != 0 or not doc:

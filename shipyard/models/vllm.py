@@ -240,6 +240,8 @@ class VLLMEngine:
                           f"its {n} tokens once each")
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        if self.broken:
+            raise ServerError(self.broken)
         if len(requests) == 1:
             return [self._one(requests[0])]
         return list(self.batches.map(self._one, requests))

@@ -29,9 +29,11 @@ connects to them, with the same push. They must have been started as `VLLMServer
 `--enable-scale-out`, `--logprobs-mode processed_logprobs`, `--worker-extension-cls shipyard_vllm_worker.ShipyardWorker`
 with `shipyard/models/vllm_worker.py` on their PYTHONPATH as `shipyard_vllm_worker.py` (checked at connection:
 `VLLMEngine` refuses a server without it, naming what is missing), and for LoRA the two LoRA settings — serving the
-checkpoint `model` at the same path, and reading `weights_dir` at the same path (a shared filesystem; it is private
-to the user who runs the trainer, mode 0700, so run them as that user). At connection each server reloads `model`,
-whatever an earlier run pushed to it, and is told version 0. `$VLLM_API_KEY`, if set, is sent as the bearer token.
+checkpoint `model` at the same path (the server's model id; checked at connection), and reading `weights_dir` at the
+same path (a shared filesystem: each run writes under `weights_dir/<run directory's name>`, private to the user who
+runs the trainer, mode 0700, so run them as that user). At connection each server of a full-weight run reloads
+`model`, whatever an earlier run pushed to it, and is told version 0; a LoRA run loads only adapters, so its servers
+must still hold the checkpoint's own weights (start them fresh). `$VLLM_API_KEY`, if set, is sent as the bearer token.
 
 Each server's output goes to `LOG_DIR/vllm-<i>.log`. A server gets SIGTERM when the process that started it dies
 however it dies (`DIE_WITH_PARENT`). `start` waits for `/health` on every server (vLLM compiles the
@@ -280,7 +282,7 @@ class ManagedServer:
         self.engine = VLLMEngine(servers.urls[index], tokenizer, weights)
         self.name = self.engine.name
         self.restarts = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a push holds it, and may restart the server under it
 
     @property
     def policy_version(self) -> int:
@@ -295,20 +297,28 @@ class ManagedServer:
         try:
             return engine.generate(requests)
         except InfraError:
-            self._recover(engine)
+            self._recover(engine, wait=False)  # while another thread restarts it: fail now (a router goes elsewhere)
             raise
 
     def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        engine = self.engine
-        try:
-            engine.update_weights(version, tensors)
-        except InfraError:
-            self._recover(engine)  # a restarted server loads the newest version written: this one, when it was
-            if self.engine is engine or self.engine.policy_version != version:
-                raise
-
-    def _recover(self, failed: VLLMEngine) -> None:
+        """The push, never beside a restart (one lock): a restart loads the newest version written, and a push that
+        met the server dead is made again to the restarted one when that version did not reach it."""
         with self._lock:
+            engine = self.engine
+            try:
+                engine.update_weights(version, tensors)
+                return
+            except InfraError:
+                self._recover(engine, wait=True)
+                if self.engine is engine:
+                    raise
+            if self.engine.policy_version < version:
+                self.engine.update_weights(version, tensors)
+
+    def _recover(self, failed: VLLMEngine, wait: bool) -> None:
+        if not self._lock.acquire(blocking=wait):
+            return  # a restart (or a push) is under way
+        try:
             if self.engine is not failed:
                 return  # another thread's failure restarted it already
             code = self.servers.procs[self.index].poll()
@@ -318,13 +328,23 @@ class ManagedServer:
                 return
             self.restarts += 1
             cause = f"exited with code {code}" if code is not None else failed.broken
+            # requests that reach the old engine from now on fail at once as InfraErrors (not on a closed pool)
+            failed.broken = failed.broken or f"vLLM server {self.index} {cause}; it is being restarted"
             self.status(f"vLLM server {self.index} {cause}; restarting it ({self.restarts} of {self.max_restarts}, "
                         f"log: {self.servers.logs[self.index]})")
             failed.close()
-            engine = VLLMEngine(self.servers.restart(self.index), self.tokenizer, self.weights)
-            if self.weights.latest is not None:
-                engine.load(self.weights.latest, self.weights.path(self.weights.latest))
+            engine = None
+            try:
+                engine = VLLMEngine(self.servers.restart(self.index), self.tokenizer, self.weights)
+                if self.weights.latest is not None:
+                    engine.load(self.weights.latest, self.weights.path(self.weights.latest))
+            except BaseException:
+                if engine is not None:
+                    engine.close()
+                raise
             self.engine = engine
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         self.engine.close()
@@ -357,11 +377,18 @@ def managed_engine(config: VLLMConfig, model_dir: Path, directory: Path, tokeniz
 @contextlib.contextmanager
 def _connected(config: VLLMConfig, model_dir: Path, directory: Path, tokenizer, spec,
                lora: LoraConfig | None) -> Iterator[Engine]:
-    weights = WeightDir(Path(config.weights_dir or Path(directory) / "weights"), spec, lora, base=str(model_dir))
+    run = Path(directory).resolve().parent  # RUN/vllm: a run's versions go to a directory of its own under weights_dir
+    root = Path(config.weights_dir).resolve() / run.name if config.weights_dir else Path(directory) / "weights"
+    weights = WeightDir(root, spec, lora, base=str(model_dir))
     engines: list[VLLMEngine] = []
     try:
         for url in config.urls:
             engines.append(VLLMEngine(url, tokenizer, weights, api_key=os.environ.get("VLLM_API_KEY")))
+            if engines[-1].model not in (str(model_dir), str(Path(model_dir).resolve())):
+                raise UsageError(f"the vLLM server at {url} serves {engines[-1].model!r}, not [vllm] model "
+                                 f"{str(model_dir)!r}: set [vllm] model to the checkpoint directory the server was "
+                                 "started with (the same path on both sides); pushes are checked against it and it "
+                                 "is reloaded into the server at connection")
             if weights.lora is None:  # whatever an earlier run pushed to it: the run starts from the checkpoint
                 engines[-1].load(0, Path(model_dir))
         yield engines[0] if len(engines) == 1 else EngineRouter(engines, name=f"vllm[{len(engines)} servers]")

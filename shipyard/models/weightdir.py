@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import threading
@@ -47,6 +48,7 @@ from shipyard.errors import FileFormatError, InputNotFound, UserError
 from shipyard.models.engine import VersionConflict
 from shipyard.models.lora import ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, LoraConfig, peft_config
 
+VERSION_DIR = re.compile(r"v\d+|\.v\d+\.partial")  # the directories a WeightDir writes (and removes)
 MAX_HEADER = 100 << 20  # bytes of one safetensors header; real ones are kilobytes
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
@@ -241,8 +243,8 @@ class WeightDir:
             shutil.rmtree(target, ignore_errors=True)
             tmp.rename(target)
             self.last_bytes = sum(f.stat().st_size for f in target.iterdir())
-            for old in [*self.root.glob("v*"), *self.root.glob(".v*.partial")]:
-                if old != target and old.is_dir() and not old.is_symlink():
+            for old in self.root.iterdir():  # only what this class writes: v<N>, .v<N>.partial
+                if old != target and VERSION_DIR.fullmatch(old.name) and old.is_dir() and not old.is_symlink():
                     shutil.rmtree(old, ignore_errors=True)
             self.latest = version
             return target

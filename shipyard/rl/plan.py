@@ -61,9 +61,10 @@ def plan(config: RLConfig) -> Plan:
     kind = config.engine.kind
     if kind == "vllm" and config.vllm.urls:
         vllm = vllm_settings(config)
+        pushed = vllm.weights_dir / run.dir.name if vllm.weights_dir else run.dir / "vllm" / "weights"
         out.lines.append(f"engine: {len(vllm.urls)} vLLM server(s) someone else runs, at {', '.join(vllm.urls)}; "
-                         f"each reloads {vllm.model or config.model.name} at connection; pushes written to "
-                         f"{vllm.weights_dir or run.dir / 'vllm' / 'weights'} (the servers must read it at that path)")
+                         f"each reloads {vllm.model or config.model.name} at connection; pushes written to {pushed} "
+                         "(the servers must read it at that path)")
     elif kind == "vllm":
         vllm = vllm_settings(config)
         share = vllm.gpus_per_server

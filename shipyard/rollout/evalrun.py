@@ -12,10 +12,11 @@ experiment as one run through. `run_eval(..., resume=True)` keeps every *scored*
 is evaluated, whose index is below `samples` and whose seed is the one this eval would draw for it, and runs only the
 rest. Masked rollouts (infrastructure failures, cancellations) are run again: they carry no result.
 
-What a rollout depends on besides its seed — the model, the task set, the episode's settings (turns, tokens,
-temperature, wire, grading timeout, search), the attempt's time budget — is written beside the journal when it is
-started (`JOURNAL.settings.json`, `settings_path`). A resume with other settings is refused (`UsageError`, naming
-each difference) rather than mixing two experiments in one figure; so is a journal without its settings. A line cut
+What a rollout depends on besides its seed — the model and the engine serving it, the run seed, the task set, the
+episode's settings (turns, tokens, temperature, wire, grading timeout, search), the attempt's time budget — is written
+beside the journal when it is started (`JOURNAL.settings.json`, `settings_path`). A resume with other settings is
+refused (`UsageError`, naming each difference) rather than mixing two experiments in one figure; so is a journal
+without its settings. A line cut
 short by a kill mid-write (the last line, without its newline) is dropped and the file truncated before it, so the
 next append starts a whole line; a malformed line anywhere else is a `FileFormatError`. Without `resume`, a journal
 that already holds rollouts is refused too: appending a second eval to it would mix them silently.
@@ -37,7 +38,7 @@ from shipyard.errors import UsageError
 from shipyard.rollout.eval import Progress, default_ks, results
 from shipyard.rollout.record import Rollout, read_rollout_lines, rollout_seed
 
-RESUMED_KEYS = ("model", "tasks_dir", "episode", "rollout_time_budget")  # what must match for a journal to be resumed
+RESUMED_KEYS = ("model", "engine", "seed", "tasks_dir", "episode", "rollout_time_budget")  # equal, or no resume
 
 
 @dataclass
@@ -87,6 +88,8 @@ def finished(journal: Path, settings: Mapping[str, Any], task_ids: list[str], co
     where = settings_path(journal)
     try:
         before = json.loads(where.read_text())
+        if not isinstance(before, dict):
+            raise ValueError("not a JSON object")
     except FileNotFoundError:
         raise UsageError(f"{journal} holds rollouts but not the settings they ran with ({where} is missing): it cannot "
                          f"be resumed; remove it to evaluate from the start") from None
@@ -123,8 +126,9 @@ def run_eval(engine, env, tasks_dir: Path, task_ids: list[str], episode, config:
     from shipyard.rollout.scheduler import Scheduler, SchedulerConfig
     from shipyard.rollout.transport import InProcessTransport
 
-    settings = {"model": (describe or {}).get("model"), "tasks_dir": str(Path(tasks_dir).resolve()),
-                "episode": asdict(episode), "rollout_time_budget": config.rollout_time_budget}
+    settings = {"model": (describe or {}).get("model"), "engine": (describe or {}).get("engine"), "seed": config.seed,
+                "tasks_dir": str(Path(tasks_dir).resolve()), "episode": asdict(episode),
+                "rollout_time_budget": config.rollout_time_budget}
     kept: dict[tuple[str, int], Rollout] = {}
     if rollouts_path is not None:
         if resume:

@@ -343,6 +343,7 @@ class Trainer:
 
     def step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on `batch` (the same global batch on every rank); metrics for the whole batch."""
+        self.weights_changed()  # the last version's gathered copy is not kept through this step's peak
         start = time.perf_counter()
         policy = self.config.policy
         if policy.norm_length is None:  # Dr. GRPO's L, unset: the batch's padded length as given, not as trimmed

@@ -189,7 +189,8 @@ def test_a_run_connects_to_servers_it_did_not_start_and_starts_them_from_the_che
         c = greedy(other)
         assert c.policy_version == 1 and c.logprobs == pytest.approx(reference_logprobs(pushed, PROMPT, c.token_ids),
                                                                      abs=0.03)
-    assert sorted(os.listdir(tmp_path / "weights")) == ["v1"] and servers.procs[0].poll() is None  # not ours to stop
+    assert sorted(os.listdir(tmp_path / "weights" / tmp_path.name)) == ["v1"]  # under the run's own directory
+    assert servers.procs[0].poll() is None  # not ours to stop
 
 
 def test_a_server_killed_mid_request_is_an_infra_error_and_its_engine_stays_out(server, engine):

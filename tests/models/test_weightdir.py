@@ -4,6 +4,8 @@ versions; a wrong shape killed the engine: the module docstring)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -151,3 +153,18 @@ def test_every_adapter_push_names_the_first_ones_tensors(served, tmp_path):
     with pytest.raises(PushRejected, match="names 14 tensors, not the 28 of the first push"):
         store.write(2, fewer)
     assert store.latest == 1 and store.write(2, adapter(2)).name == "v2"
+
+
+def test_only_the_versions_it_wrote_are_removed(served, tmp_path):
+    """A weights_dir someone chose may hold other things: only v<N> and .v<N>.partial directories are ever removed."""
+    _, spec = served
+    root = tmp_path / "w"
+    root.mkdir(mode=0o700)
+    for name in ("vicuna-7b", "v2-notes", ".v3.partial.keep"):
+        (root / name).mkdir()
+    (root / "v4.txt").write_text("mine")
+    (root / ".v9.partial").mkdir()  # a killed run's half-written version: removed
+    store = WeightDir(root, spec)
+    store.write(1, state(1))
+    store.write(2, state(2))
+    assert sorted(os.listdir(root)) == [".v3.partial.keep", "v2", "v2-notes", "v4.txt", "vicuna-7b"]

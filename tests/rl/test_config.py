@@ -272,7 +272,7 @@ def test_the_check_of_servers_someone_else_runs_starts_nothing_and_needs_no_venv
     found = plan(load_config(path))
     engine = " ".join(line for line in found.lines if line.startswith("engine: "))
     assert "2 vLLM server(s) someone else runs, at http://node-2:8000, http://node-3:8000" in engine
-    assert "pushes written to /shared/w" in engine and not any("venv" in m for m in found.missing_here)
+    assert "pushes written to /shared/w/" in engine and not any("venv" in m for m in found.missing_here)
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.toml")))

@@ -18,8 +18,8 @@ from shipyard.rollout.evalrun import EvalConfig, finished, run_eval, settings_pa
 from shipyard.rollout.record import Rollout, rollout_seed
 
 
-def settings(model="m", **episode):
-    return {"model": model, "tasks_dir": "/tasks", "rollout_time_budget": None,
+def settings(model="m", seed=0, **episode):
+    return {"model": model, "engine": "e", "seed": seed, "tasks_dir": "/tasks", "rollout_time_budget": None,
             "episode": {"grade_timeout": 300.0, "loop": {"max_turns": 8, **episode}}}
 
 
@@ -62,6 +62,11 @@ def test_a_journal_of_other_settings_or_without_them_is_refused(tmp_path):
         finished(path, settings(model="other"), ["a"], EvalConfig())
     with pytest.raises(UsageError, match=r"episode: .*'max_turns': 8.*'max_turns': 3"):
         finished(path, settings(max_turns=3), ["a"], EvalConfig())
+    with pytest.raises(UsageError, match=r"seed: 0 there, 1 here"):  # another run seed: other samples entirely
+        finished(path, settings(seed=1), ["a"], EvalConfig(seed=1))
+    settings_path(path).write_text("[1, 2]")
+    with pytest.raises(UsageError, match=r"is not JSON \(not a JSON object\)"):
+        finished(path, settings(), ["a"], EvalConfig())
     settings_path(path).unlink()
     with pytest.raises(UsageError, match=r"not the settings they ran with .* remove it to evaluate from the start"):
         finished(path, settings(), ["a"], EvalConfig())
