@@ -29,6 +29,14 @@ def state(seed: int = 1) -> dict[str, torch.Tensor]:
     return tiny_model(seed=seed)[0].state_dict()
 
 
+def refused(store: WeightDir, tensors: dict[str, torch.Tensor], words: str) -> None:
+    """The push is refused, saying `words`, and nothing was written."""
+    with pytest.raises(PushRejected) as e:
+        store.write(1, tensors)
+    assert words in str(e.value)
+    assert list(store.root.iterdir()) == [] and store.latest is None
+
+
 def test_the_manifest_is_the_checkpoints_tensors_without_loading_them(served):
     path, spec = served
     stored = load_file(str(path / "model.safetensors"))
@@ -61,11 +69,7 @@ def test_a_push_that_does_not_fit_is_refused_before_anything_is_written(served, 
     if "lm_head" in words:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
     break_it(weights)
-    store = WeightDir(tmp_path / "w", spec)
-    with pytest.raises(PushRejected) as e:
-        store.write(1, weights)
-    assert words in str(e.value)
-    assert list((tmp_path / "w").iterdir()) == [] and store.latest is None
+    refused(WeightDir(tmp_path / "w", spec), weights, words)
 
 
 def test_versions_are_written_once_and_only_the_latest_is_kept(served, tmp_path):
@@ -138,11 +142,7 @@ def test_an_adapter_that_does_not_fit_is_refused_before_anything_is_written(serv
     _, spec = served
     tensors = {k: v.clone() for k, v in adapter().items()}
     break_it(tensors)
-    store = WeightDir(tmp_path / "w", spec, LORA)
-    with pytest.raises(PushRejected) as e:
-        store.write(1, tensors)
-    assert words in str(e.value)
-    assert list((tmp_path / "w").iterdir()) == [] and store.latest is None
+    refused(WeightDir(tmp_path / "w", spec, LORA), tensors, words)
 
 
 def test_every_adapter_push_names_the_first_ones_tensors(served, tmp_path):
