@@ -162,7 +162,7 @@ def gold_rollouts(config: RLConfig, tasks_dir: Path, task_ids: list[str], tokeni
     `replay:gold` engine), its records appended to `out`; an existing `out` (a resumed run) is read back instead, and
     the replays a stopped run finished (`OUT.partial`, their journal) are kept."""
     if out.exists():
-        return read_rollouts(out)
+        return _last_replays(read_rollouts(out), task_ids)
     from shipyard.rollout.environment import LocalEnvironment
     from shipyard.rollout.evalrun import EvalConfig, run_eval, settings_path
 
@@ -186,7 +186,13 @@ def gold_rollouts(config: RLConfig, tasks_dir: Path, task_ids: list[str], tokeni
         engine.close()
     partial.rename(out)
     settings_path(partial).unlink(missing_ok=True)
-    return read_rollouts(out)
+    return _last_replays(read_rollouts(out), task_ids)
+
+
+def _last_replays(rollouts: list[Rollout], task_ids: list[str]) -> list[Rollout]:
+    """The last replay of each of `task_ids` (a resumed journal holds a masked replay and, after it, its rerun)."""
+    wanted = set(task_ids)
+    return list({r.task_id: r for r in rollouts if r.task_id in wanted}.values())
 
 
 def batches(n: int, batch_size: int, epochs: int, seed: int) -> Iterator[tuple[int, list[int]]]:

@@ -173,3 +173,15 @@ def test_a_turn_whose_call_failed_is_context_not_a_target(tmp_path):
     assert exported_step(tmp_path) is None
     (tmp_path / "shipyard.json").write_text('{"step": 4}')
     assert exported_step(tmp_path) == 4
+
+
+def test_the_gold_replays_of_a_resumed_run_are_the_last_of_each_training_task(tmp_path):
+    """A resumed replay journal holds a masked replay and, after it, its rerun; replays of tasks no longer trained on
+    (another split) are left out rather than refused as held-out data."""
+    from shipyard.rl.config import RLConfig
+    from shipyard.rl.sft import gold_rollouts
+
+    out = _write(tmp_path / "gold.jsonl", [_rollout("a", reward=None), _rollout("b"), _rollout("a"),
+                                            _rollout("held-out-now")])
+    got = gold_rollouts(RLConfig(), tmp_path, ["a", "b"], None, out, status=lambda _: None)
+    assert sorted((r.task_id, r.reward) for r in got) == [("a", 1.0), ("b", 1.0)]
