@@ -27,9 +27,11 @@ directory (the learning benchmark) compares its export's time with the journal's
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -120,24 +122,53 @@ def run_eval(engine, env, tasks_dir: Path, task_ids: list[str], episode, config:
     document's `config` (the model's name, the task set, …). `progress` hears each rollout as it ends (and, on a
     resume, each one kept first); with `rollouts_path`, each is also appended there as one JSON line, trajectory
     included (`Rollout.to_json`). `resume` keeps the finished rollouts already there (module docstring)."""
+    settings = {"model": (describe or {}).get("model"), "engine": (describe or {}).get("engine"), "seed": config.seed,
+                "tasks_dir": str(Path(tasks_dir).resolve()), "episode": asdict(episode),
+                "rollout_time_budget": config.rollout_time_budget}
+    kept: dict[tuple[str, int], Rollout] = {}
+    with contextlib.ExitStack() as stack:
+        if rollouts_path is not None:
+            stack.enter_context(_only_writer(rollouts_path))
+            kept = _opened(rollouts_path, settings, task_ids, config, resume)
+        return _run(engine, env, tasks_dir, task_ids, episode, config, progress, describe, rollouts_path, kept)
+
+
+def _opened(rollouts_path: Path, settings: dict, task_ids: list[str], config: EvalConfig, resume: bool) \
+        -> dict[tuple[str, int], Rollout]:
+    """The journal made ready for this eval: what a resume keeps of it, and its settings written beside it."""
+    kept: dict[tuple[str, int], Rollout] = {}
+    if resume:
+        kept = finished(rollouts_path, settings, task_ids, config)
+    elif rollouts_path.stat().st_size:
+        raise UsageError(f"{rollouts_path} already holds rollouts: resume that eval (`shipyard eval --resume`), "
+                         f"or give another file")
+    settings_path(rollouts_path).write_text(json.dumps(_json_safe(settings), indent=1) + "\n")
+    return kept
+
+
+@contextlib.contextmanager
+def _only_writer(journal: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `journal` while this eval writes it: a second eval of it — an orphaned one still
+    running, say — would interleave its lines with this one's, or cut them as torn."""
+    journal.parent.mkdir(parents=True, exist_ok=True)
+    with open(journal, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"{journal} is being written by another eval that is still running: wait for it to end, "
+                             "or stop it, then resume") from None
+        yield
+
+
+def _run(engine, env, tasks_dir: Path, task_ids: list[str], episode, config: EvalConfig,
+         progress: Progress | None, describe: Mapping[str, Any] | None, rollouts_path: Path | None,
+         kept: dict[tuple[str, int], Rollout]) -> dict[str, Any]:
     import asyncio
 
     from shipyard.rollout.record import append_jsonl
     from shipyard.rollout.scheduler import Scheduler, SchedulerConfig
     from shipyard.rollout.transport import InProcessTransport
 
-    settings = {"model": (describe or {}).get("model"), "engine": (describe or {}).get("engine"), "seed": config.seed,
-                "tasks_dir": str(Path(tasks_dir).resolve()), "episode": asdict(episode),
-                "rollout_time_budget": config.rollout_time_budget}
-    kept: dict[tuple[str, int], Rollout] = {}
-    if rollouts_path is not None:
-        if resume:
-            kept = finished(rollouts_path, settings, task_ids, config)
-        elif rollouts_path.exists() and rollouts_path.stat().st_size:
-            raise UsageError(f"{rollouts_path} already holds rollouts: resume that eval (`shipyard eval --resume`), "
-                             f"or give another file")
-        rollouts_path.parent.mkdir(parents=True, exist_ok=True)
-        settings_path(rollouts_path).write_text(json.dumps(_json_safe(settings), indent=1) + "\n")
     if progress is not None:
         for rollout in kept.values():
             progress(rollout)

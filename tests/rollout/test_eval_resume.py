@@ -119,3 +119,14 @@ def test_cli_resume_needs_the_rollouts_file(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "shipyard.cli", "eval", "--tasks", str(tmp_path), "--model",
                            "replay:gold", "--resume"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--resume continues the eval journalled in --rollouts FILE" in proc.stderr
+
+
+def test_a_journal_another_eval_is_still_writing_is_refused(tmp_path):
+    import fcntl
+
+    path = tmp_path / "r.jsonl"
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # an orphaned eval of the same journal, still running
+        with pytest.raises(UsageError, match="being written by another eval that is still running"):
+            run_eval(None, None, tmp_path, ["a"], episode_config("replay"), EvalConfig(), rollouts_path=path,
+                     resume=True)
