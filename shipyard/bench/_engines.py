@@ -90,9 +90,8 @@ def compare(args: argparse.Namespace) -> None:
             engines["local"] = LocalEngine(model, tok, max_batch=max(levels))
             stack.callback(engines["local"].close)
         if "vllm" in names:
-            config = VLLMConfig(python=Path(args.vllm_python), dtype=args.dtype, cpu_threads=args.cpu_threads,
-                                max_model_len=int(args.prompt_tokens * 1.2) + args.new_tokens + 16,
-                                kv_cache_gib=args.kv_cache_gib)
+            config = vllm_config(args, max_model_len=int(args.prompt_tokens * 1.2) + args.new_tokens + 16,
+                                 dtype=args.dtype)
             print(f"starting a vLLM server of {args.model} (logs in {scratch})", flush=True)
             engines["vllm"] = stack.enter_context(managed_engine(config, model_directory(args.model), Path(scratch),
                                                                  tok))
@@ -126,6 +125,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rounds", type=int, default=2, help="requests each thread sends, one after the other")
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--new-tokens", type=int, default=256)
+    vllm_arguments(ap, kv_cache_gib=4.0)
+
+
+def vllm_arguments(ap: argparse.ArgumentParser, kv_cache_gib: float) -> None:
+    """The options of a benchmark that starts a vLLM server (`vllm_config`)."""
     ap.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="vLLM's venv (scripts/install-vllm.sh)")
     ap.add_argument("--cpu-threads", default=default_cpu_threads(), help="VLLM_CPU_OMP_THREADS_BIND")
-    ap.add_argument("--kv-cache-gib", type=float, default=4.0)
+    ap.add_argument("--kv-cache-gib", type=float, default=kv_cache_gib)
+
+
+def vllm_config(args: argparse.Namespace, **settings) -> VLLMConfig:
+    """The server `vllm_arguments` describe, with `settings` (max_model_len, dtype, …)."""
+    return VLLMConfig(python=Path(args.vllm_python), cpu_threads=args.cpu_threads, kv_cache_gib=args.kv_cache_gib,
+                      **settings)

@@ -28,10 +28,11 @@ from pathlib import Path
 import torch
 
 from shipyard.bench._common import finish, table
+from shipyard.bench._engines import vllm_arguments, vllm_config
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.lora import LoraConfig, adapter_tensors, attach
 from shipyard.models.resolve import load_hf, model_directory
-from shipyard.models.vllm_server import VLLMConfig, default_cpu_threads, managed_engine
+from shipyard.models.vllm_server import managed_engine
 
 IDLE = 2.0  # seconds: longer than vLLM's worker busy-polls after a request (1 s), shorter than any trainer step
 TARGETS = {"full_seconds": 5.0, "lora_seconds": 0.5, "lora_bytes_fraction": 0.1}
@@ -64,8 +65,7 @@ def pushes(engine, make, count: int, tok) -> dict[str, float]:
 def main_vllm(args: argparse.Namespace) -> None:
     model, tok = load_hf(args.model, dtype=torch.bfloat16)
     served = model_directory(args.model)
-    config = VLLMConfig(python=Path(args.vllm_python), cpu_threads=args.cpu_threads, max_model_len=256,
-                        kv_cache_gib=args.kv_cache_gib)
+    config = vllm_config(args, max_model_len=256)
     lora = LoraConfig(enabled=True, rank=args.lora_rank, alpha=2.0 * args.lora_rank)
     adapted = attach(load_hf(args.model, dtype=torch.bfloat16)[0], lora)
 
@@ -108,6 +108,4 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="payload: the HTTP push's formats (bf16, MXFP8); vllm: pushes to a vLLM server, full and LoRA")
     ap.add_argument("--pushes", type=int, default=3)
     ap.add_argument("--lora-rank", type=int, default=16)
-    ap.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="vLLM's venv (scripts/install-vllm.sh)")
-    ap.add_argument("--cpu-threads", default=default_cpu_threads(), help="VLLM_CPU_OMP_THREADS_BIND")
-    ap.add_argument("--kv-cache-gib", type=float, default=1.0)
+    vllm_arguments(ap, kv_cache_gib=1.0)

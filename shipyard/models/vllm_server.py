@@ -54,7 +54,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -272,8 +272,9 @@ class ManagedServer:
     marked itself broken (a push that failed on the server), restarts that server (`VLLMServers.restart`: its initial
     weights), loads the newest version written for the servers into it (`VLLMEngine.load`, the push's own steps), and
     serves from it; the failed request still raises, so its rollout is retried by the scheduler, not lost or scored.
-    Threads that fail on the dead server together wait for one restart. After `max_restarts` the server stays down
-    and its errors go on (a router serves from the other servers; with none left the run ends with the cause)."""
+    One thread restarts it; requests failing meanwhile raise at once (a router sends them to the other servers), and
+    a push waits for the restart. After `max_restarts` the server stays down and its errors go on (a router serves
+    from the other servers; with none left the run ends with the cause)."""
 
     def __init__(self, servers: VLLMServers, index: int, tokenizer, weights: WeightDir, max_restarts: int = 3,
                  status=lambda _: None):
@@ -365,13 +366,9 @@ def managed_engine(config: VLLMConfig, model_dir: Path, directory: Path, tokeniz
     with VLLMServers(config, model_dir, directory, lora) as servers:
         urls = servers.start(status)
         weights = WeightDir(Path(directory) / "weights", spec, lora, base=str(model_dir))
-        engines: list[ManagedServer] = []
-        try:
-            engines += [ManagedServer(servers, i, tokenizer, weights, status=status) for i in range(len(urls))]
-            yield engines[0] if len(engines) == 1 else EngineRouter(engines, name=f"vllm[{len(engines)} servers]")
-        finally:
-            for engine in engines:
-                engine.close()
+        with _served([lambda i=i: ManagedServer(servers, i, tokenizer, weights, status=status)
+                      for i in range(len(urls))]) as engine:
+            yield engine
 
 
 @contextlib.contextmanager
@@ -380,17 +377,34 @@ def _connected(config: VLLMConfig, model_dir: Path, directory: Path, tokenizer, 
     run = Path(directory).resolve().parent  # RUN/vllm: a run's versions go to a directory of its own under weights_dir
     root = Path(config.weights_dir).resolve() / run.name if config.weights_dir else Path(directory) / "weights"
     weights = WeightDir(root, spec, lora, base=str(model_dir))
-    engines: list[VLLMEngine] = []
-    try:
-        for url in config.urls:
-            engines.append(VLLMEngine(url, tokenizer, weights, api_key=os.environ.get("VLLM_API_KEY")))
-            if engines[-1].model not in (str(model_dir), str(Path(model_dir).resolve())):
-                raise UsageError(f"the vLLM server at {url} serves {engines[-1].model!r}, not [vllm] model "
+
+    def connect(url: str) -> VLLMEngine:
+        engine = VLLMEngine(url, tokenizer, weights, api_key=os.environ.get("VLLM_API_KEY"))
+        try:
+            if engine.model not in (str(model_dir), str(Path(model_dir).resolve())):
+                raise UsageError(f"the vLLM server at {url} serves {engine.model!r}, not [vllm] model "
                                  f"{str(model_dir)!r}: set [vllm] model to the checkpoint directory the server was "
                                  "started with (the same path on both sides); pushes are checked against it and it "
                                  "is reloaded into the server at connection")
             if weights.lora is None:  # whatever an earlier run pushed to it: the run starts from the checkpoint
-                engines[-1].load(0, Path(model_dir))
+                engine.load(0, Path(model_dir))
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    with _served([lambda url=url: connect(url) for url in config.urls]) as engine:
+        yield engine
+
+
+@contextlib.contextmanager
+def _served(makers: list[Callable[[], Engine]]) -> Iterator[Engine]:
+    """One engine per server, each made by its maker in turn — the only one, or an `EngineRouter` over them —
+    closed however the block ends (those made before a maker failed included)."""
+    engines: list[Engine] = []
+    try:
+        for make in makers:
+            engines.append(make())
         yield engines[0] if len(engines) == 1 else EngineRouter(engines, name=f"vllm[{len(engines)} servers]")
     finally:
         for engine in engines:
