@@ -153,11 +153,34 @@ class VLLMEngine:
                                    f"/collective_rpc answered {ready.status_code}: {ready.text[:200]}): start it with "
                                    "--worker-extension-cls shipyard_vllm_worker.ShipyardWorker and "
                                    "shipyard/models/vllm_worker.py on its PYTHONPATH as shipyard_vllm_worker.py")
+        if self.weights.lora is not None:
+            self._check_lora(self.weights.lora.rank)
         probe = self._send("POST", "/inference/v1/generate", timeout=30,
                            json={"token_ids": [0], "sampling_params": {"max_tokens": 1}})
         if probe.status_code in (403, 404):
             raise NotAWeightServer(f"the vLLM server at {self.base_url} does not serve /inference/v1/generate "
                                    f"({probe.status_code}): start it with --enable-scale-out (vLLM >= 0.32)")
+
+    def _check_lora(self, rank: int) -> None:
+        """A LoRA run's server must take adapters of `rank` (its `--max-lora-rank`): asked of the worker extension,
+        since the runtime-adapter route answers with or without `--enable-lora`."""
+        asked = self._send("POST", "/collective_rpc", json={"method": "shipyard_lora_rank"}, timeout=30)
+        try:
+            ranks = asked.json()["results"] if asked.status_code == 200 else None
+        except (ValueError, KeyError, TypeError):
+            ranks = None
+        if not isinstance(ranks, list) or not ranks or not all(type(r) is int for r in ranks):
+            raise NotAWeightServer(f"the vLLM server at {self.base_url} did not say which adapter ranks it takes (its "
+                                   f"/collective_rpc answered {asked.status_code}: {asked.text[:200]}): its worker "
+                                   "extension is not shipyard's of this version; start it with this shipyard's "
+                                   "shipyard/models/vllm_worker.py")
+        if min(ranks) == 0:
+            raise NotAWeightServer(f"the vLLM server at {self.base_url} was started without --enable-lora: start it "
+                                   f"with --enable-lora --max-lora-rank {rank} (or more) for a LoRA run")
+        if min(ranks) < rank:
+            raise NotAWeightServer(f"the vLLM server at {self.base_url} takes adapters of rank <= {min(ranks)} "
+                                   f"(--max-lora-rank) and this run's are rank {rank}: start it with --max-lora-rank "
+                                   f"{rank} or more, or lower trainer.lora.rank")
 
     # -- sampling -------------------------------------------------------------------------------------------------
 

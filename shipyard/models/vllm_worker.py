@@ -40,3 +40,9 @@ class ShipyardWorker:
     def shipyard_ready(self) -> str:
         """What a client calls first: the answer says this extension is loaded in every worker."""
         return "ready"
+
+    def shipyard_lora_rank(self) -> int:
+        """The largest adapter rank this server takes (`--max-lora-rank`); 0 when it was started without
+        `--enable-lora` (its runtime-adapter route exists without it, and answers every load with a 400)."""
+        lora = self.vllm_config.lora_config
+        return int(lora.max_lora_rank) if lora is not None else 0

@@ -39,12 +39,13 @@ class FakeVLLM:
         self.released = threading.Event()  # set at teardown: every hanging handler returns
         self.healthy = True
         self.extra: dict = {}  # answered by GET /fake/info
+        self.lora_rank = 0  # --max-lora-rank, as the worker extension reports it (0: started without --enable-lora)
         self.app = self._build()
 
     def reset(self) -> None:
         self.misbehave.clear()
         self.calls.clear()
-        self.version, self.paused, self.healthy = "0", False, True
+        self.version, self.paused, self.healthy, self.lora_rank = "0", False, True, 0
         self.aborted.clear()
         self.running.clear()
 
@@ -138,12 +139,20 @@ class FakeVLLM:
             def normal():
                 if body.get("method") == "shipyard_ready" and not os.environ.get("FAKE_VLLM_NO_EXTENSION"):
                     return {"results": ["ready"]}
+                if body.get("method") == "shipyard_lora_rank":
+                    return {"results": [fake.lora_rank]}
                 if body.get("method") != "shipyard_reload":
                     return JSONResponse({"error": f"no method {body.get('method')}"}, status_code=500)
                 ok = (Path(body["args"][0]) / "model.safetensors").is_file()
                 return {"results": ["untied" if ok else "error: no model.safetensors"]}
 
             return await answer("/collective_rpc", body, normal)
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request):  # with VLLM_ALLOW_RUNTIME_LORA_UPDATING, with or without LoRA
+            body = await request.json()
+            return await answer("/v1/load_lora_adapter", body, lambda: JSONResponse(
+                {"error": {"message": "lora_name and lora_path are required"}}, status_code=400))
 
         @app.post("/update_weight_version")
         async def update_weight_version(request: Request):

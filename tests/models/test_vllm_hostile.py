@@ -340,6 +340,20 @@ def test_a_server_without_shipyards_worker_extension_says_how_to_start_it(fake, 
         connect()
 
 
+@pytest.mark.parametrize("rank, refused", [(0, "without --enable-lora"), (8, "rank <= 8"), (16, None), (64, None)])
+def test_a_lora_run_is_refused_a_server_that_cannot_take_its_adapters(fake, server, model_dir, tmp_path, rank,
+                                                                     refused):
+    from shipyard.models.lora import LoraConfig
+
+    fake.lora_rank = rank  # the route to load adapters answers either way (400 to an empty body), as vLLM's does
+    weights = WeightDir(tmp_path / "w", manifest(model_dir), LoraConfig(enabled=True, rank=16))
+    if refused is None:
+        VLLMEngine(server[1], TOKENIZER, weights).close()
+        return
+    with pytest.raises(NotAWeightServer, match=refused):
+        VLLMEngine(server[1], TOKENIZER, weights)
+
+
 def test_nothing_listening_is_unreachable(connect):
     with pytest.raises(ServerUnreachable, match="cannot reach"):
         connect(f"http://127.0.0.1:{free_port()}")
