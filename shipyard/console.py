@@ -21,7 +21,8 @@ console = Console(stderr=True)
 out = Console()
 
 MODEL_HELP = (f"Model: a bundled name ({', '.join(BUNDLED)}), a local directory, a .gguf file, a hub id, "
-              "random:tiny, replay:FILE.jsonl or openai:BASE_URL.")
+              "random:tiny, replay:FILE.jsonl, openai:BASE_URL, or vllm:MODEL (a vLLM server of MODEL started from "
+              "$SHIPYARD_VLLM_PYTHON, default .venv-vllm/bin/python).")
 
 
 @contextmanager

@@ -86,7 +86,8 @@ def eval_settings(config, held_out: list[str], samples: int) -> dict[str, Any]:
 
 def eval_command(config, tasks: Path, model: str, held_out: list[str], samples: int, concurrency: int,
                  out: Path) -> list[str]:
-    """`shipyard eval` of `model` with the configuration's episode settings (`eval_settings`)."""
+    """`shipyard eval` of `model` (an engine's name: `vllm:DIR` samples on a vLLM server) with the configuration's
+    episode settings (`eval_settings`)."""
     loop = config.episode.loop
     return [sys.executable, "-m", "shipyard.cli", "eval", "--tasks", str(tasks), "--model", model,
             *(x for t in held_out for x in ("--task", t)), "--samples", str(samples), "--seed", str(config.run.seed),
@@ -97,15 +98,16 @@ def eval_command(config, tasks: Path, model: str, held_out: list[str], samples: 
             "--out", str(out), "--rollouts", str(out.with_suffix(".rollouts.jsonl"))]
 
 
-def journal_usable(journal: Path, expected: dict[str, Any], model: str) -> bool:
+def journal_usable(journal: Path, expected: dict[str, Any], model: str, engine: str) -> bool:
     """Whether the stopped evaluation journalled in `journal` is this arm's (its settings file, `shipyard.rollout.
-    evalrun.settings_path`, names the same model and episode settings; the model not exported again since)."""
+    evalrun.settings_path`, names the same model, `engine` its name as given to `shipyard eval`, and the same episode
+    settings; the model not exported again since)."""
     from shipyard.rollout.evalrun import settings_path
 
     settings = _json(settings_path(journal))
     episode = settings.get("episode", {})
     seen = {"grade_timeout": episode.get("grade_timeout"), **{k: episode.get("loop", {}).get(k) for k in LOOP_SETTINGS}}
-    return (journal.is_file() and settings.get("model") == model and not newer(Path(model) / "config.json", journal)
+    return (journal.is_file() and settings.get("model") == engine and not newer(Path(model) / "config.json", journal)
             and all(seen[k] == expected[k] for k in seen))
 
 
@@ -121,8 +123,9 @@ def eval_mismatch(doc: dict[str, Any], expected: dict[str, Any], model: str | No
 
 
 def run_stage(label: str, cmd: list[str], log: Path, minutes: float | None, done: Callable[[], int],
-              total: int | None) -> dict[str, Any]:
-    """Run `cmd` with its output in `log`, killed (its whole process group) past `minutes`; what happened."""
+              total: int | None, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `cmd` (with `env` added to the environment) and its output in `log`, killed (its whole process group)
+    past `minutes`; what happened."""
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     deadline = None if minutes is None else start + minutes * 60
@@ -130,7 +133,8 @@ def run_stage(label: str, cmd: list[str], log: Path, minutes: float | None, done
     with open(log, "w") as out, Progress(*Progress.get_default_columns(), TimeElapsedColumn(),
                                           console=console) as progress:
         bar = progress.add_task(f"{label} (log: {log})", total=total)
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
         try:
             while rc is None:
                 try:
@@ -195,6 +199,9 @@ class Bench:
         self.tasks = task_set(self.config, lambda m: console.print(f"[dim]· {m}[/]"))
         self.held_out = sorted(split(self.config, self.tasks)[1])
         self.expected = eval_settings(self.config, self.held_out, args.samples)
+        self.engine = sampler(args.engine, self.config)
+        # where the evaluations' vllm: engines find vLLM: the configuration's [vllm] python
+        self.env = {"SHIPYARD_VLLM_PYTHON": str(self.config.vllm.python)} if self.engine == "vllm" else {}
         self.runs: dict[str, dict[str, Any]] = {}  # stage or "eval ARM" → what happened
         self.failures: list[str] = []
         self.seconds_path = self.out / "stages.json"  # wall seconds of what ran here, kept for a resumed measurement
@@ -209,6 +216,10 @@ class Bench:
 
     def model_of(self, arm: str) -> str:
         return self.config.model.name if arm == "base" else str(self.stage_dir(arm).resolve() / "export")
+
+    def engine_of(self, arm: str) -> str:
+        """The name `shipyard eval` opens the arm's model by: on a vLLM server when the benchmark samples with one."""
+        return f"vllm:{self.model_of(arm)}" if self.engine == "vllm" else self.model_of(arm)
 
     def stage_dir(self, stage: str) -> Path:
         reused = self.args.reuse_runs.get(stage)
@@ -236,6 +247,7 @@ class Bench:
             cmd = [sys.executable, "-m", "shipyard.cli", command, str(a.config), *self.overrides, *per_stage,
                    "--run.dir", str(run), "--run.tasks", str(self.tasks), "--model.name", start,
                    "--run.max_minutes", str(max(a.minutes - a.eval_reserve, 0.1)), *extra,
+                   *(["--engine.kind", self.engine] if command == "train" else []),
                    *(["--run.resume", "true"] if resumed else [])]
             record = run_stage(stage, cmd, self.out / f"{stage}.log", a.minutes,
                                lambda: len([m for m in _lines(run / "metrics.jsonl") if m.get("step", 0) > 0]),
@@ -270,9 +282,9 @@ class Bench:
         key = f"eval {arm}"
         given = self.args.reuse_evals.get(arm)
         path = Path(given) if given else self.out / "eval" / f"{arm}.json"
-        model = self.model_of(arm)
+        model, engine = self.model_of(arm), self.engine_of(arm)
         doc = _json(path)
-        why = eval_mismatch(doc, self.expected, None if given else model) if doc else "missing"
+        why = eval_mismatch(doc, self.expected, None if given else engine) if doc else "missing"
         if why is None and not given and newer(Path(model) / "config.json", path):
             why = "its model was exported again after it"
         if given and why:
@@ -284,20 +296,20 @@ class Bench:
             self.runs[key] = {"reused": str(path), "seconds": seconds or doc.get("wall_seconds"), "ok": True}
             return doc
         rollouts = path.with_suffix(".rollouts.jsonl")
-        resumed = doc == {} and journal_usable(rollouts, self.expected, model)
+        resumed = doc == {} and journal_usable(rollouts, self.expected, model, engine)
         if not resumed:
             rollouts.unlink(missing_ok=True)  # another model's or settings' rollouts: eval refuses to mix them
         path.unlink(missing_ok=True)
-        command = eval_command(self.config, self.tasks, model, self.held_out, self.args.samples, self.args.concurrency,
-                               path)
+        command = eval_command(self.config, self.tasks, engine, self.held_out, self.args.samples,
+                               self.args.concurrency, path)
         log = self.out / "eval" / f"{arm}.log"
         record = run_stage(key, command + (["--resume"] if resumed else []), log, None, lambda: len(_lines(rollouts)),
-                           len(self.held_out) * self.args.samples)
+                           len(self.held_out) * self.args.samples, self.env)
         if resumed and record["returncode"] == 2:  # eval refused the journal (its own settings check): start over
             rollouts.unlink(missing_ok=True)
             resumed = False
             record = run_stage(key, command, log, None, lambda: len(_lines(rollouts)),
-                               len(self.held_out) * self.args.samples)
+                               len(self.held_out) * self.args.samples, self.env)
         record = self.ran(key, record, resumed)
         doc = _json(path)
         if record["returncode"] != 0 or not doc:
@@ -306,6 +318,19 @@ class Bench:
             return None
         self.runs[key] = {**record, "ok": True}
         return doc
+
+
+def sampler(choice: str, config) -> str:
+    """The engine that samples every arm (`--engine`): `vllm` or `local`. `auto` is vLLM wherever its venv is
+    installed ([vllm] python): it is the faster sampler here (docs/benchmarks.md, "vLLM as the loop's sampler")."""
+    from shipyard.errors import UsageError
+    from shipyard.models.vllm_server import runnable
+
+    installed = runnable(Path(config.vllm.python).expanduser())
+    if choice == "vllm" and not installed:
+        raise UsageError(f"--engine vllm: [vllm] python = {str(config.vllm.python)!r} is not an executable python; "
+                         "create vLLM's venv with `bash scripts/install-vllm.sh .venv-vllm` or set --vllm.python")
+    return "vllm" if choice == "vllm" or (choice == "auto" and installed) else "local"
 
 
 # Figures --------------------------------------------------------------------------------------------------------------
@@ -405,7 +430,8 @@ def report(bench: Bench, docs: dict[str, dict[str, Any]], arms: list[str]) -> di
               and r.get("grounded")}
     plot(pass_at_1, delta_rl, curves, png)
     return {"pass_at_1": pass_at_1, "delta_rl": delta_rl, "stages": stages, "effort": efforts, "plot": str(png),
-            "arms": arms, "held_out": bench.held_out, "samples": samples, "config": str(bench.args.config),
+            "arms": arms, "engine": bench.engine, "held_out": bench.held_out, "samples": samples,
+            "config": str(bench.args.config),
             "tasks": str(bench.tasks), "runs": bench.runs, "failures": bench.failures}
 
 
@@ -422,6 +448,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
                    help="minutes of an RL stage's budget kept for its own final eval and checkpoint (default: a "
                         "quarter of --minutes, at most 90)")
     p.add_argument("--concurrency", type=int, default=4, help="episodes at once in each evaluation")
+    p.add_argument("--engine", choices=("auto", "local", "vllm"), default="auto",
+                   help="what samples the evaluations and the RL stages: vllm (a vLLM server from [vllm] python), "
+                        "local (in this process), auto (vllm where [vllm] python is installed)")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
     p.add_argument("--sft-args", default="", help="overrides for the SFT stage only, one string")
     p.add_argument("--rl-args", default="", help="overrides for the RL stages only, one string")
@@ -453,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse(argv)
     bench = Bench(args, overrides)
     console.print(f"[bold]bench learning[/]: arms {', '.join(args.arms)} on {len(bench.held_out)} held-out tasks × "
-                  f"{args.samples} samples; out {args.out}")
+                  f"{args.samples} samples, sampled by the {bench.engine} engine; out {args.out}")
     args.out.mkdir(parents=True, exist_ok=True)
     docs = {}
     for arm in args.arms:

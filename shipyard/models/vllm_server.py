@@ -409,3 +409,54 @@ def _served(makers: list[Callable[[], Engine]]) -> Iterator[Engine]:
     finally:
         for engine in engines:
             engine.close()
+
+
+PYTHON_ENV = "SHIPYARD_VLLM_PYTHON"  # where a `vllm:MODEL` engine finds vLLM's venv (default: DEFAULT_PYTHON)
+DEFAULT_PYTHON = Path(".venv-vllm/bin/python")  # scripts/install-vllm.sh's venv, at the directory commands run from
+
+
+def vllm_python() -> Path:
+    """The python that a `vllm:MODEL` engine starts its server with: `$SHIPYARD_VLLM_PYTHON`, else `DEFAULT_PYTHON`;
+    UsageError, saying how to make one, when it is not an executable python."""
+    python = Path(os.environ.get(PYTHON_ENV) or DEFAULT_PYTHON).expanduser()
+    if not runnable(python):
+        raise UsageError(f"a vllm:MODEL engine runs vLLM from its own venv, and {python} is not an executable python: "
+                         f"create it with `bash scripts/install-vllm.sh .venv-vllm` (docs/training.md, \"vLLM "
+                         f"servers\") and run from that directory, or set ${PYTHON_ENV} to its bin/python")
+    return python
+
+
+class OwnedServers:
+    """The engine of vLLM servers started for it alone (`serve_model`): it serves as the engine over them does, and
+    closing it stops them. It is named after what it serves (`vllm:MODEL`), not after the servers' sockets, which
+    are new at every start: an evaluation journal records the engine's name, and must resume under the same one."""
+
+    def __init__(self, engine: Engine, stack: contextlib.ExitStack, name: str):
+        self.engine, self._stack, self.name = engine, stack, name
+        self.tokenizer = engine.tokenizer
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        return self.engine.generate(requests)
+
+    def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.engine.update_weights(version, tensors)
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def serve_model(name: str, model_dir: Path, config: VLLMConfig, directory: Path, tokenizer,
+                status=lambda _: None) -> OwnedServers:
+    """`managed_engine` outside a `with` block, for a caller that opens an engine by its model name (`vllm:MODEL`,
+    `shipyard.models.resolve.make_engine`) and closes it when done: the servers stop with `close`."""
+    stack = contextlib.ExitStack()
+    try:
+        engine = stack.enter_context(managed_engine(config, model_dir, directory, tokenizer, status))
+    except BaseException:
+        stack.close()
+        raise
+    return OwnedServers(engine, stack, name)

@@ -79,7 +79,9 @@ def open_engine(model: str, *, tasks_dir: Path | None = None, task_ids: list[str
     else:
         from shipyard.models.resolve import make_engine
 
-        engine = make_engine(model, device=device, tokenizer=tokenizer, lora=lora, status=status, pushes=pushes)
+        context = {"max_tokens": loop.max_tokens} if loop is not None else {}  # what a vllm: server must hold
+        engine = make_engine(model, device=device, tokenizer=tokenizer, lora=lora, status=status, pushes=pushes,
+                             **context)
     if loop is not None and fit_turn_budget(engine, loop) is not None:
         status(f"a turn's token budget is raised to {loop.max_new_tokens}, the longest recorded message")
     return engine

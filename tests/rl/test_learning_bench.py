@@ -106,18 +106,21 @@ def test_a_stopped_evaluation_is_resumed_only_when_its_journal_is_this_arms(tmp_
         episode = {"grade_timeout": 300.0, "loop": {**loop, "seed": 0}}
         settings = {"model": str(model), "episode": episode, **changes}
         settings_path(journal).write_text(json.dumps(settings))
-        return learning.journal_usable(journal, expected, str(model))
+        return learning.journal_usable(journal, expected, str(model), str(model))
 
     os.utime(model / "config.json", (time.time() - 60, time.time() - 60))
     assert written()
     assert not written(model="other")
     assert not written(episode={"grade_timeout": 300.0, "loop": {**loop, "temperature": 0.7}})
     assert not written(episode={"grade_timeout": 60.0, "loop": loop})
+    written(model=f"vllm:{model}")
+    assert learning.journal_usable(journal, expected, str(model), f"vllm:{model}")  # sampled by a vLLM server
+    assert not learning.journal_usable(journal, expected, str(model), str(model))  # by another engine: not resumed
     (model / "config.json").write_text("{}")  # exported again after the journal's last line
     os.utime(model / "config.json", (time.time() + 60, time.time() + 60))
     assert not written()
     settings_path(journal).unlink()
-    assert not learning.journal_usable(journal, expected, str(model))
+    assert not learning.journal_usable(journal, expected, str(model), str(model))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -141,6 +144,23 @@ def test_reusing_a_run_directory_for_the_base_arm_is_refused(tmp_path, capsys):
     assert args.reuse_runs == {"sft": str(tmp_path)} and overrides == ["--run.steps", "3"]
 
 
+def test_the_sampler_is_vllm_where_it_is_installed_unless_told(tmp_path):
+    from shipyard.errors import UsageError
+    from shipyard.rl.config import load_config
+
+    python = tmp_path / "venv" / "python"
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\nname = "m"\n[vllm]\npython = "venv/python"\n')
+    config = load_config(path)
+    assert learning.sampler("auto", config) == "local" and learning.sampler("local", config) == "local"
+    with pytest.raises(UsageError, match="install-vllm"):
+        learning.sampler("vllm", config)
+    python.parent.mkdir()
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    assert learning.sampler("auto", config) == "vllm" and learning.sampler("local", config) == "local"
+
+
 def test_a_stage_past_its_budget_is_killed_with_its_children(tmp_path):
     pid_file = tmp_path / "child.pid"
     cmd = ["sh", "-c", f"sleep 300 & echo $! > {pid_file}; wait"]
@@ -159,7 +179,8 @@ def test_a_stage_past_its_budget_is_killed_with_its_children(tmp_path):
 
 def _bench(config: Path, out: Path, *extra: str) -> tuple[int, dict, str]:
     proc = subprocess.run([sys.executable, "-m", "shipyard.bench.learning", "--config", str(config), "--run.steps",
-                           "1", "--minutes", "10", "--bootstrap", "200", "--out", str(out), *extra],
+                           "1", "--minutes", "10", "--bootstrap", "200", "--engine", "local", "--out", str(out),
+                           *extra],
                           capture_output=True, text=True, timeout=1200, env={**os.environ, "COLUMNS": "200"})
     return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout[-3000:] + proc.stderr[-3000:]
 
