@@ -476,7 +476,8 @@ class Trainer:
         Gathered to rank 0 alone, one tensor at a time, and kept on its CPU (`get_model_state_dict` with
         `full_state_dict` and `cpu_offload`): no rank holds a second full copy of the model on its device, and the
         other ranks get `{}`. Gathered once per version: the push, the checkpoint and the export of one step share the
-        copy (`weights_changed` forgets it). On one rank the tensors are the parameters themselves. Tied weights (the
+        copy (`weights_changed` forgets it), so callers read it and never change it (a key added or a tensor written
+        in place would reach the others). On one rank the tensors are the parameters themselves. Tied weights (the
         head and the embedding) come back as one tensor under both names."""
         if adapter_only in self._gathered:
             return self._gathered[adapter_only]
