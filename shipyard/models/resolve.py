@@ -25,6 +25,7 @@ it samples what `engine.kind = "vllm"` samples in training.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -34,6 +35,9 @@ from shipyard.models.bundled import BUNDLED, Status, converted_dir
 from shipyard.models.engine import Engine
 from shipyard.models.errors import ModelNotFound
 from shipyard.models.lora import LoraConfig, attach
+
+if TYPE_CHECKING:
+    from shipyard.models.vllm_server import VLLMConfig
 
 TINY = "random:tiny"
 transformers_logging.disable_progress_bar()  # shipyard reports loading itself; tqdm bars would garble rich output
@@ -98,10 +102,12 @@ def load_hf(name: str, device: str = "cpu", dtype: torch.dtype | None = None,
 
 
 def make_engine(name: str, *, device: str = "cpu", tokenizer: str | None = None, lora: LoraConfig | None = None,
-                status: Status = lambda _: None, pushes: bool = False, max_tokens: int = 8192) -> Engine:
+                status: Status = lambda _: None, pushes: bool = False, max_tokens: int = 8192,
+                vllm: VLLMConfig | None = None) -> Engine:
     """Build the engine a model name denotes (see the table above). With `pushes` (a training run), servers that take
-    no weight pushes are refused now, not at the first push. `max_tokens`: the longest conversation a server started
-    here (`vllm:`) must hold."""
+    no weight pushes are refused now, not at the first push. A server started here (`vllm:`) holds conversations of
+    `max_tokens`, with the settings of `vllm` when given (a run's `[vllm]`: its python, KV cache, GPUs; its
+    `max_model_len` when set), else the defaults."""
     if name.startswith("replay:"):
         from shipyard.models.replay import ReplayEngine
 
@@ -110,7 +116,7 @@ def make_engine(name: str, *, device: str = "cpu", tokenizer: str | None = None,
     if name.startswith("openai:"):
         return _remote(name, tokenizer, status, pushes)
     if name.startswith("vllm:"):
-        return _vllm(name, tokenizer, status, max_tokens)
+        return _vllm(name, tokenizer, status, max_tokens, lora, vllm)
     from shipyard.models.local import LocalEngine
 
     model, tok = load_hf(name, device=device, status=status)
@@ -147,20 +153,26 @@ def _remote(name: str, tokenizer: str | None, status: Status, pushes: bool) -> E
     return EngineRouter(engines, name=name)
 
 
-def _vllm(name: str, tokenizer: str | None, status: Status, max_tokens: int) -> Engine:
+def _vllm(name: str, tokenizer: str | None, status: Status, max_tokens: int, lora: LoraConfig | None,
+          vllm: VLLMConfig | None) -> Engine:
     """A vLLM server of `vllm:MODEL` started for one engine (module docstring)."""
     import os
     import time
+    from dataclasses import replace
 
     from shipyard.models.vllm_server import VLLMConfig, serve_model, vllm_python
 
     model = name.removeprefix("vllm:")
     if not model:
         raise ModelNotFound("vllm: names no model: write vllm:MODEL (a bundled name, a checkpoint directory, a hub id)")
-    config = VLLMConfig(python=vllm_python(), max_model_len=max_tokens)
+    if vllm is None:
+        config = VLLMConfig(python=vllm_python(), max_model_len=max_tokens)
+    else:
+        config = replace(vllm, max_model_len=vllm.max_model_len or max_tokens, servers=1, urls=())
     directory = model_directory(model, status)
     logs = Path.home() / ".cache" / "shipyard" / "vllm-logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    return serve_model(name, directory, config, logs, load_tokenizer(tokenizer or str(directory), status), status)
+    return serve_model(name, directory, config, logs, load_tokenizer(tokenizer or str(directory), status), status,
+                       lora=lora)
 
 
 def model_directory(name: str, status: Status = lambda _: None) -> Path:

@@ -169,11 +169,14 @@ class VLLMEngine:
             ranks = asked.json()["results"] if asked.status_code == 200 else None
         except (ValueError, KeyError, TypeError):
             ranks = None
-        if not isinstance(ranks, list) or not ranks or not all(type(r) is int for r in ranks):
+        # vLLM's route answers each worker's scalar as a string ("16")
+        if not isinstance(ranks, list) or not ranks or not all(type(r) in (str, int) and str(r).isdigit()
+                                                               for r in ranks):
             raise NotAWeightServer(f"the vLLM server at {self.base_url} did not say which adapter ranks it takes (its "
                                    f"/collective_rpc answered {asked.status_code}: {asked.text[:200]}): its worker "
                                    "extension is not shipyard's of this version; start it with this shipyard's "
                                    "shipyard/models/vllm_worker.py")
+        ranks = [int(r) for r in ranks]
         if min(ranks) == 0:
             raise NotAWeightServer(f"the vLLM server at {self.base_url} was started without --enable-lora: start it "
                                    f"with --enable-lora --max-lora-rank {rank} (or more) for a LoRA run")

@@ -450,12 +450,13 @@ class OwnedServers:
 
 
 def serve_model(name: str, model_dir: Path, config: VLLMConfig, directory: Path, tokenizer,
-                status=lambda _: None) -> OwnedServers:
+                status=lambda _: None, lora: LoraConfig | None = None) -> OwnedServers:
     """`managed_engine` outside a `with` block, for a caller that opens an engine by its model name (`vllm:MODEL`,
-    `shipyard.models.resolve.make_engine`) and closes it when done: the servers stop with `close`."""
+    `shipyard.models.resolve.make_engine`: `shipyard eval`, a Ray engine actor) and closes it when done: the servers
+    stop with `close`."""
     stack = contextlib.ExitStack()
     try:
-        engine = stack.enter_context(managed_engine(config, model_dir, directory, tokenizer, status))
+        engine = stack.enter_context(managed_engine(config, model_dir, directory, tokenizer, status, lora=lora))
     except BaseException:
         stack.close()
         raise

@@ -167,10 +167,11 @@ def trainer_config(config: RLConfig) -> TrainConfig:
 
 def check_engine(config: RLConfig) -> None:
     """Engine settings that do not go together (`ConfigError`)."""
-    if config.ray is not None and config.engine.kind == "vllm":
-        raise ConfigError("engine.kind = \"vllm\" starts its servers on this machine, and a [ray] section runs the "
-                          "engines as Ray actors: servers on a Ray cluster are not built yet — start vLLM on the "
-                          "nodes and name them with engine.kind = \"openai:URL,…\", or drop [ray]")
+    if config.ray is not None and config.engine.kind == "vllm" and (config.vllm.urls or config.vllm.servers != 1
+                                                                     or config.vllm.gpus):
+        raise ConfigError("with [ray], each of ray.engines engine actors starts one vLLM server on its node, on the "
+                          "GPUs Ray gives it (ray.engine_gpus; none: the CPU): leave vllm.servers at 1, vllm.gpus and "
+                          "vllm.urls empty, and set ray.engines")
     if config.engine.kind == "vllm":
         vllm_settings(config)
 
@@ -198,7 +199,11 @@ def _wired_loop(config: RLConfig, run: RunDir, tasks_dir: Path, evals: list[str]
         from shipyard.rollout.ray_transport import RayTransport
 
         tokenizer = load_tokenizer(config.model.tokenizer or config.model.name, status)
-        transport = RayTransport(name, config.episode, config.ray, lora=kwargs["lora"])
+        vllm = None
+        if config.engine.kind == "vllm":  # a server per engine actor, started on its node
+            served = config.vllm.model or model_directory(config.model.name, status)
+            name, vllm = f"vllm:{served}", vllm_settings(config)
+        transport = RayTransport(name, config.episode, config.ray, lora=kwargs["lora"], vllm=vllm)
     else:
         if config.engine.kind == "vllm":  # servers of the run, started here and stopped with it
             from shipyard.models.vllm_server import managed_engine

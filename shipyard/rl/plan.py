@@ -65,6 +65,15 @@ def plan(config: RLConfig) -> Plan:
         out.lines.append(f"engine: {len(vllm.urls)} vLLM server(s) someone else runs, at {', '.join(vllm.urls)}; "
                          f"each reloads {vllm.model or config.model.name} at connection; pushes written to {pushed} "
                          "(the servers must read it at that path)")
+    elif kind == "vllm" and config.ray is not None:
+        vllm, ray = vllm_settings(config), config.ray
+        where = f"{ray.engine_gpus:g} GPU(s) Ray assigns" if ray.engine_gpus else "its node's CPU"
+        out.lines.append(f"engine: {ray.engines} vLLM server(s) of {vllm.model or config.model.name}, one started by "
+                         f"each Ray engine actor on its node, on {where}, from {vllm.python} (the same path on every "
+                         f"node), context {vllm.max_model_len} tokens; pushes reach each actor through the object "
+                         "store and are written on its node; logs in ~/.cache/shipyard/vllm-logs/ there")
+        if not runnable(vllm.python):
+            out.missing_here.append(f"vLLM's venv: {vllm.python} is not there (bash scripts/install-vllm.sh)")
     elif kind == "vllm":
         vllm = vllm_settings(config)
         share = vllm.gpus_per_server

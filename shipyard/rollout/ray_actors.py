@@ -4,10 +4,14 @@
 them. It imports Ray at the top, so nothing imports it but the Ray transport (Ray is an optional extra).
 
 - `EngineActor` holds one `Engine` built from a model name (`make_engine`) and serves `generate` from many rollout
-  workers at once: its default concurrency group has a thread per call in flight (`max_concurrency`), so a
-  continuous-batching `LocalEngine` batches the decode steps of every rollout on the cluster that reached it.
-  `load`, `cancel`, `describe` and `update_weights` run in a separate `control` group, so they are answered while
-  every generation thread is busy. Its load is its own count of sequences in flight, which is what a router compares.
+  workers at once. For `vllm:MODEL` (a run's `engine.kind = "vllm"` with `[ray]`) that engine is a vLLM server the
+  actor starts on its node, with the run's `[vllm]` settings and the GPUs Ray gave the actor, and stops with it; a
+  push reaches the actor through the object store and is written to the server's node (`ManagedServer`, which also
+  restarts a server that died, with the newest weights). Its default concurrency group has a thread per call in flight
+  (`max_concurrency`), so a continuous-batching `LocalEngine` batches the decode steps of every rollout on the cluster
+  that reached it. `load`, `cancel`, `describe` and `update_weights` run in a separate `control` group, so they are
+  answered while every generation thread is busy. Its load is its own count of sequences in flight, which is what a
+  router compares.
 - `RayEngine` is the `Engine` a rollout worker uses for one engine actor: a request crosses the process boundary
   without its `cancelled` callback (a closure cannot be sent); the proxy polls the callback while it waits and
   tells the actor to abort those requests, which then end with finish reason "abort" as they would in-process.
@@ -45,6 +49,7 @@ if TYPE_CHECKING:
 
     from shipyard.models.engine import Completion, GenerationRequest
     from shipyard.models.lora import LoraConfig
+    from shipyard.models.vllm_server import VLLMConfig
     from shipyard.rollout.episode import EpisodeConfig
 
 POLL = 0.1  # seconds between looks at a cancellation callback while a remote call runs
@@ -67,10 +72,16 @@ class EngineInfo:
 
 @ray.remote(concurrency_groups={"control": 8})  # generate: the default group (max_concurrency)
 class EngineActor:
-    def __init__(self, model: str, device: str, tokenizer: str | None, lora: LoraConfig | None = None):
+    def __init__(self, model: str, device: str, tokenizer: str | None, lora: LoraConfig | None = None,
+                 vllm: VLLMConfig | None = None):
         from shipyard.models.resolve import make_engine
 
-        self.engine = make_engine(model, device=device, tokenizer=tokenizer, lora=lora)
+        gpus = tuple(int(g) for g in ray.get_gpu_ids())
+        if vllm is not None and gpus:  # its server runs on the GPUs Ray gave this actor (ray.engine_gpus)
+            vllm = dataclasses.replace(vllm, gpus=gpus, gpus_per_server=len(gpus))
+        # what loading and a server's restarts say, in the driver's output (Ray forwards the actor's stdout)
+        self.engine = make_engine(model, device=device, tokenizer=tokenizer, lora=lora, vllm=vllm,
+                                  status=lambda m: print(f"engine actor: {m}", flush=True))
         self._flags: dict[str, threading.Event] = {}
         self._in_flight = 0
         self._lock = threading.Lock()

@@ -6,12 +6,13 @@ episode runs changes. Ray is an optional extra (`pip install 'shipyard[ray]'`); 
 code that asked for the Ray backend.
 
 Layout. `engines` engine actors each hold an engine built from the model name (a continuous-batching `LocalEngine`
-on a GPU or CPUs, `openai:` servers, `replay:`), `workers` rollout-worker actors each run up to `concurrency`
-episodes on threads, and `env_servers` environment-server actors serve sandboxes and grading on 127.0.0.1 of their
-node. Worker i is placed on the node of environment server i mod n, and uses it through `RemoteEnvironment`; with
-no environment servers, each worker makes its sandboxes in its own process (`LocalEnvironment`). Every worker routes
-generation through its own `EngineRouter` over all engine actors: a rollout sticks to one engine (its KV cache), a
-new one goes to the least loaded (each actor counts the sequences it has in flight, from every worker).
+on a GPU or CPUs, `openai:` servers, `replay:`, or a vLLM server the actor starts on its node for `vllm:`),
+`workers` rollout-worker actors each run up to `concurrency` episodes on threads, and `env_servers` environment-
+server actors serve sandboxes and grading on 127.0.0.1 of their node. Worker i is placed on the node of environment
+server i mod n, and uses it through `RemoteEnvironment`; with no environment servers, each worker makes its
+sandboxes in its own process (`LocalEnvironment`). Every worker routes generation through its own `EngineRouter`
+over all engine actors: a rollout sticks to one engine (its KV cache), a new one goes to the least loaded (each
+actor counts the sequences it has in flight, from every worker).
 
 Faults (the `Transport` contract, shipyard/rollout/transport.py):
 - A rollout worker that dies (killed, out of memory, its node lost) fails every episode it held with
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     import torch
 
     from shipyard.models.lora import LoraConfig
+    from shipyard.models.vllm_server import VLLMConfig
     from shipyard.rollout.episode import EpisodeConfig
 
 
@@ -97,8 +99,9 @@ class RayTransport:
     the engines have loaded, so a bad model name or an unreachable cluster fails here, not in the first episode."""
 
     def __init__(self, model: str, config: EpisodeConfig, ray_config: RayConfig | None = None,
-                 lora: LoraConfig | None = None):
+                 lora: LoraConfig | None = None, vllm: VLLMConfig | None = None):
         self.model, self.config, self.lora = model, config, lora  # lora: the trainer's adapter, on every engine
+        self.vllm = vllm  # the settings of the server each engine actor starts for a vllm: model
         self.ray_config = rc = ray_config or RayConfig()
         self.started_ray = False
         if not ray.is_initialized():
@@ -121,7 +124,8 @@ class RayTransport:
     def _start(self, rc: RayConfig) -> None:
         engine_actor = EngineActor.options(num_cpus=rc.engine_cpus, num_gpus=rc.engine_gpus, max_restarts=0,
                                            max_concurrency=rc.engine_concurrency)
-        self.engines = [engine_actor.remote(self.model, rc.device, rc.tokenizer, self.lora) for _ in range(rc.engines)]
+        self.engines = [engine_actor.remote(self.model, rc.device, rc.tokenizer, self.lora, self.vllm)
+                        for _ in range(rc.engines)]
         server_actor = EnvServerActor.options(num_cpus=0, max_restarts=0)
         self.env_servers = [server_actor.remote(tuple(Path(r) for r in rc.allowed_roots))
                             for _ in range(rc.env_servers)]

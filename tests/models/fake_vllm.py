@@ -140,7 +140,7 @@ class FakeVLLM:
                 if body.get("method") == "shipyard_ready" and not os.environ.get("FAKE_VLLM_NO_EXTENSION"):
                     return {"results": ["ready"]}
                 if body.get("method") == "shipyard_lora_rank":
-                    return {"results": [fake.lora_rank]}
+                    return {"results": [str(fake.lora_rank)]}  # vLLM's route answers a scalar as a string
                 if body.get("method") != "shipyard_reload":
                     return JSONResponse({"error": f"no method {body.get('method')}"}, status_code=500)
                 ok = (Path(body["args"][0]) / "model.safetensors").is_file()

@@ -72,16 +72,20 @@ def test_the_servers_context_is_the_episodes_budget_and_never_shorter():
         vllm_settings(replace(config, vllm=replace(config.vllm, max_model_len=budget // 2)))
 
 
-def test_what_managed_servers_cannot_do_yet_is_refused_before_the_run_starts():
+def test_servers_on_ray_are_one_per_engine_actor_and_anything_else_is_refused_before_the_run_starts():
     from shipyard.models.lora import LoraConfig
     from shipyard.rl.build import check_engine
     from shipyard.rl.config import EngineConfig
+    from shipyard.rollout.ray_transport import RayConfig
 
     vllm = replace(RLConfig(), engine=EngineConfig(kind="vllm"))
     check_engine(vllm)
     check_engine(replace(vllm, trainer=replace(vllm.trainer, lora=LoraConfig(enabled=True))))  # adapters are pushed
-    with pytest.raises(ConfigError, match="servers on a Ray cluster are not built yet"):
-        check_engine(replace(vllm, ray=object()))
+    on_ray = replace(vllm, ray=RayConfig(engines=2, env_servers=0))
+    check_engine(on_ray)  # two engine actors, a server each
+    for wrong in ({"servers": 2}, {"gpus": (0,)}, {"urls": ("http://x:8000",)}):
+        with pytest.raises(ConfigError, match="each of ray.engines engine actors starts one vLLM server"):
+            check_engine(replace(on_ray, vllm=replace(on_ray.vllm, **wrong)))
 
 
 def test_a_run_killed_outright_takes_its_servers_with_it(tmp_path):

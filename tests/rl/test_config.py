@@ -275,6 +275,15 @@ def test_the_check_of_servers_someone_else_runs_starts_nothing_and_needs_no_venv
     assert "pushes written to /shared/w/" in engine and not any("venv" in m for m in found.missing_here)
 
 
+def test_the_check_of_servers_on_ray_names_one_per_engine_actor(tmp_path):
+    path = write(tmp_path, '[engine]\nkind = "vllm"\n\n[vllm]\npython = "/nonexistent/python"\n\n'
+                           '[ray]\naddress = "auto"\nengines = 3\nengine_gpus = 2\nenv_servers = 0\n')
+    found = plan(load_config(path))
+    engine = " ".join(line for line in found.lines if line.startswith("engine: "))
+    assert "3 vLLM server(s)" in engine and "one started by each Ray engine actor on its node, on 2 GPU(s)" in engine
+    assert any("/nonexistent/python is not there" in m for m in found.missing_here)
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.toml")))
 def test_every_checked_in_config_passes_the_check_of_what_it_would_start(name):
     found = plan(load_config(ROOT / "configs" / name))
