@@ -202,6 +202,9 @@ class RunConfig:
     eval_samples: int = 1  # samples per held-out task
     evaluate: bool = True  # the held-out evaluations (false: none — the split is still recorded and never trained on)
     checkpoint_every: int = 1  # steps between checkpoints
+    # the newest checkpoints kept (older ones are deleted once a newer one is complete); 0: every one. A full
+    # fine-tune's checkpoint holds the weights and AdamW's two moments: 7.5 GB for a 0.5B, 90 GB for a 7B
+    keep_checkpoints: int = 2
     export: bool = True  # write the policy as a Hugging Face model directory with each checkpoint
     zero_flagged: bool = False  # a rollout a reward-hacking monitor flags gets reward 0 (flags are always logged)
     world_size: int = 1  # trainer ranks (FSDP2): the loop's process and world_size - 1 more (shipyard.rl.ranks)
@@ -212,8 +215,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.steps < 1 or self.checkpoint_every < 1 or self.eval_samples < 1 or self.world_size < 1:
             raise ValueError("steps, checkpoint_every, eval_samples and world_size must be at least 1")
-        if self.eval_every < 0 or self.held_out_count < 0:
-            raise ValueError("eval_every and held_out_count must be >= 0")
+        if self.eval_every < 0 or self.held_out_count < 0 or self.keep_checkpoints < 0:
+            raise ValueError("eval_every, held_out_count and keep_checkpoints must be >= 0")
         if self.max_minutes is not None and not (math.isfinite(self.max_minutes) and self.max_minutes > 0):
             raise ValueError(f"run.max_minutes must be a positive number of minutes, not {self.max_minutes}")
         if self.held_out and self.held_out_count:

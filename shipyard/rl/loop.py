@@ -189,7 +189,8 @@ class RLLoop:
 
     def checkpoint(self) -> Path:
         path = self.ranks(save_checkpoint, self.run.checkpoints_dir,
-                          extra={SCHEDULER_STATE: json.dumps(self.scheduler.state())})
+                          extra={SCHEDULER_STATE: json.dumps(self.scheduler.state())},
+                          keep=self.settings.keep_checkpoints)
         if self.settings.export and self.export is not None:
             self.export(self.trainer, self.ranks(Trainer.export_weights), self.run.export_dir)
         return path

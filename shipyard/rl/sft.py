@@ -284,8 +284,8 @@ def _run(config: RLConfig, run: RunDir, tasks_dir: Path, train_ids: list[str], h
                 stopped = "max_minutes"
             last = step == total or stopped is not None
             if step % config.run.checkpoint_every == 0 or last:
-                ranks(save_checkpoint, run.checkpoints_dir, extra={SFT_STATE: json.dumps({"step": step,
-                                                                                          "total": total})})
+                state = json.dumps({"step": step, "total": total})
+                ranks(save_checkpoint, run.checkpoints_dir, extra={SFT_STATE: state}, keep=config.run.keep_checkpoints)
                 if config.run.export or last:
                     export_policy(trainer, ranks(Trainer.export_weights), tokenizer, run.export_dir, wire)
             run.set_status("running", step=step, steps=total)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from collections.abc import Mapping
 from dataclasses import asdict
@@ -110,10 +111,12 @@ def _untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_checkpoint(trainer: Trainer, directory: str | Path, extra: Mapping[str, str] | None = None) -> Path:
+def save_checkpoint(trainer: Trainer, directory: str | Path, extra: Mapping[str, str] | None = None,
+                    keep: int = 0) -> Path:
     """Write a checkpoint of `trainer` (collective: every rank calls it); its directory. `extra`: more files (name →
     text, written by rank 0) that belong to the same step — the RL loop's scheduler state — so they appear with the
-    checkpoint or not at all."""
+    checkpoint or not at all. With `keep` > 0, only the newest `keep` checkpoints under `directory` remain once this
+    one is complete (`prune`)."""
     for name in extra or {}:  # checked on every rank before any collective, so a bad name fails everywhere alike
         if Path(name).name != name or name in ("trainer.json", WEIGHTS, ADAPTER_WEIGHTS, ADAPTER_CONFIG) \
                 or name.startswith("rank"):
@@ -145,8 +148,23 @@ def save_checkpoint(trainer: Trainer, directory: str | Path, extra: Mapping[str,
     if trainer.rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
+        if keep:
+            prune(directory, keep)
     dist.barrier()
     return final
+
+
+def prune(directory: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints under `directory` (and any unfinished one older than
+    the newest complete one: a save that crashed); what was deleted. Only `step-N` directories are touched."""
+    steps = _checkpoints(directory, partial=True)
+    done = [p for p in steps if not p.name.endswith(".partial")]
+    if not done:
+        return []
+    gone = done[:-keep] + [p for p in steps if p.name.endswith(".partial") and p.name < done[-1].name]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
 
 
 def _lora(settings: dict | None) -> dict:
@@ -154,10 +172,20 @@ def _lora(settings: dict | None) -> dict:
     return {k: settings[k] for k in ("rank", "alpha")} if settings and settings.get("enabled") else {}
 
 
+STEP = re.compile(r"step-\d{8}(\.partial)?")
+
+
 def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest complete checkpoint under `directory`, or None."""
-    done = sorted(p for p in Path(directory).glob("step-*") if p.is_dir() and not p.name.endswith(".partial"))
+    """The newest complete checkpoint under `directory` (a `step-N` directory: another name there is not one), or
+    None."""
+    done = _checkpoints(directory)
     return done[-1] if done else None
+
+
+def _checkpoints(directory: str | Path, partial: bool = False) -> list[Path]:
+    """The complete checkpoints under `directory`, oldest first (with `partial`, unfinished ones among them)."""
+    found = sorted(p for p in Path(directory).glob("step-*") if p.is_dir() and STEP.fullmatch(p.name))
+    return [p for p in found if partial or not p.name.endswith(".partial")]
 
 
 def load_checkpoint(trainer: Trainer, path: str | Path) -> None:

@@ -132,8 +132,8 @@ def test_sft_on_gold_replays_trains_the_policy_tokens_and_exports(taskset, tmp_p
     assert json.loads((run / "run.json").read_text())["status"] == "finished"
     exported = load_file(run / "export" / "model.safetensors")
     assert exported and (run / "export" / "shipyard.json").exists()
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001", "step-00000002",
-                                                                        "step-00000003"]
+    # one a step, the newest two kept (run.keep_checkpoints)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002", "step-00000003"]
     # The demonstrations as a rollouts file (what a rejection-sampling eval writes), sft.lr over trainer.optim.lr,
     # and a wall-time budget: the step that reaches it is the last, then a checkpoint and the export.
     again = load_config(config_path, ["--run.dir", str(tmp_path / "again"), "--sft.sources",

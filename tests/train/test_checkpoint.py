@@ -118,3 +118,21 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(episodes, saved, loaded
             assert torch.equal(v, resumed[k]), k
         else:
             torch.testing.assert_close(resumed[k], v, rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_only_the_newest_checkpoints_are_kept_and_nothing_else_is_touched(episodes, tmp_path):
+    from shipyard.train.checkpoint import prune
+
+    trainer = _trainer()
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step-00000000.partial").mkdir(parents=True)  # a save that crashed before any finished
+    (ckpt / "step-notes").mkdir()  # not a checkpoint: the user's
+    saved = []
+    for batch in _batches(episodes, trainer)[:3]:
+        trainer.step(batch)
+        saved.append(save_checkpoint(trainer, ckpt, keep=2))
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000003", "step-notes"]
+    assert latest_checkpoint(ckpt) == saved[-1]
+    (ckpt / "step-00000009.partial").mkdir()  # a save under way (or crashed) after the newest complete one: kept
+    assert [p.name for p in prune(ckpt, 1)] == ["step-00000002"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000003", "step-00000009.partial", "step-notes"]
