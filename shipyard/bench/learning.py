@@ -199,9 +199,11 @@ class Bench:
         self.tasks = task_set(self.config, lambda m: console.print(f"[dim]· {m}[/]"))
         self.held_out = sorted(split(self.config, self.tasks)[1])
         self.expected = eval_settings(self.config, self.held_out, args.samples)
+        from shipyard.models.vllm_server import PYTHON_ENV
+
         self.engine = sampler(args.engine, self.config)
         # where the evaluations' vllm: engines find vLLM: the configuration's [vllm] python
-        self.env = {"SHIPYARD_VLLM_PYTHON": str(self.config.vllm.python)} if self.engine == "vllm" else {}
+        self.env = {PYTHON_ENV: str(self.config.vllm.python)} if self.engine == "vllm" else {}
         self.runs: dict[str, dict[str, Any]] = {}  # stage or "eval ARM" → what happened
         self.failures: list[str] = []
         self.seconds_path = self.out / "stages.json"  # wall seconds of what ran here, kept for a resumed measurement

@@ -143,11 +143,7 @@ class VLLMEngine:
                                                         timeout=10).status_code == 404:
             raise NotAWeightServer(f"the vLLM server at {self.base_url} cannot load adapters at run time: start it "
                                    "with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True for a LoRA run")
-        ready = self._send("POST", "/collective_rpc", json={"method": "shipyard_ready"}, timeout=30)
-        try:
-            answers = ready.json()["results"] if ready.status_code == 200 else None
-        except (ValueError, KeyError, TypeError):
-            answers = None
+        ready, answers = self._ask_workers("shipyard_ready")
         if not isinstance(answers, list) or not answers or any(a != "ready" for a in answers):
             raise NotAWeightServer(f"the vLLM server at {self.base_url} lacks shipyard's worker extension (its "
                                    f"/collective_rpc answered {ready.status_code}: {ready.text[:200]}): start it with "
@@ -161,14 +157,19 @@ class VLLMEngine:
             raise NotAWeightServer(f"the vLLM server at {self.base_url} does not serve /inference/v1/generate "
                                    f"({probe.status_code}): start it with --enable-scale-out (vLLM >= 0.32)")
 
+    def _ask_workers(self, method: str) -> tuple[httpx.Response, object]:
+        """A start-up question to the worker extension (`POST /collective_rpc`): the response, and its `results` (one
+        answer per worker) — None when it answered no 200 or no JSON object with results; any shape otherwise."""
+        resp = self._send("POST", "/collective_rpc", json={"method": method}, timeout=30)
+        try:
+            return resp, resp.json()["results"] if resp.status_code == 200 else None
+        except (ValueError, KeyError, TypeError):
+            return resp, None
+
     def _check_lora(self, rank: int) -> None:
         """A LoRA run's server must take adapters of `rank` (its `--max-lora-rank`): asked of the worker extension,
         since the runtime-adapter route answers with or without `--enable-lora`."""
-        asked = self._send("POST", "/collective_rpc", json={"method": "shipyard_lora_rank"}, timeout=30)
-        try:
-            ranks = asked.json()["results"] if asked.status_code == 200 else None
-        except (ValueError, KeyError, TypeError):
-            ranks = None
+        asked, ranks = self._ask_workers("shipyard_lora_rank")
         # vLLM's route answers each worker's scalar as a string ("16")
         if not isinstance(ranks, list) or not ranks or not all(type(r) in (str, int) and str(r).isdigit()
                                                                for r in ranks):
