@@ -94,9 +94,10 @@ def test_a_run_resumes_on_another_number_of_ranks_and_ends_where_one_rank_does(t
     config.write_text(CONFIG.format(tasks=taskset[0]))
     whole, chain = tmp_path / "whole", tmp_path / "chain"
     train(config, whole)
-    train(config, chain, "--run.world_size", "2", "--run.steps", "1")
-    train(config, chain, "--run.world_size", "1", "--run.steps", "2", "--run.resume", "true")
-    train(config, chain, "--run.world_size", "2", "--run.steps", "3", "--run.resume", "true")
+    every = ("--run.keep_checkpoints", "0")  # each step's checkpoint is read below
+    train(config, chain, "--run.world_size", "2", "--run.steps", "1", *every)
+    train(config, chain, "--run.world_size", "1", "--run.steps", "2", "--run.resume", "true", *every)
+    train(config, chain, "--run.world_size", "2", "--run.steps", "3", "--run.resume", "true", *every)
     sizes = [json.loads((chain / "checkpoints" / f"step-0000000{s}" / "trainer.json").read_text())["world_size"]
              for s in (1, 2, 3)]
     assert sizes == [2, 1, 2]
