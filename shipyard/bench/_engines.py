@@ -34,7 +34,7 @@ from shipyard.bench._common import finish, table
 from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.local import LocalEngine
 from shipyard.models.resolve import load_hf, model_directory
-from shipyard.models.vllm_server import VLLMConfig, default_cpu_threads, managed_engine
+from shipyard.models.vllm_server import DEFAULT_PYTHON, VLLMConfig, default_cpu_threads, managed_engine
 
 TARGET = 1.5  # vllm / local tokens/s at the highest concurrency (issue 30)
 
@@ -130,7 +130,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def vllm_arguments(ap: argparse.ArgumentParser, kv_cache_gib: float) -> None:
     """The options of a benchmark that starts a vLLM server (`vllm_config`)."""
-    ap.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="vLLM's venv (scripts/install-vllm.sh)")
+    ap.add_argument("--vllm-python", default=str(DEFAULT_PYTHON), help="vLLM's venv (scripts/install-vllm.sh)")
     ap.add_argument("--cpu-threads", default=default_cpu_threads(), help="VLLM_CPU_OMP_THREADS_BIND")
     ap.add_argument("--kv-cache-gib", type=float, default=kv_cache_gib)
 

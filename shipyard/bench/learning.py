@@ -325,13 +325,11 @@ class Bench:
 def sampler(choice: str, config) -> str:
     """The engine that samples every arm (`--engine`): `vllm` or `local`. `auto` is vLLM wherever its venv is
     installed ([vllm] python): it is the faster sampler here (docs/benchmarks.md, "vLLM as the loop's sampler")."""
-    from shipyard.errors import UsageError
-    from shipyard.models.vllm_server import runnable
+    from shipyard.models.vllm_server import require_python, runnable
 
     installed = runnable(Path(config.vllm.python).expanduser())
-    if choice == "vllm" and not installed:
-        raise UsageError(f"--engine vllm: [vllm] python = {str(config.vllm.python)!r} is not an executable python; "
-                         "create vLLM's venv with `bash scripts/install-vllm.sh .venv-vllm` or set --vllm.python")
+    if choice == "vllm":
+        require_python(config.vllm.python, "--engine vllm: [vllm] python", "set --vllm.python")
     return "vllm" if choice == "vllm" or (choice == "auto" and installed) else "local"
 
 

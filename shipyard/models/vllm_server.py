@@ -81,11 +81,13 @@ DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, s
 EXTENSION = Path(__file__).with_name("vllm_worker.py")
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32 accepts
 EXTENSION_MODULE = "shipyard_vllm_worker"
+DEFAULT_PYTHON = Path(".venv-vllm/bin/python")  # scripts/install-vllm.sh's venv, at the directory commands run from
+PYTHON_ENV = "SHIPYARD_VLLM_PYTHON"  # where a `vllm:MODEL` engine finds vLLM's venv (default: DEFAULT_PYTHON)
 
 
 @dataclass
 class VLLMConfig:
-    python: Path = Path(".venv-vllm/bin/python")  # the python of vLLM's own venv (scripts/install-vllm.sh)
+    python: Path = DEFAULT_PYTHON  # the python of vLLM's own venv (scripts/install-vllm.sh)
     model: Path | None = None  # the checkpoint directory the servers load; None: the run's model, as a directory
     dtype: str = "bfloat16"
     max_model_len: int = 0  # the longest sequence served; 0: the episodes' context budget (episode.loop.max_tokens)
@@ -121,6 +123,16 @@ def runnable(path: Path) -> bool:
     return Path(path).is_file() and os.access(path, os.X_OK)
 
 
+def require_python(python: Path | str, setting: str, instead: str) -> Path:
+    """`python`, expanded, when it is an executable python; else UsageError naming the `setting` it came from, how
+    to create vLLM's venv, and what to do `instead`."""
+    path = Path(python).expanduser()
+    if not runnable(path):
+        raise UsageError(f"{setting} = {str(python)!r} is not an executable python: create vLLM's venv with `bash "
+                         f"scripts/install-vllm.sh .venv-vllm` (docs/training.md, \"vLLM servers\"), or {instead}")
+    return path
+
+
 def default_cpu_threads() -> str:
     """The cores this process may run on, as `VLLM_CPU_OMP_THREADS_BIND` writes them ("0-1" or "0,2,5")."""
     cores = sorted(os.sched_getaffinity(0))
@@ -131,11 +143,7 @@ class VLLMServers:
     """`config.servers` vLLM servers of the checkpoint `model_dir` (module docstring); `urls` once started."""
 
     def __init__(self, config: VLLMConfig, model_dir: Path, log_dir: Path, lora: LoraConfig | None = None):
-        python = Path(config.python).expanduser()
-        if not runnable(python):
-            raise UsageError(f"vllm.python = {str(config.python)!r} is not an executable python: create vLLM's venv "
-                             "with `bash scripts/install-vllm.sh .venv-vllm` (docs/training.md, \"vLLM servers\"), or "
-                             "point vllm.python at its bin/python")
+        python = require_python(config.python, "vllm.python", "point vllm.python at its bin/python")
         self.config, self.python, self.model_dir, self.log_dir = config, python, Path(model_dir), Path(log_dir)
         self.lora = lora if lora is not None and lora.enabled else None
         if self.lora is not None and self.lora.rank > max(LORA_RANKS):
@@ -411,19 +419,11 @@ def _served(makers: list[Callable[[], Engine]]) -> Iterator[Engine]:
             engine.close()
 
 
-PYTHON_ENV = "SHIPYARD_VLLM_PYTHON"  # where a `vllm:MODEL` engine finds vLLM's venv (default: DEFAULT_PYTHON)
-DEFAULT_PYTHON = Path(".venv-vllm/bin/python")  # scripts/install-vllm.sh's venv, at the directory commands run from
-
-
 def vllm_python() -> Path:
     """The python that a `vllm:MODEL` engine starts its server with: `$SHIPYARD_VLLM_PYTHON`, else `DEFAULT_PYTHON`;
     UsageError, saying how to make one, when it is not an executable python."""
-    python = Path(os.environ.get(PYTHON_ENV) or DEFAULT_PYTHON).expanduser()
-    if not runnable(python):
-        raise UsageError(f"a vllm:MODEL engine runs vLLM from its own venv, and {python} is not an executable python: "
-                         f"create it with `bash scripts/install-vllm.sh .venv-vllm` (docs/training.md, \"vLLM "
-                         f"servers\") and run from that directory, or set ${PYTHON_ENV} to its bin/python")
-    return python
+    return require_python(os.environ.get(PYTHON_ENV) or DEFAULT_PYTHON, f"a vllm:MODEL engine's python (${PYTHON_ENV})",
+                          f"run from the directory that holds it, or set ${PYTHON_ENV} to its bin/python")
 
 
 class OwnedServers:

@@ -72,8 +72,6 @@ def plan(config: RLConfig) -> Plan:
                          f"each Ray engine actor on its node, on {where}, from {vllm.python} (the same path on every "
                          f"node), context {vllm.max_model_len} tokens; pushes reach each actor through the object "
                          "store and are written on its node; logs in ~/.cache/shipyard/vllm-logs/ there")
-        if not runnable(vllm.python):
-            out.missing_here.append(f"vLLM's venv: {vllm.python} is not there (bash scripts/install-vllm.sh)")
     elif kind == "vllm":
         vllm = vllm_settings(config)
         share = vllm.gpus_per_server
@@ -84,8 +82,6 @@ def plan(config: RLConfig) -> Plan:
         out.lines.append(f"engine: {vllm.servers} vLLM server(s) of {vllm.model or config.model.name}, started by the "
                          f"run from {vllm.python} on private Unix sockets, context {vllm.max_model_len} tokens; "
                          f"{placement}; logs and pushed weights in {run.dir / 'vllm'}")
-        if not runnable(vllm.python):
-            out.missing_here.append(f"vLLM's venv: {vllm.python} is not there (bash scripts/install-vllm.sh)")
         if vllm.gpus and gpus <= max(vllm.gpus):
             out.missing_here.append(f"the vLLM servers use GPUs up to {max(vllm.gpus)}; this machine has {gpus}")
         if vllm.gpus and run.device == "cuda" and set(vllm.gpus) & set(range(run.world_size)):
@@ -96,6 +92,8 @@ def plan(config: RLConfig) -> Plan:
         out.lines.append(f"engine: replays {kind.removeprefix('replay:')} (no policy: nothing is pushed)")
     else:
         out.lines.append(f"engine: {config.model.name} in this process on {config.engine.device}")
+    if kind == "vllm" and not config.vllm.urls and not runnable(config.vllm.python):  # servers started from it
+        out.missing_here.append(f"vLLM's venv: {config.vllm.python} is not there (bash scripts/install-vllm.sh)")
     if config.ray is None:
         at_once = config.rollout.max_in_flight or config.rollout.group_size * config.rollout.groups_per_step
         out.lines.append(f"episodes: in this process, {at_once} at once, in bubblewrap sandboxes")
