@@ -35,6 +35,16 @@ from typing import TypeVar
 # Directories that are never part of a baseline, a diff or a glob: VCS metadata, caches, virtual environments.
 IGNORED_DIRS = frozenset({".git", "__pycache__", ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache",
                           ".ruff_cache", ".hypothesis", ".tox"})
+# What a project's own test run writes into the tree it runs in: coverage.py's data (`.coverage`, and
+# `.coverage.<host>.<pid>.<random>` in parallel mode) and reports (`coverage.xml`, `htmlcov/`), made whenever pytest-cov
+# is in the project's addopts. Never part of an agent's change, so an episode's patch leaves them out as it leaves out
+# `.pytest_cache`: the grader refuses hidden and binary files, so one `pytest` would otherwise zero the episode.
+TEST_OUTPUTS = re.compile(r"\.coverage(\..*)?|coverage\.xml|htmlcov", re.DOTALL)
+
+
+def is_test_output(name: str) -> bool:
+    """Whether a tree entry named `name` is written by test runs (`TEST_OUTPUTS`), not by the agent."""
+    return TEST_OUTPUTS.fullmatch(name) is not None
 
 # The most bytes of one file that crosses from a workspace to the host: `read_bytes` refuses larger files and
 # `diff()` reports them by name and size instead of copying them into the patch (host memory stays bounded

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Literal
 
-from shipyard.harness.confined import IGNORED_DIRS, MAX_FILE_BYTES
+from shipyard.harness.confined import IGNORED_DIRS, MAX_FILE_BYTES, is_test_output
 
 DIFF_HEADER = re.compile(r"^diff --git ([ab])/(.+) \1/\2$", re.MULTILINE)
 
@@ -113,14 +113,16 @@ def _quote(rel: str) -> str:
 
 
 def _scan(root: Path, left_out: list[str]) -> dict[str, _Node]:
-    """Every entry under `root` but the ignored directories, by relative path, from `lstat` (nothing followed)."""
+    """Every entry under `root` but the ignored directories and test runs' outputs, by relative path, from `lstat`
+    (nothing followed)."""
     nodes: dict[str, _Node] = {}
     stack = [""]
     while stack:
         rel_dir = stack.pop()
         try:
             with os.scandir(os.path.join(root, rel_dir)) as it:
-                entries = [(e.name, e.stat(follow_symlinks=False)) for e in it if e.name not in IGNORED_DIRS]
+                entries = [(e.name, e.stat(follow_symlinks=False)) for e in it
+                           if e.name not in IGNORED_DIRS and not is_test_output(e.name)]
         except OSError as e:
             if rel_dir:
                 left_out.append(f"{_quote(rel_dir)}: a directory that could not be read ({e.strerror})")

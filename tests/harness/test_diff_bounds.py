@@ -129,3 +129,21 @@ def test_local_workspace_opens_over_a_repo_holding_a_fifo(tmp_path):
         assert "+x = 2" in ws.diff()
     finally:
         ws.close()
+
+
+def test_what_a_test_run_writes_is_left_out_and_coverage_config_is_not(trees, tmp_path):
+    """pytest-cov in a project's addopts writes `.coverage` (a binary database the grader would refuse) wherever the
+    agent runs the tests: the patch holds the agent's change only. `.coveragerc` is configuration, not output: a
+    change to it stays in the patch, where the grader refuses it."""
+    before, after = trees
+    (after / "app.py").write_text("x = 2\n")
+    (after / ".coverage").write_bytes(b"SQLite format 3\x00" + bytes(range(256)))
+    (after / "pkg").mkdir()
+    (after / "pkg" / ".coverage.host.4242.XyZ").write_bytes(b"\x00\x01")
+    (after / "coverage.xml").write_text("<coverage/>\n")
+    (after / "htmlcov").mkdir()
+    (after / "htmlcov" / "index.html").write_text("<html/>\n")
+    (after / ".coveragerc").write_text("[run]\nomit = *\n")
+    patch = tree_diff(before, after)
+    assert sorted(patch_paths(patch)) == [".coveragerc", "app.py"]
+    assert not note_of(patch)
