@@ -14,7 +14,9 @@ gold patch is then exactly the deleted code). Every edited file must still parse
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path, PurePosixPath
 
 from shipyard.tasks.features import Feature, Symbol, source_files
@@ -56,56 +58,102 @@ def _names_used(tree: ast.Module) -> set[str]:
     return used
 
 
-def _replace(lines: list[str], node: ast.stmt, new: str | None) -> None:
-    """Replace a statement's lines by `new` (same indentation), or delete them (`pass` if the block needs one)."""
-    indent = lines[node.lineno - 1][: len(lines[node.lineno - 1]) - len(lines[node.lineno - 1].lstrip())]
-    text = [indent + new + "\n"] if new is not None else []
-    lines[node.lineno - 1: node.end_lineno] = text or ([indent + "pass\n"] if indent else [])
+Cut = tuple[int, int, str]  # (start, end, replacement): character offsets into a file's text
+
+
+def _cuts_of(source: str) -> tuple[Callable[[int, int], int], Callable[[ast.stmt], Cut]]:
+    """For `source`: where an ast position (line, UTF-8 byte column) is in the text, and the cut that deletes a
+    statement: its lines (`pass` in their place if the statement is indented, where a block may need one), or just
+    the statement, as `pass`, where it shares a line with another."""
+    lines = source.splitlines(keepends=True)
+    starts = list(accumulate(map(len, lines), initial=0))
+
+    def at(lineno: int, col: int) -> int:
+        return starts[lineno - 1] + len(lines[lineno - 1].encode("utf-8")[:col].decode("utf-8"))
+
+    def delete(node: ast.stmt) -> Cut:
+        first, start, end = lines[node.lineno - 1], at(node.lineno, node.col_offset), at(node.end_lineno,
+                                                                                         node.end_col_offset)
+        rest = source[end:starts[node.end_lineno]].strip()
+        if source[starts[node.lineno - 1]:start].strip() or (rest and not rest.startswith("#")):
+            return start, end, "pass"  # it shares a line with another statement (`a = 1; import b`)
+        indent = first[: len(first) - len(first.lstrip())]
+        return starts[node.lineno - 1], starts[node.end_lineno], indent + "pass\n" if indent else ""
+
+    return at, delete
+
+
+def _drop_items(items: list, drop: list[bool], at: Callable[[int, int], int], one_tuple: bool = False) -> list[Cut]:
+    """The cuts that remove the `drop`-marked items of one list, tuple or import (at least one item stays) with
+    their commas, leaving the others, their comments and the layout as they are: a run of dropped items goes from
+    its first to the next kept item's start, or, at the end, from the last kept item's end. `one_tuple`: a tuple
+    left with one item keeps a comma after it (`("a",)`, not the string `("a")`)."""
+    cuts, i = [], 0
+    while i < len(items):
+        if not drop[i]:
+            i += 1
+            continue
+        j = i
+        while j + 1 < len(items) and drop[j + 1]:
+            j += 1
+        if j + 1 < len(items):
+            cuts.append((at(items[i].lineno, items[i].col_offset), at(items[j + 1].lineno, items[j + 1].col_offset),
+                         ""))
+        else:
+            end = items[j]
+            cuts.append((at(items[i - 1].end_lineno, items[i - 1].end_col_offset), at(end.end_lineno,
+                                                                                          end.end_col_offset),
+                         "," if one_tuple and drop.count(False) == 1 else ""))
+        i = j + 1
+    return cuts
 
 
 def _prune_imports(source: str, drop: set[str], module_of: str, target: str | None, imports: bool = True) -> str:
     """Remove `drop` from import statements (only imports from `target` when given; none unless `imports`) and
-    from `__all__`."""
+    from `__all__`: the names and their commas are cut from the text, so everything else stays byte-identical
+    (a statement left with no name goes whole)."""
     tree = ast.parse(source)
-    lines = source.splitlines(keepends=True)
-    edits: list[tuple[ast.stmt, str | None]] = []
+    at, delete = _cuts_of(source)
+    cuts: list[Cut] = []
     for node in ast.walk(tree):
         if imports and isinstance(node, ast.ImportFrom | ast.Import) and (target is None or (
                 isinstance(node, ast.ImportFrom) and _resolve(node, module_of) == target)):
             # From the target module the imported name counts; otherwise the name the import binds.
-            keep = [a for a in node.names
-                    if (a.name if target is not None else a.asname or a.name.split(".")[0]) not in drop]
-            if len(keep) == len(node.names):
-                continue
-            if not keep:
-                edits.append((node, None))
-            elif isinstance(node, ast.ImportFrom):
-                names = ", ".join(f"{a.name} as {a.asname}" if a.asname else a.name for a in keep)
-                edits.append((node, f"from {'.' * node.level}{node.module or ''} import {names}"))
-            else:
-                edits.append((node, "import " + ", ".join(f"{a.name} as {a.asname}" if a.asname else a.name
-                                                          for a in keep)))
+            gone = [(a.name if target is not None else a.asname or a.name.split(".")[0]) in drop for a in node.names]
+            if all(gone):
+                cuts.append(delete(node))
+            elif any(gone):
+                cuts += _drop_items(node.names, gone, at)
         elif (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
                                                    for t in node.targets)
               and isinstance(node.value, ast.List | ast.Tuple)):
-            elts = [e for e in node.value.elts if not (isinstance(e, ast.Constant) and e.value in drop)]
-            if len(elts) != len(node.value.elts):
-                edits.append((node, "__all__ = [" + ", ".join(repr(e.value) for e in elts
-                                                              if isinstance(e, ast.Constant)) + "]"))
-    for node, new in sorted(edits, key=lambda e: -e[0].lineno):
-        _replace(lines, node, new)
-    return "".join(lines)
+            elts = node.value.elts
+            gone = [isinstance(e, ast.Constant) and e.value in drop for e in elts]
+            if all(gone):
+                value = node.value
+                cuts.append((at(value.lineno, value.col_offset), at(value.end_lineno, value.end_col_offset),
+                             "[]" if isinstance(value, ast.List) else "()"))
+            elif any(gone):
+                cuts += _drop_items(elts, gone, at, one_tuple=isinstance(node.value, ast.Tuple))
+    for start, end, text in sorted(cuts, reverse=True):
+        source = source[:start] + text + source[end:]
+    return source
 
 
-def _collapse_blank_runs(lines: list[str]) -> list[str]:
-    out: list[str] = []
-    for line in lines:
-        if line.strip() == "" and len(out) >= 2 and out[-1].strip() == "" and out[-2].strip() == "":
-            continue
-        out.append(line)
-    while out and out[-1].strip() == "":
-        out.pop()
-    return out
+def _close_gap(lines: list[str], at: int) -> None:
+    """After a definition's lines were deleted from before index `at`: the blank lines that were above it and below
+    it meet there, so keep as many as the more generous side had (two between top-level definitions, one between
+    methods), and none when the definition ended the file. Blank lines elsewhere are not the deletion's to touch."""
+    above = 0
+    while at - above - 1 >= 0 and not lines[at - above - 1].strip():
+        above += 1
+    below = 0
+    while at + below < len(lines) and not lines[at + below].strip():
+        below += 1
+    if at + below == len(lines):
+        del lines[at - above:]
+    else:
+        del lines[at:at + min(above, below)]
 
 
 def delete_feature(root: Path, feature: Feature) -> Deletion:
@@ -128,7 +176,8 @@ def delete_feature(root: Path, feature: Feature) -> Deletion:
             else:
                 result.snippets.append("".join(lines[sym.start - 1: sym.end]))
                 del lines[sym.start - 1: sym.end]
-        new = "".join(_collapse_blank_runs(lines)) + "\n" if feature.tier == 3 else "".join(lines)
+                _close_gap(lines, sym.start - 1)
+        new = "".join(lines)
         if feature.tier == 3:
             names = {s.qualname for s in syms}
             deleted_names[file] = names

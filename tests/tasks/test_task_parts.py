@@ -1,6 +1,7 @@
 """The parts of task synthesis that need no sandbox: JUnit ids, symbols and features, deletion, scrubbing and the
 leak scanner, statements and stubs, the task format's errors."""
 
+import ast
 import json
 import os
 import py_compile
@@ -119,10 +120,47 @@ def test_tier3_removes_definitions_imports_and_exports(pkg):
     text = (pkg / "geo/shapes.py").read_text()
     assert "def area" not in text and "class Shape" not in text and "def perimeter" in text
     assert "OrderedDict" not in text and "import math" in text  # only the deleted code used OrderedDict
-    assert '__all__ = ["perimeter"]' in text or "__all__ = ['perimeter']" in text
+    assert '__all__ = ["perimeter"]' in text
     assert (pkg / "geo/__init__.py").read_text().startswith("from .shapes import perimeter\n")
     assert "from geo.shapes import perimeter\n" in (pkg / "geo/use.py").read_text()
     assert module_name("src/geo/__init__.py") == "geo" and module_name("geo/use.py") == "geo.use"
+
+
+def test_tier3_changes_only_the_definition_and_the_names_that_export_it(pkg):
+    """The gold patch of a T3 task is the deleted definition and its names in `__all__` and imports, nothing else:
+    the blank lines around it close to what the file had there, and the file's end is left as it was (a trailing
+    blank line added by the deletion made every gold patch of a file's last definition a whole-file edit)."""
+    sym = next(s for s in symbols_of("geo/shapes.py", MODULE) if s.qualname == "perimeter")
+    delete_feature(pkg, Feature(3, (sym,), ["t"]))
+    assert (pkg / "geo/shapes.py").read_text() == MODULE.replace('"perimeter", ', "").replace(
+        'def perimeter(r):\n    """Perimeter."""\n    return 2 * math.pi * r\n\n\n', "")
+    last = next(s for s in symbols_of("geo/shapes.py", MODULE) if s.qualname == "Shape")
+    (pkg / "geo/shapes.py").write_text(MODULE)
+    delete_feature(pkg, Feature(3, (last,), ["t"]))
+    text = (pkg / "geo/shapes.py").read_text()
+    kept = MODULE[:MODULE.index("\n\n\nclass Shape")] + "\n"
+    assert text == kept.replace("from collections import OrderedDict\n", "").replace(', "Shape"', "")
+
+
+@pytest.mark.parametrize("before, drop, after", [
+    ("__all__ = [\n    'a',\n    'b',  # the b\n    'c',\n]\n", {"b"}, "__all__ = [\n    'a',\n    'c',\n]\n"),
+    ("__all__ = [\n    'a',\n    'b',\n]\n", {"b"}, "__all__ = [\n    'a',\n]\n"),
+    ("__all__ = ['a', 'b', 'c', 'd']\n", {"a", "c", "d"}, "__all__ = ['b']\n"),
+    ("__all__ = ('a', 'b')\n", {"b"}, "__all__ = ('a',)\n"),
+    ("__all__ = ['a']\n", {"a"}, "__all__ = []\n"),
+    ("from .m import (\n    a,\n    b,\n    c,\n)\n", {"b"}, "from .m import (\n    a,\n    c,\n)\n"),
+    ("from .m import a as x, b  # é\n", {"a"}, "from .m import b  # é\n"),
+    ("x = 'é'; from .m import a\nif x:\n    from .m import a\n", {"a"}, "x = 'é'; pass\nif x:\n    pass\n"),
+    ("from .m import a; y = 2\n", {"a"}, "pass; y = 2\n"),
+])
+def test_pruning_a_name_cuts_only_the_name(before, drop, after):
+    """A T3 deletion edits `__all__` and imports where the names are, so the rest of the file stays byte-identical:
+    a list re-written on one line made the gold patch re-format 120 lines of `__all__` (a 3,000-token edit for an
+    agent to reproduce, and a pointer to where something was deleted)."""
+    from shipyard.tasks.deletion import _prune_imports
+
+    assert _prune_imports(before, drop, "pkg/mod.py", "pkg.m") == after
+    ast.parse(after)
 
 
 def test_statement_and_stub_never_carry_the_deleted_code(pkg):
