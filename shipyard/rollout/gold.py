@@ -6,8 +6,8 @@ that scores 0 is a bug in one of them, or a broken task). And `shipyard sft` lea
 cold start before RL, as in SWE-Gym, arXiv 2412.21139, and SWE-smith, arXiv 2504.21798): so a replay is a
 *demonstration* — it does what a good agent does, in the order one would, and says nothing an agent could not know:
 
-1. **Look**: read each file the patch changes (`read_file`, at the deleted code when the file is long), in one turn
-   of parallel calls; some tasks also `grep` the tests for the symbol, or run the failing tests first to see them fail.
+1. **Look**: read each file the patch changes (`read_file`, around each region it changes when the file is long), in
+   one turn of parallel calls; some tasks also `grep` the tests for the symbol, or run the failing tests first.
 2. **Edit**: one `search_replace` per changed region (`difflib` over the file's lines, each region's old text grown
    by context lines until it occurs once in the file as it is when the call runs — checked by replaying the edits on
    the host, which must end at the gold contents, each step passing the tool's syntax gate). A file no sequence of
@@ -60,7 +60,8 @@ LINK_MODES = ("120000", "160000")
 GOLD_ENGINE = "replay:gold"  # the engine's name, which its trajectories carry (`Trajectory.model`)
 APPLY_TIMEOUT = 60.0
 # Bounds on finding a gold change's search_replace edits (`edits`), which a repository's file must not stall.
-MAX_DIFF_LINES = 2000  # lines (old and new) that difflib compares
+MAX_DIFF_LINES = 2000  # lines (old and new) that difflib compares line for line
+MAX_JUNK_DIFF_LINES = 20000  # lines it compares with popular lines as junk (`_spans`); more are one region
 MAX_REGIONS = 32  # regions of one file edited apart; more are one region
 MAX_CONTEXT = 20  # lines a region's old text grows by, each side, to occur once
 
@@ -148,9 +149,10 @@ def _turn(text: str, calls: list[tuple[str, dict[str, Any]]], spelled: re.Patter
 
 def _spans(a: list[str], b: list[str]) -> list[tuple[int, int, int, int]]:
     """The changed regions (i1, i2, j1, j2) that turn lines `a` into `b`, each with up to 2 unchanged lines around it.
-    difflib compares only what lies between the common head and tail (a gold patch changes a few bodies), and only
-    up to `MAX_DIFF_LINES`: over repeated lines its cost grows with the cube of the length (2000 lines of `pass`, one
-    in ten changed: 19 s). Beyond that, or past `MAX_REGIONS` regions, the whole middle is one region."""
+    difflib compares only what lies between the common head and tail (a gold patch changes a few bodies), line for
+    line up to `MAX_DIFF_LINES`: over repeated lines its cost grows with the cube of the length (2000 lines of `pass`,
+    one in ten changed: 19 s). Up to `MAX_JUNK_DIFF_LINES` it skips popular lines (difflib's autojunk). Beyond that,
+    or past `MAX_REGIONS` regions, the whole middle is one region."""
     head = 0
     while head < min(len(a), len(b)) and a[head] == b[head]:
         head += 1
@@ -160,9 +162,13 @@ def _spans(a: list[str], b: list[str]) -> list[tuple[int, int, int, int]]:
     lo, margin = max(head - 2, 0), min(tail, 2)
     middle_a, middle_b = a[lo:len(a) - tail + margin], b[lo:len(b) - tail + margin]
     whole = [(lo, lo + len(middle_a), lo, lo + len(middle_b))]
-    if len(middle_a) + len(middle_b) > MAX_DIFF_LINES:
+    size = len(middle_a) + len(middle_b)
+    if size > MAX_JUNK_DIFF_LINES:
         return whole
-    groups = list(difflib.SequenceMatcher(None, middle_a, middle_b, autojunk=False).get_grouped_opcodes(2))
+    # Past MAX_DIFF_LINES (two changes far apart: a body and the file's last line), lines that fill over 1% of the
+    # new text (blank lines, `pass`) anchor no match: the regions may come out wider, never wrong, in bounded time.
+    matcher = difflib.SequenceMatcher(None, middle_a, middle_b, autojunk=size > MAX_DIFF_LINES)
+    groups = list(matcher.get_grouped_opcodes(2))
     if len(groups) > MAX_REGIONS:
         return whole
     return [(lo + g[0][1], lo + g[-1][2], lo + g[0][3], lo + g[-1][4]) for g in groups]
@@ -170,8 +176,8 @@ def _spans(a: list[str], b: list[str]) -> list[tuple[int, int, int, int]]:
 
 def edits(old: str, new: str, path: str | None = None) -> list[tuple[str, str]] | None:
     """`search_replace` arguments (old_string, new_string) that turn `old` into `new`, applied in order: one per
-    changed region (`_spans`), each old text grown by a line of context either side until it occurs exactly once in
-    the text as it is when it is applied (overlapping occurrences counted), by `MAX_CONTEXT` lines at most. None when
+    changed region (`_spans`), each old text grown by the fewest lines of context (`_unique_context`) that make it
+    occur exactly once in the text as it is when it is applied, by `MAX_CONTEXT` lines each side at most. None when
     no such sequence reproduces `new` (a region still ambiguous at that growth, regions that merge) or, for the file
     `path`, when a step would be refused by the tool's syntax gate (the file parses before it and not after: two
     regions of one change, such as a string opened in one and closed in the other): the caller writes the whole file
@@ -182,14 +188,11 @@ def edits(old: str, new: str, path: str | None = None) -> list[tuple[str, str]] 
     shift = 0  # lines the edits so far added (new − old) before the current region
     for i1, i2, j1, j2 in _spans(a, b):
         cur = text.splitlines(keepends=True)
-        lo, hi = i1 + shift, i2 + shift
-        for _ in range(MAX_CONTEXT + 1):
-            search = "".join(cur[lo:hi])
-            if search and text.find(search) == text.rfind(search):
-                break
-            lo, hi = max(lo - 1, 0), min(hi + 1, len(cur))
-        else:
+        found = _unique_context(text, cur, i1 + shift, i2 + shift)
+        if found is None:
             return None
+        lo, hi = found
+        search = "".join(cur[lo:hi])
         replacement = "".join(cur[lo:i1 + shift]) + "".join(b[j1:j2]) + "".join(cur[i2 + shift:hi])
         before, text = text, text.replace(search, replacement, 1)
         if path is not None:
@@ -200,6 +203,22 @@ def edits(old: str, new: str, path: str | None = None) -> list[tuple[str, str]] 
         out.append((search, replacement))
         shift += (j2 - j1) - (i2 - i1)
     return out if text == new else None
+
+
+def _unique_context(text: str, lines: list[str], lo: int, hi: int) -> tuple[int, int] | None:
+    """The lines [lo', hi') around the region [lo, hi) of `text` (split as `lines`) with the fewest extra lines, above
+    and below in any proportion, whose text is not empty and occurs exactly once in `text` (overlapping occurrences
+    counted: `find` and `rfind` agree); None past `MAX_CONTEXT` lines a side. An agent quotes the nearest unique
+    lines, not a symmetric block: an insertion after a unique `def` line needs that line only."""
+    for extra in range(2 * MAX_CONTEXT + 1):
+        for up in range(max(0, extra - MAX_CONTEXT), min(extra, MAX_CONTEXT) + 1):
+            a, b = lo - up, hi + extra - up
+            if a < 0 or b > len(lines):
+                continue
+            search = "".join(lines[a:b])
+            if search and text.find(search) == text.rfind(search):
+                return a, b
+    return None
 
 
 def _names(task: Task | None, files: list[str]) -> str:
@@ -230,14 +249,35 @@ DONE = ("I implemented {what} in {where}; the tests that were failing now pass."
         "Implemented {what} in {where}. The failing tests pass now.")
 
 
-def _read_args(path: str, text: str, task: Task | None) -> dict[str, Any]:
-    """`read_file` on `path` (whose text is `text`): the whole file, or the window around its deleted code when the
-    file is long."""
-    lines = text.count("\n")
-    starts = [d.start for d in task.deleted if d.file == path] if task is not None else []
-    if lines <= 400 or not starts:
-        return {"path": path}
-    return {"path": path, "offset": max(1, min(starts) - 20), "limit": 200}
+READ_WHOLE = 150  # a file of up to this many lines is read whole; a longer one around what the edit changes
+READ_AROUND = 12  # lines shown before and after each changed region
+READ_UP = 60  # lines looked back from a region for the `def` or `class` that holds it, whose signature is read too
+DEFINITION = re.compile(r"\s*(?:async\s+def|def|class)\s")
+
+
+def _read_args(path: str, old: str, new: str) -> list[dict[str, Any]]:
+    """The `read_file` calls that show what the edit of `path` (`old` → `new`) needs: the whole file when it is short,
+    else one window per changed region (`_spans`), from the definition holding the lines it changes (an insertion:
+    from `READ_AROUND` lines above), merged where they meet. A window of 200 lines cost the demonstrations ~3,000
+    tokens a file; the episode's context is 8,192."""
+    a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)
+    if len(a) <= READ_WHOLE:
+        return [{"path": path}]
+    windows: list[tuple[int, int]] = []
+    for i1, i2, j1, j2 in _spans(a, b):
+        head = 0  # the region's unchanged lines at either end: the old lines it changes are [k, m)
+        while i1 + head < i2 and j1 + head < j2 and a[i1 + head] == b[j1 + head]:
+            head += 1
+        k, m = i1 + head, i2
+        while m > k and j2 - (i2 - m) > j1 + head and a[m - 1] == b[j2 - 1 - (i2 - m)]:
+            m -= 1
+        top = next((i for i in range(k, max(k - READ_UP, -1), -1) if DEFINITION.match(a[i])), None) if m > k else None
+        lo, hi = max(top if top is not None else k - READ_AROUND, 0), min(m + READ_AROUND, len(a))
+        if windows and lo <= windows[-1][1] + READ_AROUND:
+            windows[-1] = (min(lo, windows[-1][0]), max(hi, windows[-1][1]))
+        else:
+            windows.append((lo, hi))
+    return [{"path": path, "offset": lo + 1, "limit": hi - lo} for lo, hi in windows]
 
 
 def gold_messages(task_dir: Path, task: Task | None = None,
@@ -258,7 +298,7 @@ def gold_messages(task_dir: Path, task: Task | None = None,
     run_tests = [("run_terminal", {"command": _test_command(task)})] if task is not None else []
     turns: list[str] = []
     if existing:
-        look = [("read_file", _read_args(p, originals[p], task)) for p in existing]
+        look = [("read_file", args) for p in existing for args in _read_args(p, originals[p], final[p])]
         if task is not None and task.deleted and rng.random() < 0.3:
             name = task.deleted[0].qualname.rsplit(".", 1)[-1]
             tests = sorted({t.split("::", 1)[0].rsplit("/", 1)[0] for t in task.fail_to_pass}) or ["."]

@@ -332,6 +332,45 @@ def test_edits_replay_to_the_gold_contents_or_give_up(old, new):
     assert text == new
 
 
+def test_edit_context_is_the_nearest_unique_lines_on_either_side():
+    """An insertion below a unique line quotes that line, not as many lines below as above (a symmetric block of
+    context grew a 40-line function into a 3,000-token call)."""
+    from shipyard.rollout.gold import edits
+
+    filler = "    x = 1\n" * 8
+    old = "def f():\n" + filler + "\n\ndef g():\n" + filler
+    new = old.replace("def g():\n", "def h():\n    return 2\n\n\ndef g():\n")
+    [(search, replacement)] = edits(old, new)
+    assert old.count(search) == 1 and old.replace(search, replacement, 1) == new
+    assert search.count("\n") <= 3, search
+
+
+def test_changes_far_apart_in_a_long_file_are_two_small_edits():
+    """A body near the top and the last line of a file 3,000 lines long (past difflib's line-for-line bound): two
+    small regions, not the whole file between them as one 3,000-line search_replace."""
+    from shipyard.rollout.gold import MAX_DIFF_LINES, edits
+
+    old = "".join(f"def f{i}():\n    return {i}\n\n\n" for i in range(MAX_DIFF_LINES // 4 * 3)) + "\n"
+    new = old.replace("    return 3\n", "    return 'three'\n", 1)[:-1]
+    steps = edits(old, new)
+    assert steps is not None and len(steps) == 2 and all(len(search) < 200 for search, _ in steps)
+
+
+def test_a_long_file_is_read_at_each_changed_definition_a_short_one_whole():
+    from shipyard.rollout.gold import READ_WHOLE, _read_args
+
+    body = "".join(f"    v{i} = {i}\n" for i in range(READ_WHOLE))
+    old = f"def f():\n    \"\"\"Doc.\"\"\"\n    raise NotImplementedError\n\n\ndef pad():\n{body}\n\ndef g(a):\n" \
+          "    raise NotImplementedError\n"
+    new = old.replace("    raise NotImplementedError\n", "    return 1\n", 1).replace(
+        "def g(a):\n    raise NotImplementedError\n", "def g(a):\n    return a\n")
+    lines = old.splitlines()
+    windows = _read_args("m.py", old, new)
+    assert [lines[w["offset"] - 1] for w in windows] == ["def f():", "def g(a):"]
+    assert all(w["limit"] <= 40 for w in windows)
+    assert _read_args("m.py", "def f():\n    pass\n", "def f():\n    return 1\n") == [{"path": "m.py"}]
+
+
 def test_gold_demonstrations_vary_and_run_the_failing_tests(taskset):
     from shipyard.rollout.gold import gold_scripts
     from shipyard.tasks.taskset import load_task
