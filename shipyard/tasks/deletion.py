@@ -14,6 +14,7 @@ gold patch is then exactly the deleted code). Every edited file must still parse
 from __future__ import annotations
 
 import ast
+import io
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -61,15 +62,24 @@ def _names_used(tree: ast.Module) -> set[str]:
 Cut = tuple[int, int, str]  # (start, end, replacement): character offsets into a file's text
 
 
-def _cuts_of(source: str) -> tuple[Callable[[int, int], int], Callable[[ast.stmt], Cut]]:
-    """For `source`: where an ast position (line, UTF-8 byte column) is in the text, and the cut that deletes a
-    statement: its lines (`pass` in their place if the statement is indented, where a block may need one), or just
-    the statement, as `pass`, where it shares a line with another."""
-    lines = source.splitlines(keepends=True)
+def source_lines(source: str) -> list[str]:
+    """`source`'s lines as Python numbers them (split at \\n, \\r\\n and \\r only; `str.splitlines` also splits at
+    form feeds and \\u2028, which would put every ast line number after one on the wrong line)."""
+    return io.StringIO(source, newline="").readlines()
+
+
+def _cuts_of(source: str) -> tuple[Callable[[int, int], int], Callable[[int], int], Callable[[ast.stmt], Cut]]:
+    """For `source`: where an ast position (line, UTF-8 byte column) is in the text, where a line starts, and the
+    cut that deletes a statement: its lines (`pass` in their place if the statement is indented, where a block may
+    need one), or just the statement, as `pass`, where it shares a line with another."""
+    lines = source_lines(source)
     starts = list(accumulate(map(len, lines), initial=0))
 
     def at(lineno: int, col: int) -> int:
         return starts[lineno - 1] + len(lines[lineno - 1].encode("utf-8")[:col].decode("utf-8"))
+
+    def line_start(lineno: int) -> int:
+        return starts[min(lineno, len(lines) + 1) - 1]
 
     def delete(node: ast.stmt) -> Cut:
         first, start, end = lines[node.lineno - 1], at(node.lineno, node.col_offset), at(node.end_lineno,
@@ -80,14 +90,15 @@ def _cuts_of(source: str) -> tuple[Callable[[int, int], int], Callable[[ast.stmt
         indent = first[: len(first) - len(first.lstrip())]
         return starts[node.lineno - 1], starts[node.end_lineno], indent + "pass\n" if indent else ""
 
-    return at, delete
+    return at, line_start, delete
 
 
-def _drop_items(items: list, drop: list[bool], at: Callable[[int, int], int], one_tuple: bool = False) -> list[Cut]:
+def _drop_items(source: str, items: list, drop: list[bool], at: Callable[[int, int], int],
+                line_start: Callable[[int], int]) -> list[Cut]:
     """The cuts that remove the `drop`-marked items of one list, tuple or import (at least one item stays) with
-    their commas, leaving the others, their comments and the layout as they are: a run of dropped items goes from
-    its first to the next kept item's start, or, at the end, from the last kept item's end. `one_tuple`: a tuple
-    left with one item keeps a comma after it (`("a",)`, not the string `("a")`)."""
+    their commas, leaving the others, their comments and the layout as they are. A run of dropped items that fills
+    its own lines (one item a line) goes with those lines, comments included; otherwise it goes from its first item
+    to the next kept item's start, or, at the end, from the last kept item's end."""
     cuts, i = [], 0
     while i < len(items):
         if not drop[i]:
@@ -96,25 +107,37 @@ def _drop_items(items: list, drop: list[bool], at: Callable[[int, int], int], on
         j = i
         while j + 1 < len(items) and drop[j + 1]:
             j += 1
-        if j + 1 < len(items):
-            cuts.append((at(items[i].lineno, items[i].col_offset), at(items[j + 1].lineno, items[j + 1].col_offset),
-                         ""))
+        first, last = items[i], items[j]
+        start, end = at(first.lineno, first.col_offset), at(last.end_lineno, last.end_col_offset)
+        after = source[end:line_start(last.end_lineno + 1)].strip()
+        own_lines = (not source[line_start(first.lineno):start].strip() and after.lstrip(",").strip()[:1] in ("", "#")
+                     and (i == 0 or items[i - 1].end_lineno < first.lineno)
+                     and (j + 1 == len(items) or items[j + 1].lineno > last.end_lineno))
+        if own_lines:
+            cuts.append((line_start(first.lineno), line_start(last.end_lineno + 1), ""))
+        elif j + 1 < len(items):
+            cuts.append((start, at(items[j + 1].lineno, items[j + 1].col_offset), ""))
         else:
-            end = items[j]
-            cuts.append((at(items[i - 1].end_lineno, items[i - 1].end_col_offset), at(end.end_lineno,
-                                                                                          end.end_col_offset),
-                         "," if one_tuple and drop.count(False) == 1 else ""))
+            cuts.append((at(items[i - 1].end_lineno, items[i - 1].end_col_offset), end, ""))
         i = j + 1
     return cuts
+
+
+def _all_assignments(tree: ast.Module) -> list[ast.Assign]:
+    """The `__all__ = [...]` (or tuple, or one string) statements of `tree`."""
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.List | ast.Tuple | ast.Constant)
+            and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)]
 
 
 def _prune_imports(source: str, drop: set[str], module_of: str, target: str | None, imports: bool = True) -> str:
     """Remove `drop` from import statements (only imports from `target` when given; none unless `imports`) and
     from `__all__`: the names and their commas are cut from the text, so everything else stays byte-identical
-    (a statement left with no name goes whole)."""
+    (a statement left with no name goes whole; a tuple left with one name gets the comma that keeps it a tuple)."""
     tree = ast.parse(source)
-    at, delete = _cuts_of(source)
+    at, line_start, delete = _cuts_of(source)
     cuts: list[Cut] = []
+    tuples = 0
     for node in ast.walk(tree):
         if imports and isinstance(node, ast.ImportFrom | ast.Import) and (target is None or (
                 isinstance(node, ast.ImportFrom) and _resolve(node, module_of) == target)):
@@ -123,20 +146,28 @@ def _prune_imports(source: str, drop: set[str], module_of: str, target: str | No
             if all(gone):
                 cuts.append(delete(node))
             elif any(gone):
-                cuts += _drop_items(node.names, gone, at)
-        elif (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
-                                                   for t in node.targets)
-              and isinstance(node.value, ast.List | ast.Tuple)):
-            elts = node.value.elts
-            gone = [isinstance(e, ast.Constant) and e.value in drop for e in elts]
-            if all(gone):
-                value = node.value
-                cuts.append((at(value.lineno, value.col_offset), at(value.end_lineno, value.end_col_offset),
-                             "[]" if isinstance(value, ast.List) else "()"))
-            elif any(gone):
-                cuts += _drop_items(elts, gone, at, one_tuple=isinstance(node.value, ast.Tuple))
+                cuts += _drop_items(source, node.names, gone, at, line_start)
+    for node in _all_assignments(tree):
+        value = node.value
+        if not isinstance(value, ast.List | ast.Tuple):
+            continue
+        gone = [isinstance(e, ast.Constant) and e.value in drop for e in value.elts]
+        if all(gone) and gone:
+            cuts.append((at(value.lineno, value.col_offset), at(value.end_lineno, value.end_col_offset),
+                         "[]" if isinstance(value, ast.List) else "()"))
+        elif any(gone):
+            cuts += _drop_items(source, value.elts, gone, at, line_start)
+            tuples += isinstance(value, ast.Tuple) and gone.count(False) == 1
     for start, end, text in sorted(cuts, reverse=True):
         source = source[:start] + text + source[end:]
+    if tuples:  # `("a", "b")` less "b" reads `("a")`: a string, which `import *` would iterate letter by letter
+        before = sorted(_all_assignments(tree), key=lambda n: (n.lineno, n.col_offset))
+        after = sorted(_all_assignments(ast.parse(source)), key=lambda n: (n.lineno, n.col_offset))
+        at, _, _ = _cuts_of(source)
+        for old, new in reversed(list(zip(before, after, strict=True))):
+            if isinstance(old.value, ast.Tuple) and isinstance(new.value, ast.Constant):
+                end = at(new.value.end_lineno, new.value.end_col_offset)
+                source = source[:end] + "," + source[end:]
     return source
 
 
@@ -152,8 +183,16 @@ def _close_gap(lines: list[str], at: int) -> None:
         below += 1
     if at + below == len(lines):
         del lines[at - above:]
+    elif at - above == 0:  # the definition began the file
+        del lines[:at + below]
     else:
         del lines[at:at + min(above, below)]
+
+
+def _read(path: Path) -> str:
+    """A source file's text with its line endings as they are (`read_text` would turn CRLF into LF, and the gold
+    patch of a CRLF file into a whole-file edit)."""
+    return path.read_bytes().decode("utf-8")
 
 
 def delete_feature(root: Path, feature: Feature) -> Deletion:
@@ -165,14 +204,15 @@ def delete_feature(root: Path, feature: Feature) -> Deletion:
     deleted_names: dict[str, set[str]] = {}
     for file, syms in by_file.items():
         path = root / file
-        source = path.read_text()
-        lines = source.splitlines(keepends=True)
+        source = _read(path)
+        lines = source_lines(source)
         for sym in sorted(syms, key=lambda s: -s.start):
             if feature.tier in (1, 2):
                 first = lines[sym.body_start - 1]
                 indent = first[: len(first) - len(first.lstrip())]
+                ending = first[len(first.rstrip("\r\n")):] or "\n"
                 result.snippets.append("".join(lines[sym.body_start - 1: sym.end]))
-                lines[sym.body_start - 1: sym.end] = [f"{indent}raise NotImplementedError\n"]
+                lines[sym.body_start - 1: sym.end] = [f"{indent}raise NotImplementedError{ending}"]
             else:
                 result.snippets.append("".join(lines[sym.start - 1: sym.end]))
                 del lines[sym.start - 1: sym.end]
@@ -184,21 +224,21 @@ def delete_feature(root: Path, feature: Feature) -> Deletion:
             before, after = _names_used(ast.parse(source)), _names_used(ast.parse(new))
             new = _prune_imports(new, (before - after) - names, file, None)
             new = _prune_imports(new, names, file, None, imports=False)
-        path.write_text(new)
+        path.write_bytes(new.encode("utf-8"))
         result.changed.append(file)
     for file, names in deleted_names.items():  # imports of the deleted names elsewhere in the project
         target = module_name(file)
         for other in source_files(root):
             if other == file:
                 continue
-            text = (root / other).read_text()
+            text = _read(root / other)
             pruned = _prune_imports(text, names, other, target)
             if pruned != text:
-                (root / other).write_text(pruned)
+                (root / other).write_bytes(pruned.encode("utf-8"))
                 result.changed.append(other)
     for file in result.changed:
         try:
-            ast.parse((root / file).read_text())
+            ast.parse(_read(root / file))
         except SyntaxError as e:
             raise DeletionError(f"deleting {feature.id} left {file} unparsable: {e}") from e
     return result

@@ -140,6 +140,14 @@ def test_tier3_changes_only_the_definition_and_the_names_that_export_it(pkg):
     text = (pkg / "geo/shapes.py").read_text()
     kept = MODULE[:MODULE.index("\n\n\nclass Shape")] + "\n"
     assert text == kept.replace("from collections import OrderedDict\n", "").replace(', "Shape"', "")
+    (pkg / "geo/shapes.py").write_bytes(MODULE.replace("\n", "\r\n").encode())  # CRLF stays CRLF
+    delete_feature(pkg, Feature(3, (sym,), ["t"]))
+    assert (pkg / "geo/shapes.py").read_bytes().decode() == MODULE.replace('"perimeter", ', "").replace(
+        'def perimeter(r):\n    """Perimeter."""\n    return 2 * math.pi * r\n\n\n', "").replace("\n", "\r\n")
+    first = next(s for s in symbols_of("geo/shapes.py", MODULE) if s.qualname == "area")
+    (pkg / "geo/shapes.py").write_bytes(MODULE.replace("\n", "\r\n").encode())
+    delete_feature(pkg, Feature(1, (first,), ["t"]))
+    assert "    raise NotImplementedError\r\n" in (pkg / "geo/shapes.py").read_bytes().decode()
 
 
 @pytest.mark.parametrize("before, drop, after", [
@@ -152,6 +160,15 @@ def test_tier3_changes_only_the_definition_and_the_names_that_export_it(pkg):
     ("from .m import a as x, b  # é\n", {"a"}, "from .m import b  # é\n"),
     ("x = 'é'; from .m import a\nif x:\n    from .m import a\n", {"a"}, "x = 'é'; pass\nif x:\n    pass\n"),
     ("from .m import a; y = 2\n", {"a"}, "pass; y = 2\n"),
+    ("__all__ = ('a', 'b')\n", {"a"}, "__all__ = ('b',)\n"),  # a tuple of one keeps its comma: not the string 'b'
+    ("__all__ = ('a', 'b',)\n", {"b"}, "__all__ = ('a',)\n"),
+    ("__all__ = 'a', 'b'\n", {"a"}, "__all__ = 'b',\n"),
+    ("__all__ = (\n    'a',\n    'b',\n)\n", {"b"}, "__all__ = (\n    'a',\n)\n"),
+    ("__all__ = [\n    'a',  # public\n    'area',  # the area of a circle\n]\n", {"area"},
+     "__all__ = [\n    'a',  # public\n]\n"),  # a dropped name's comment goes with it, not the kept one's
+    ("__all__ = [\r\n    'a',\r\n    'b',\r\n]\r\n", {"a"}, "__all__ = [\r\n    'b',\r\n]\r\n"),
+    ("\x0c\nfrom .m import keep\nfrom .m import gone\n", {"gone"}, "\x0c\nfrom .m import keep\n"),  # a form feed
+    ('"""Doc \u2028 more."""\nfrom .m import a, b\n', {"b"}, '"""Doc \u2028 more."""\nfrom .m import a\n'),
 ])
 def test_pruning_a_name_cuts_only_the_name(before, drop, after):
     """A T3 deletion edits `__all__` and imports where the names are, so the rest of the file stays byte-identical:
