@@ -37,8 +37,9 @@ IGNORED_DIRS = frozenset({".git", "__pycache__", ".venv", "venv", "node_modules"
                           ".ruff_cache", ".hypothesis", ".tox"})
 # What a project's own test run writes into the tree it runs in: coverage.py's data (`.coverage`, and
 # `.coverage.<host>.<pid>.<random>` in parallel mode) and reports (`coverage.xml`, `htmlcov/`), made whenever pytest-cov
-# is in the project's addopts. Never part of an agent's change, so an episode's patch leaves them out as it leaves out
-# `.pytest_cache`: the grader refuses hidden and binary files, so one `pytest` would otherwise zero the episode.
+# is in the project's addopts. Never part of an agent's change, so an episode's patch leaves them out (unless the
+# baseline has them: then they are the project's own files) as it leaves out `.pytest_cache`: the grader refuses
+# hidden and binary files, so one `pytest` would otherwise zero the episode.
 TEST_OUTPUTS = re.compile(r"\.coverage(\..*)?|coverage\.xml|htmlcov", re.DOTALL)
 
 

@@ -69,7 +69,8 @@ def tree_diff(before: Path, after: Path, max_bytes: int = MAX_DIFF_BYTES) -> str
     unmodified inode — a sandbox's overlay seen next to its snapshot — and are not mirrored at all.
     """
     left_out: list[str] = []
-    old, new = _scan(before, left_out), _scan(after, left_out)
+    old = _scan(before, left_out)
+    new = _scan(after, left_out, keep=old)
     with tempfile.TemporaryDirectory(prefix="shipyard-diff-") as tmp:
         sides = {"a": (before, old), "b": (after, new)}
         for name in sides:
@@ -112,27 +113,32 @@ def _quote(rel: str) -> str:
     return json.dumps(rel, ensure_ascii=False)  # a name with a newline stays on its note line
 
 
-def _scan(root: Path, left_out: list[str]) -> dict[str, _Node]:
-    """Every entry under `root` but the ignored directories and test runs' outputs, by relative path, from `lstat`
-    (nothing followed)."""
+def _scan(root: Path, left_out: list[str], keep: dict[str, _Node] | None = None) -> dict[str, _Node]:
+    """Every entry under `root` but the ignored directories, by relative path, from `lstat` (nothing followed). With
+    `keep` (the baseline's entries), also without what test runs write (`is_test_output`) unless the baseline has
+    it: a project's own `htmlcov/` package or `coverage.xml` fixture is diffed like any file."""
     nodes: dict[str, _Node] = {}
     stack = [""]
     while stack:
         rel_dir = stack.pop()
         try:
             with os.scandir(os.path.join(root, rel_dir)) as it:
-                entries = [(e.name, e.stat(follow_symlinks=False)) for e in it
-                           if e.name not in IGNORED_DIRS and not is_test_output(e.name)]
+                entries = [(e.name, e.stat(follow_symlinks=False)) for e in it if e.name not in IGNORED_DIRS and not (
+                    keep is not None and is_test_output(e.name) and _join(rel_dir, e.name) not in keep)]
         except OSError as e:
             if rel_dir:
                 left_out.append(f"{_quote(rel_dir)}: a directory that could not be read ({e.strerror})")
             continue
         for name, st in entries:
-            rel = f"{rel_dir}/{name}" if rel_dir else name
+            rel = _join(rel_dir, name)
             nodes[rel] = _Node(_kind(st.st_mode), st.st_size, st.st_mode, st.st_mtime_ns, st.st_ctime_ns)
             if nodes[rel].kind == "dir":
                 stack.append(rel)
     return nodes
+
+
+def _join(rel_dir: str, name: str) -> str:
+    return f"{rel_dir}/{name}" if rel_dir else name
 
 
 def _kind(mode: int) -> Literal["dir", "link", "file", "FIFO", "socket", "device"]:

@@ -31,6 +31,7 @@ so one replay engine serves every task and every sample of a task set.
 from __future__ import annotations
 
 import difflib
+import io
 import json
 import os
 import random
@@ -176,32 +177,59 @@ def _spans(a: list[str], b: list[str]) -> list[tuple[int, int, int, int]]:
 
 def edits(old: str, new: str, path: str | None = None) -> list[tuple[str, str]] | None:
     """`search_replace` arguments (old_string, new_string) that turn `old` into `new`, applied in order: one per
-    changed region (`_spans`), each old text grown by the fewest lines of context (`_unique_context`) that make it
-    occur exactly once in the text as it is when it is applied, by `MAX_CONTEXT` lines each side at most. None when
-    no such sequence reproduces `new` (a region still ambiguous at that growth, regions that merge) or, for the file
-    `path`, when a step would be refused by the tool's syntax gate (the file parses before it and not after: two
-    regions of one change, such as a string opened in one and closed in the other): the caller writes the whole file
-    instead."""
-    a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)
-    out: list[tuple[str, str]] = []
+    changed region (`_spans`), each old text the region's changed lines grown by the fewest lines of context
+    (`_unique_context`) that make it occur exactly once in the text as it is when it is applied, by `MAX_CONTEXT`
+    lines each side at most. None when no such sequence reproduces `new` (a region still ambiguous at that growth,
+    regions that merge) or, for the file `path`, when a step would be refused by the tool's syntax gate (the file
+    parses before it and not after: two regions of one change, such as a string opened in one and closed in the
+    other): the caller writes the whole file instead."""
+    a, b = _lines(old), _lines(new)
+    steps = _steps(old, new, path, a, b, _spans(a, b))
+    return None if steps is None else [(search, replacement) for search, replacement, _, _ in steps]
+
+
+def _lines(text: str) -> list[str]:
+    """`text`'s lines as `read_file` numbers them: ended by \\n only (`str.splitlines` also ends one at a form feed
+    or U+2028, and a window's offset would point at another line)."""
+    return io.StringIO(text, newline="\n").readlines()
+
+
+def _changed(a: list[str], b: list[str], span: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    """The lines a region of `_spans` changes, its unchanged lines at either end left out: old [k, m), new [jk, jm)
+    (k == m: an insertion before old line k)."""
+    i1, i2, j1, j2 = span
+    head = 0
+    while i1 + head < i2 and j1 + head < j2 and a[i1 + head] == b[j1 + head]:
+        head += 1
+    tail = 0
+    while i2 - tail > i1 + head and j2 - tail > j1 + head and a[i2 - 1 - tail] == b[j2 - 1 - tail]:
+        tail += 1
+    return i1 + head, i2 - tail, j1 + head, j2 - tail
+
+
+def _steps(old: str, new: str, path: str | None, a: list[str], b: list[str],
+           spans: list[tuple[int, int, int, int]]) -> list[tuple[str, str, int, int]] | None:
+    """`edits`, each step with the lines [lo, hi) of `old` its old_string quotes (for the reads that show them)."""
+    out: list[tuple[str, str, int, int]] = []
     text = old
     shift = 0  # lines the edits so far added (new − old) before the current region
-    for i1, i2, j1, j2 in _spans(a, b):
-        cur = text.splitlines(keepends=True)
-        found = _unique_context(text, cur, i1 + shift, i2 + shift)
+    for span in spans:
+        k, m, jk, jm = _changed(a, b, span)
+        cur = _lines(text)
+        found = _unique_context(text, cur, k + shift, m + shift)
         if found is None:
             return None
         lo, hi = found
         search = "".join(cur[lo:hi])
-        replacement = "".join(cur[lo:i1 + shift]) + "".join(b[j1:j2]) + "".join(cur[i2 + shift:hi])
+        replacement = "".join(cur[lo:k + shift]) + "".join(b[jk:jm]) + "".join(cur[m + shift:hi])
         before, text = text, text.replace(search, replacement, 1)
         if path is not None:
             try:
                 syntax_gate(path, before, text)
             except EditRejected:
                 return None
-        out.append((search, replacement))
-        shift += (j2 - j1) - (i2 - i1)
+        out.append((search, replacement, max(lo - shift, 0), max(hi - shift, 0)))
+        shift += (jm - jk) - (m - k)
     return out if text == new else None
 
 
@@ -255,26 +283,23 @@ READ_UP = 60  # lines looked back from a region for the `def` or `class` that ho
 DEFINITION = re.compile(r"\s*(?:async\s+def|def|class)\s")
 
 
-def _read_args(path: str, old: str, new: str) -> list[dict[str, Any]]:
-    """The `read_file` calls that show what the edit of `path` (`old` → `new`) needs: the whole file when it is short,
-    else one window per changed region (`_spans`), from the definition holding the lines it changes (an insertion:
-    from `READ_AROUND` lines above), merged where they meet. A window of 200 lines cost the demonstrations ~3,000
-    tokens a file; the episode's context is 8,192."""
-    a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)
+def _read_args(path: str, a: list[str], b: list[str], spans: list[tuple[int, int, int, int]],
+               quoted: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """The `read_file` calls that show what the edit of `path` (lines `a` → `b`, in `spans`) needs: the whole file
+    when it is short, else one window per changed region, from the definition holding the lines it changes (an
+    insertion: from `READ_AROUND` lines above), widened to every line an edit quotes (`quoted`), merged where they
+    meet. A window of 200 lines cost the demonstrations ~3,000 tokens a file; the episode's context is 8,192."""
     if len(a) <= READ_WHOLE:
         return [{"path": path}]
-    windows: list[tuple[int, int]] = []
-    for i1, i2, j1, j2 in _spans(a, b):
-        head = 0  # the region's unchanged lines at either end: the old lines it changes are [k, m)
-        while i1 + head < i2 and j1 + head < j2 and a[i1 + head] == b[j1 + head]:
-            head += 1
-        k, m = i1 + head, i2
-        while m > k and j2 - (i2 - m) > j1 + head and a[m - 1] == b[j2 - 1 - (i2 - m)]:
-            m -= 1
+    ranges = list(quoted)
+    for span in spans:
+        k, m, _, _ = _changed(a, b, span)
         top = next((i for i in range(k, max(k - READ_UP, -1), -1) if DEFINITION.match(a[i])), None) if m > k else None
-        lo, hi = max(top if top is not None else k - READ_AROUND, 0), min(m + READ_AROUND, len(a))
+        ranges.append((max(top if top is not None else k - READ_AROUND, 0), min(m + READ_AROUND, len(a))))
+    windows: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
         if windows and lo <= windows[-1][1] + READ_AROUND:
-            windows[-1] = (min(lo, windows[-1][0]), max(hi, windows[-1][1]))
+            windows[-1] = (windows[-1][0], max(hi, windows[-1][1]))
         else:
             windows.append((lo, hi))
     return [{"path": path, "offset": lo + 1, "limit": hi - lo} for lo, hi in windows]
@@ -296,9 +321,15 @@ def gold_messages(task_dir: Path, task: Task | None = None,
     where = ", ".join(f"`{p}`" for p in (existing or changed))
     what = _names(task, changed)
     run_tests = [("run_terminal", {"command": _test_command(task)})] if task is not None else []
+    plans: dict[str, tuple[list[dict[str, Any]], list[tuple[str, str, int, int]] | None]] = {}
+    for p in existing:  # each file's edits, and the reads that show every line they quote
+        a, b = _lines(originals[p]), _lines(final[p])
+        spans = _spans(a, b)
+        steps = _steps(originals[p], final[p], p, a, b, spans)
+        plans[p] = _read_args(p, a, b, spans, [(lo, hi) for _, _, lo, hi in steps or []]), steps
     turns: list[str] = []
     if existing:
-        look = [("read_file", args) for p in existing for args in _read_args(p, originals[p], final[p])]
+        look = [("read_file", args) for p in existing for args in plans[p][0]]
         if task is not None and task.deleted and rng.random() < 0.3:
             name = task.deleted[0].qualname.rsplit(".", 1)[-1]
             tests = sorted({t.split("::", 1)[0].rsplit("/", 1)[0] for t in task.fail_to_pass}) or ["."]
@@ -311,12 +342,11 @@ def gold_messages(task_dir: Path, task: Task | None = None,
         if content is None:
             calls.append(("delete_file", {"path": path}))
             continue
-        old = originals[path]
-        steps = edits(old, content, path) if old is not None else None
+        steps = plans[path][1] if path in plans else None
         if steps is None:
             calls.append(("write_file", {"path": path, "content": content}))
         else:
-            calls += [("search_replace", {"path": path, "old_string": o, "new_string": n}) for o, n in steps]
+            calls += [("search_replace", {"path": path, "old_string": o, "new_string": n}) for o, n, _, _ in steps]
     turns.append(_turn(rng.choice(EDIT).format(what=what), calls, spelled))
     if task is not None:
         turns.append(_turn(rng.choice(CHECK), run_tests, spelled))

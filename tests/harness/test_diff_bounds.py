@@ -147,3 +147,12 @@ def test_what_a_test_run_writes_is_left_out_and_coverage_config_is_not(trees, tm
     patch = tree_diff(before, after)
     assert sorted(patch_paths(patch)) == [".coveragerc", "app.py"]
     assert not note_of(patch)
+    (before / "pkg").mkdir()  # a project's own package or fixture by such a name is diffed like any file
+    (before / "pkg" / "htmlcov").mkdir()
+    (before / "pkg" / "htmlcov" / "__init__.py").write_text("A = 1\n")
+    (before / "coverage.xml").write_text("<fixture/>\n")
+    shutil.copytree(before / "pkg" / "htmlcov", after / "pkg" / "htmlcov")
+    (after / "pkg" / "htmlcov" / "__init__.py").write_text("A = 2\n")
+    (after / "pkg" / "htmlcov" / ".coverage").write_bytes(b"\x00")
+    assert sorted(patch_paths(tree_diff(before, after))) == [".coveragerc", "app.py", "coverage.xml",
+                                                             "pkg/htmlcov/__init__.py"]

@@ -302,8 +302,8 @@ def test_gold_messages_read_edit_and_stop_like_an_agent(tmp_path):
     # look (each file to edit), edit (replace what changed, write the new, delete the gone), stop
     assert calls[0] == [("read_file", {"path": "pkg/a.py"})]
     assert calls[1] == [("delete_file", {"path": "old.py"}), ("delete_file", {"path": "gone.py"}),
-                        ("search_replace", {"path": "pkg/a.py", "old_string": "def f():\n    pass\n",
-                                            "new_string": "def f():\n    return 1\n\n"}),
+                        ("search_replace", {"path": "pkg/a.py", "old_string": "    pass\n",
+                                            "new_string": "    return 1\n\n"}),
                         ("write_file", {"path": "new.py", "content": "z = 2\n"}),
                         ("write_file", {"path": "pkg/b.py", "content": 'y = "é"\n'})]
     assert calls[-1] == [] and len(messages) == 3 and "gold" not in " ".join(messages).lower()
@@ -343,6 +343,8 @@ def test_edit_context_is_the_nearest_unique_lines_on_either_side():
     [(search, replacement)] = edits(old, new)
     assert old.count(search) == 1 and old.replace(search, replacement, 1) == new
     assert search.count("\n") <= 3, search
+    assert edits("a = 1\nb = 2\nc = 3\nold = 4\nd = 5\ne = 6\n", "a = 1\nb = 2\nc = 3\nnew = 4\nd = 5\ne = 6\n") == [
+        ("old = 4\n", "new = 4\n")]  # the changed line alone is unique: difflib's context lines are not quoted
 
 
 def test_changes_far_apart_in_a_long_file_are_two_small_edits():
@@ -356,8 +358,18 @@ def test_changes_far_apart_in_a_long_file_are_two_small_edits():
     assert steps is not None and len(steps) == 2 and all(len(search) < 200 for search, _ in steps)
 
 
+def read_plan(old: str, new: str):
+    """The reads and edits gold_messages makes of one file: (read_file arguments, search_replace steps)."""
+    from shipyard.rollout.gold import _lines, _read_args, _spans, _steps
+
+    a, b = _lines(old), _lines(new)
+    spans = _spans(a, b)
+    steps = _steps(old, new, "m.py", a, b, spans)
+    return _read_args("m.py", a, b, spans, [(lo, hi) for _, _, lo, hi in steps or []]), steps
+
+
 def test_a_long_file_is_read_at_each_changed_definition_a_short_one_whole():
-    from shipyard.rollout.gold import READ_WHOLE, _read_args
+    from shipyard.rollout.gold import READ_WHOLE
 
     body = "".join(f"    v{i} = {i}\n" for i in range(READ_WHOLE))
     old = f"def f():\n    \"\"\"Doc.\"\"\"\n    raise NotImplementedError\n\n\ndef pad():\n{body}\n\ndef g(a):\n" \
@@ -365,10 +377,27 @@ def test_a_long_file_is_read_at_each_changed_definition_a_short_one_whole():
     new = old.replace("    raise NotImplementedError\n", "    return 1\n", 1).replace(
         "def g(a):\n    raise NotImplementedError\n", "def g(a):\n    return a\n")
     lines = old.splitlines()
-    windows = _read_args("m.py", old, new)
+    windows, _ = read_plan(old, new)
     assert [lines[w["offset"] - 1] for w in windows] == ["def f():", "def g(a):"]
     assert all(w["limit"] <= 40 for w in windows)
-    assert _read_args("m.py", "def f():\n    pass\n", "def f():\n    return 1\n") == [{"path": "m.py"}]
+    assert read_plan("def f():\n    pass\n", "def f():\n    return 1\n")[0] == [{"path": "m.py"}]
+
+
+def test_every_line_an_edit_quotes_was_read_first():
+    """Two classes with the same method: the edit of the second quotes `class B:` above its `def`, so the read shows
+    it too (a demonstration must not quote lines its agent never saw). Lines are counted as read_file counts them:
+    a form feed or U+2028 inside a line does not end it."""
+    from shipyard.rollout.gold import READ_WHOLE
+
+    pad = "".join(f"v{i} = '\u2028\x0c'\n" for i in range(READ_WHOLE))
+    same = "    def f(self):\n        raise NotImplementedError\n"
+    old = f"{pad}\n\nclass A:\n{same}\n\nclass B:\n{same}"
+    new = old[:old.rindex("raise")] + "return 2\n"
+    windows, steps = read_plan(old, new)
+    lines = old.split("\n")
+    shown = ["\n".join(lines[w["offset"] - 1:w["offset"] - 1 + w["limit"]]) for w in windows]
+    assert [search for search, *_ in steps] == ["class B:\n" + same]
+    assert any(steps[0][0].rstrip("\n") in text for text in shown), (windows, len(lines))
 
 
 def test_gold_demonstrations_vary_and_run_the_failing_tests(taskset):
