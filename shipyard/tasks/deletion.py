@@ -53,9 +53,8 @@ def _resolve(node: ast.ImportFrom, importer: str) -> str:
 
 def _names_used(tree: ast.Module) -> set[str]:
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    for node in ast.walk(tree):  # names exported through __all__ count as used
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
-            used |= {e.value for e in getattr(node.value, "elts", []) if isinstance(e, ast.Constant)}
+    for node in _all_assignments(tree):  # names exported through __all__ count as used
+        used |= {e.value for e in getattr(node.value, "elts", []) if isinstance(e, ast.Constant)}
     return used
 
 
@@ -123,11 +122,21 @@ def _drop_items(source: str, items: list, drop: list[bool], at: Callable[[int, i
     return cuts
 
 
-def _all_assignments(tree: ast.Module) -> list[ast.Assign]:
-    """The `__all__ = [...]` (or tuple, or one string) statements of `tree`."""
-    return [node for node in ast.walk(tree) if isinstance(node, ast.Assign)
-            and isinstance(node.value, ast.List | ast.Tuple | ast.Constant)
-            and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)]
+def _all_assignments(tree: ast.Module) -> list[ast.Assign | ast.AnnAssign | ast.AugAssign]:
+    """The statements of `tree` that set or extend `__all__` with a list, a tuple or one string: `__all__ = [...]`,
+    `__all__: list[str] = [...]`, `__all__ += [...]`."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign) or (isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add)):
+            targets = [node.target]
+        else:
+            continue
+        if (any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets)
+                and isinstance(node.value, ast.List | ast.Tuple | ast.Constant)):
+            found.append(node)
+    return found
 
 
 def _prune_imports(source: str, drop: set[str], module_of: str, target: str | None, imports: bool = True) -> str:

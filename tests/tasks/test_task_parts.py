@@ -161,6 +161,8 @@ def test_tier3_changes_only_the_definition_and_the_names_that_export_it(pkg):
     ("x = 'é'; from .m import a\nif x:\n    from .m import a\n", {"a"}, "x = 'é'; pass\nif x:\n    pass\n"),
     ("from .m import a; y = 2\n", {"a"}, "pass; y = 2\n"),
     ("__all__ = ('a', 'b')\n", {"a"}, "__all__ = ('b',)\n"),  # a tuple of one keeps its comma: not the string 'b'
+    ("__all__: list[str] = ['a', 'b']\n__all__ += ['c', 'b']\n", {"b"},
+     "__all__: list[str] = ['a']\n__all__ += ['c']\n"),
     ("__all__ = ('a', 'b',)\n", {"b"}, "__all__ = ('a',)\n"),
     ("__all__ = 'a', 'b'\n", {"a"}, "__all__ = 'b',\n"),
     ("__all__ = (\n    'a',\n    'b',\n)\n", {"b"}, "__all__ = (\n    'a',\n)\n"),
