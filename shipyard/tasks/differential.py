@@ -12,8 +12,8 @@ At synthesis (`record`, in a sandbox holding the original code): `probe.py` reco
 the deleted code while the FAIL_TO_PASS tests run, derives perturbed inputs from them (same types, other values),
 and keeps the original's result for each input; for functions whose parameters all have type hints of plain data,
 `hypothesis` draws more inputs from the hints (`typed_calls`, run on the original by `probe.extend`); a second
-process then checks every case again and the cases whose
-result differs (randomness, state that leaks between calls, hash order) are dropped. The cases go to
+process then checks every case again, with the `time` module's clocks a day ahead, and the cases whose
+result differs (randomness, state that leaks between calls, hash order, the clock) are dropped. The cases go to
 `TASK_DIR/differential.json`, beside `gold.patch`, never into the snapshot. Why calls could not become cases
 (unpicklable arguments, nested functions, randomness, …) is counted there too: `shipyard bench synth` reports the
 share of tasks with cases and the reasons of the rest.
@@ -56,6 +56,7 @@ MAX_DIFF_FILE = 16 << 20
 PROBE = "shipyard_probe.py"
 REL_TOL, ABS_TOL = 1e-6, 1e-9
 UNREADABLE = "returned a result the grader cannot read"
+CLOCK_SHIFT = 86400.0  # the second process at synthesis runs a day ahead: grading comes hours or days later
 CHECK_SECONDS = 120.0  # the probe's whole run at grading: cases × `probe.CALL_SECONDS` at most, and start-up
 
 
@@ -168,11 +169,13 @@ def _run_probe(ws: Workspace, settings: dict, timeout: float, env: dict[str, str
         return None
 
 
-def check(ws: Workspace, cases: list[Case], timeout: float = CHECK_SECONDS) -> list[dict[str, Any]] | None:
-    """Each case's result from the code in `ws`, in order; None when the probe left no readable results (it
-    crashed, exited, hung or wrote something else: the code under test's doing, unless the sandbox failed)."""
-    settings = {"mode": "check", "cases": [{"module": c.module, "qualname": c.qualname, "input": c.input}
-                                           for c in cases]}
+def check(ws: Workspace, cases: list[Case], timeout: float = CHECK_SECONDS,
+          clock_shift: float = 0.0) -> list[dict[str, Any]] | None:
+    """Each case's result from the code in `ws`, in order, with the clocks `clock_shift` seconds ahead
+    (`probe.shifted_clocks`); None when the probe left no readable results (it crashed, exited, hung or wrote
+    something else: the code under test's doing, unless the sandbox failed)."""
+    settings = {"mode": "check", "clock_shift": clock_shift,
+                "cases": [{"module": c.module, "qualname": c.qualname, "input": c.input} for c in cases]}
     out = _run_probe(ws, settings, timeout)
     try:
         results = CHECKED.validate_json(out).results if out is not None else None
@@ -198,11 +201,11 @@ def record(ws: Workspace, task: Task, timeout: float, seed: int = 0) -> Differen
     _bound(diff)
     if not diff.cases:
         return diff
-    again = check(ws, diff.cases)
+    again = check(ws, diff.cases, clock_shift=CLOCK_SHIFT)
     if again is None:
         return Differential(reasons={"the original's check run left no readable result": 1}, calls=diff.calls)
     diff.keep_only([c for c, r in zip(diff.cases, again, strict=True) if compare(c.output, r) is None],
-                   "the original's result differs between two processes (hash order, global state)")
+                   "the original's result differs between two processes (hash order, global state, the clock)")
     return diff
 
 

@@ -24,7 +24,11 @@ Three modes:
 - **extend** (at synthesis, over the original): calls the original on inputs the host drew from those hints with
   `hypothesis` strategies, and keeps them as cases as above (origin `typed`).
 - **check** (at grading, over the candidate): calls the function each case names on each case's input and writes
-  the canonical results, in order. The host compares them with the recorded ones.
+  the canonical results, in order. The host compares them with the recorded ones. At synthesis the host also runs it
+  over the original with the `time` module's clocks a day ahead (`clock_shift`, `shifted_clocks`): a case whose
+  result reads the clock (a TTL cache's expiry against `time.monotonic`) would come out otherwise at grading, hours
+  or days later, and failed the gold itself; such cases are dropped there. `datetime.now` reads the clock in C and
+  is not moved.
 
 Inputs travel as pickles because arguments are often objects (a `self`, a date, a compiled pattern): they are made
 and loaded only here, in the sandbox, from the project's own classes; the host stores them as opaque bytes and never
@@ -57,6 +61,7 @@ import re
 import signal
 import sys
 import threading
+import time
 import types
 import typing
 
@@ -505,17 +510,46 @@ def extend(settings: dict) -> dict:
     return {"cases": cases, "reasons": reasons}
 
 
+CLOCKS = ("time", "time_ns", "monotonic", "monotonic_ns", "perf_counter", "perf_counter_ns")
+
+
+@contextlib.contextmanager
+def shifted_clocks(seconds: float):
+    """The `time` module's clocks `seconds` ahead while inside (0: untouched). Each stand-in keeps its clock's name
+    and module, so an object holding `time.monotonic` (a cache's timer) reads the same in a result."""
+    real = {name: getattr(time, name) for name in CLOCKS}
+
+    def ahead(name: str):
+        clock, offset = real[name], round(seconds * 1e9) if name.endswith("_ns") else seconds
+
+        def shifted():
+            return clock() + offset
+
+        shifted.__module__, shifted.__name__, shifted.__qualname__ = "time", name, name
+        return shifted
+
+    try:
+        if seconds:
+            for name in CLOCKS:
+                setattr(time, name, ahead(name))
+        yield
+    finally:
+        for name, clock in real.items():
+            setattr(time, name, clock)
+
+
 def check(settings: dict) -> dict:
     sys.path.append(settings["rootdir"])
     results, functions = [], {}
-    for case in settings["cases"]:
-        key = (case["module"], case["qualname"])
-        try:
-            if key not in functions:
-                functions[key] = resolve(*key)
-            results.append(call_case(functions[key], base64.b64decode(case["input"])))
-        except BaseException as e:
-            results.append(_raised(e))
+    with shifted_clocks(settings.get("clock_shift", 0)):
+        for case in settings["cases"]:
+            key = (case["module"], case["qualname"])
+            try:
+                if key not in functions:
+                    functions[key] = resolve(*key)
+                results.append(call_case(functions[key], base64.b64decode(case["input"])))
+            except BaseException as e:
+                results.append(_raised(e))
     return {"results": results}
 
 

@@ -477,3 +477,28 @@ def test_the_host_enforces_the_probes_limits_on_what_a_recording_wrote():
     differential._bound(diff)
     assert len(diff.cases) == probe.MAX_CASES and big not in diff.cases
     assert diff.reasons == {"over the probe's limits (cases, input or result size)": 6}
+
+
+def test_a_case_that_reads_the_clock_differs_a_day_later_and_its_clocks_keep_their_names(tmp_path):
+    """The original's second run at synthesis has the clocks a day ahead: a TTL check against `time.monotonic` comes
+    out otherwise there (so the case is dropped, instead of failing the gold when it is graded days later), a pure
+    function does not, and an object holding `time.monotonic` reads the same (the stand-in keeps the name)."""
+    import base64
+    import sys
+    import time
+
+    (tmp_path / "clocky.py").write_text(
+        "import time\n\n\ndef fresh(stamp):\n    return time.monotonic() - stamp < 3600\n\n\n"
+        "def timer():\n    return time.monotonic\n\n\ndef double(x):\n    return 2 * x\n")
+    cases = [{"module": "clocky", "qualname": q, "input": base64.b64encode(pickle.dumps((args, {}))).decode()}
+             for q, args in (("fresh", (time.monotonic(),)), ("timer", ()), ("double", (21,)))]
+    real = time.monotonic
+    try:
+        now = probe.check({"rootdir": str(tmp_path), "cases": cases})["results"]
+        later = probe.check({"rootdir": str(tmp_path), "cases": cases, "clock_shift": 86400.0})["results"]
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("clocky", None)
+    assert time.monotonic is real  # restored
+    assert [r["return"] for r in now] == [True, ["ref", "time.monotonic"], ["int", "0x2a"]]
+    assert [compare(n, a) is None for n, a in zip(now, later, strict=True)] == [False, True, True]
