@@ -111,6 +111,48 @@ def _untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def free_bytes(path: Path) -> int:
+    """Bytes free for this user on the file system that holds `path` (or its nearest existing parent)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _nbytes(tree: Any) -> int:
+    """Bytes of the tensors in a state dict (nested dicts and lists; a DTensor counts its local shard)."""
+    if isinstance(tree, DTensor):
+        return tree.to_local().nbytes
+    if isinstance(tree, torch.Tensor):
+        return tree.nbytes
+    if isinstance(tree, Mapping):
+        return sum(_nbytes(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return sum(_nbytes(v) for v in tree)
+    return 0
+
+
+class CheckpointSpaceError(UsageError, OSError):
+    """A checkpoint that would not fit on its disk, refused before anything is written."""
+
+
+def _check_space(trainer: Trainer, final: Path, local_bytes: int, keep: int) -> None:
+    """Refuse, on every rank alike, a checkpoint whose tensors (every rank's, summed) exceed the free space where it
+    goes: a full disk otherwise fails deep inside `torch.save` ("unexpected pos 704 vs 598") after minutes of
+    writing, with the run's last good checkpoint as its only hint."""
+    need = torch.tensor([local_bytes], dtype=torch.float64)
+    dist.all_reduce(need)
+    free = free_bytes(final.parent)
+    short = torch.tensor([1.0 if need.item() > free else 0.0], dtype=torch.float64)
+    dist.all_reduce(short, op=dist.ReduceOp.MAX)
+    if short.item():
+        gb = 1 << 30
+        raise CheckpointSpaceError(
+            f"the checkpoint of step {trainer.step_count} needs ~{need.item() / gb:.1f} GiB in {final.parent}, which "
+            f"has {free / gb:.1f} GiB free (the newest [run] keep_checkpoints = {keep or 'all'} are kept, and one "
+            "more is written before the oldest goes): free space there, keep fewer (keep_checkpoints = 1), or "
+            "checkpoint less often ([run] checkpoint_every)")
+
+
 def save_checkpoint(trainer: Trainer, directory: str | Path, extra: Mapping[str, str] | None = None,
                     keep: int = 0) -> Path:
     """Write a checkpoint of `trainer` (collective: every rank calls it); its directory. `extra`: more files (name →
@@ -125,11 +167,13 @@ def save_checkpoint(trainer: Trainer, directory: str | Path, extra: Mapping[str,
     partial = final.with_name(final.name + ".partial")
     lora = trainer.config.lora.enabled
     full = trainer.engine_weights()  # collective; with LoRA the adapter's tensors only
+    state = _state(trainer)[0]
+    _check_space(trainer, final, _nbytes(state) + (_nbytes(full) if trainer.rank == 0 else 0), keep)
     if trainer.rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_state(trainer)[0], checkpoint_id=partial / "dcp")
+    dcp.save(state, checkpoint_id=partial / "dcp")
     torch.save(torch.get_rng_state(), partial / f"rng-rank{trainer.rank}.pt")
     if trainer.rank == 0:
         if lora:

@@ -136,3 +136,21 @@ def test_only_the_newest_checkpoints_are_kept_and_nothing_else_is_touched(episod
     (ckpt / "step-00000009.partial").mkdir()  # a save under way (or crashed) after the newest complete one: kept
     assert [p.name for p in prune(ckpt, 1)] == ["step-00000002"]
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000003", "step-00000009.partial", "step-notes"]
+
+
+def test_a_checkpoint_that_would_not_fit_is_refused_before_anything_is_written(episodes, tmp_path, monkeypatch):
+    """A full disk failed a 5-hour SFT stage deep inside torch.save ("unexpected pos 704 vs 598"): the space the
+    checkpoint's tensors need is checked first, and the message says what to change. The free space is the one
+    thing faked: how much a disk holds is the machine's, not the code's."""
+    from shipyard.train import checkpoint
+
+    trainer = _trainer()
+    trainer.step(_batches(episodes, trainer)[0])
+    ckpt = tmp_path / "ckpt"
+    fits = save_checkpoint(trainer, ckpt)  # the real disk has room
+    need = sum(f.stat().st_size for f in fits.rglob("*") if f.is_file())
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda path: need // 4)
+    trainer.step(_batches(episodes, trainer)[1])
+    with pytest.raises(checkpoint.CheckpointSpaceError, match=r"step 2 needs ~.* GiB free .*keep_checkpoints = 1"):
+        save_checkpoint(trainer, ckpt, keep=2)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000001"]  # nothing written, nothing pruned
