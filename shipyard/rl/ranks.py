@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shipyard.errors import UserError
 from shipyard.rl.config import ConfigError
 from shipyard.train.trainer import TrainConfig, Trainer
 
@@ -183,7 +184,7 @@ def trainer_ranks(spec: RankSpec, status: Callable[[str], None] = lambda _: None
         yield RankGroup(model, device, control)
     except BaseException as e:
         dead = _died(procs, wait=3.0)
-        if dead:
+        if dead and not isinstance(e, UserError):  # a user's error (a full disk) ends every rank alike: say it once
             raise RankError(f"trainer rank(s) died (rank, exit code; negative: killed by that signal): {dead}; "
                             f"what a rank printed is above") from e
         raise

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import io
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -59,6 +60,7 @@ def _names_used(tree: ast.Module) -> set[str]:
 
 
 Cut = tuple[int, int, str]  # (start, end, replacement): character offsets into a file's text
+COMMENT = re.compile(r"#[^\r\n]*")  # after a sequence's last item only commas, brackets, blanks and comments follow
 
 
 def source_lines(source: str) -> list[str]:
@@ -93,11 +95,17 @@ def _cuts_of(source: str) -> tuple[Callable[[int, int], int], Callable[[int], in
 
 
 def _drop_items(source: str, items: list, drop: list[bool], at: Callable[[int, int], int],
-                line_start: Callable[[int], int]) -> list[Cut]:
+                line_start: Callable[[int], int], one_tuple_until: int | None = None) -> list[Cut]:
     """The cuts that remove the `drop`-marked items of one list, tuple or import (at least one item stays) with
     their commas, leaving the others, their comments and the layout as they are. A run of dropped items that fills
     its own lines (one item a line) goes with those lines, comments included; otherwise it goes from its first item
-    to the next kept item's start, or, at the end, from the last kept item's end."""
+    to the next kept item's start, or, at the end, from the last kept item's end. `one_tuple_until` (the tuple's end
+    offset, when one item stays): that item keeps a comma after it, `("a",)` and not the string `("a")`, which
+    `import *` would iterate letter by letter."""
+
+    def comma_after(offset: int) -> bool:
+        return COMMENT.sub("", source[offset:one_tuple_until]).strip().startswith(",")
+
     cuts, i = [], 0
     while i < len(items):
         if not drop[i]:
@@ -117,8 +125,12 @@ def _drop_items(source: str, items: list, drop: list[bool], at: Callable[[int, i
         elif j + 1 < len(items):
             cuts.append((start, at(items[j + 1].lineno, items[j + 1].col_offset), ""))
         else:
-            cuts.append((at(items[i - 1].end_lineno, items[i - 1].end_col_offset), end, ""))
+            single = one_tuple_until is not None and not comma_after(end)
+            cuts.append((at(items[i - 1].end_lineno, items[i - 1].end_col_offset), end, "," if single else ""))
         i = j + 1
+    last = at(items[-1].end_lineno, items[-1].end_col_offset)
+    if one_tuple_until is not None and not drop[-1] and not comma_after(last):
+        cuts.append((last, last, ","))
     return cuts
 
 
@@ -146,7 +158,6 @@ def _prune_imports(source: str, drop: set[str], module_of: str, target: str | No
     tree = ast.parse(source)
     at, line_start, delete = _cuts_of(source)
     cuts: list[Cut] = []
-    tuples = 0
     for node in ast.walk(tree):
         if imports and isinstance(node, ast.ImportFrom | ast.Import) and (target is None or (
                 isinstance(node, ast.ImportFrom) and _resolve(node, module_of) == target)):
@@ -165,18 +176,11 @@ def _prune_imports(source: str, drop: set[str], module_of: str, target: str | No
             cuts.append((at(value.lineno, value.col_offset), at(value.end_lineno, value.end_col_offset),
                          "[]" if isinstance(value, ast.List) else "()"))
         elif any(gone):
-            cuts += _drop_items(source, value.elts, gone, at, line_start)
-            tuples += isinstance(value, ast.Tuple) and gone.count(False) == 1
+            one = isinstance(value, ast.Tuple) and gone.count(False) == 1
+            cuts += _drop_items(source, value.elts, gone, at, line_start,
+                                at(value.end_lineno, value.end_col_offset) if one else None)
     for start, end, text in sorted(cuts, reverse=True):
         source = source[:start] + text + source[end:]
-    if tuples:  # `("a", "b")` less "b" reads `("a")`: a string, which `import *` would iterate letter by letter
-        before = sorted(_all_assignments(tree), key=lambda n: (n.lineno, n.col_offset))
-        after = sorted(_all_assignments(ast.parse(source)), key=lambda n: (n.lineno, n.col_offset))
-        at, _, _ = _cuts_of(source)
-        for old, new in reversed(list(zip(before, after, strict=True))):
-            if isinstance(old.value, ast.Tuple) and isinstance(new.value, ast.Constant):
-                end = at(new.value.end_lineno, new.value.end_col_offset)
-                source = source[:end] + "," + source[end:]
     return source
 
 

@@ -141,16 +141,23 @@ def _check_space(trainer: Trainer, final: Path, local_bytes: int, keep: int) -> 
     writing, with the run's last good checkpoint as its only hint."""
     need = torch.tensor([local_bytes], dtype=torch.float64)
     dist.all_reduce(need)
-    free = free_bytes(final.parent)
+    need += need * 0.05 + (64 << 20)  # DCP's metadata, the pickled RNG and scheduler states: ~10 % on a tiny model
+    try:
+        free = free_bytes(final.parent)
+    except OSError:  # reported through the collective below, never raised on one rank while the others wait
+        free = 0
     short = torch.tensor([1.0 if need.item() > free else 0.0], dtype=torch.float64)
     dist.all_reduce(short, op=dist.ReduceOp.MAX)
     if short.item():
-        gb = 1 << 30
         raise CheckpointSpaceError(
-            f"the checkpoint of step {trainer.step_count} needs ~{need.item() / gb:.1f} GiB in {final.parent}, which "
-            f"has {free / gb:.1f} GiB free (the newest [run] keep_checkpoints = {keep or 'all'} are kept, and one "
+            f"the checkpoint of step {trainer.step_count} needs ~{_size(need.item())} in {final.parent}, which "
+            f"has {_size(free)} free (the newest [run] keep_checkpoints = {keep or 'all'} are kept, and one "
             "more is written before the oldest goes): free space there, keep fewer (keep_checkpoints = 1), or "
             "checkpoint less often ([run] checkpoint_every)")
+
+
+def _size(n: float) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
 
 
 def save_checkpoint(trainer: Trainer, directory: str | Path, extra: Mapping[str, str] | None = None,
@@ -168,9 +175,10 @@ def save_checkpoint(trainer: Trainer, directory: str | Path, extra: Mapping[str,
     lora = trainer.config.lora.enabled
     full = trainer.engine_weights()  # collective; with LoRA the adapter's tensors only
     state = _state(trainer)[0]
+    if trainer.rank == 0:  # a save that died here before (a full disk) left its files: they are not in the way
+        shutil.rmtree(partial, ignore_errors=True)
     _check_space(trainer, final, _nbytes(state) + (_nbytes(full) if trainer.rank == 0 else 0), keep)
     if trainer.rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
     dcp.save(state, checkpoint_id=partial / "dcp")

@@ -166,6 +166,10 @@ def test_tier3_changes_only_the_definition_and_the_names_that_export_it(pkg):
     ("__all__ = ('a', 'b',)\n", {"b"}, "__all__ = ('a',)\n"),
     ("__all__ = 'a', 'b'\n", {"a"}, "__all__ = 'b',\n"),
     ("__all__ = (\n    'a',\n    'b',\n)\n", {"b"}, "__all__ = (\n    'a',\n)\n"),
+    ("__all__ = (\n    'a',\n    'b'\n)\n", {"b"}, "__all__ = (\n    'a',\n)\n"),
+    ("__all__ = ('a', NAME)\n", {"a"}, "__all__ = (NAME,)\n"),
+    ("__all__ += ('a', *other)  # more\n", {"a"}, "__all__ += (*other,)  # more\n"),
+    ("__all__ = ('a', 'b', 'c')\n", {"a", "c"}, "__all__ = ('b',)\n"),
     ("__all__ = [\n    'a',  # public\n    'area',  # the area of a circle\n]\n", {"area"},
      "__all__ = [\n    'a',  # public\n]\n"),  # a dropped name's comment goes with it, not the kept one's
     ("__all__ = [\r\n    'a',\r\n    'b',\r\n]\r\n", {"a"}, "__all__ = [\r\n    'b',\r\n]\r\n"),

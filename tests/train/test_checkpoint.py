@@ -151,6 +151,8 @@ def test_a_checkpoint_that_would_not_fit_is_refused_before_anything_is_written(e
     need = sum(f.stat().st_size for f in fits.rglob("*") if f.is_file())
     monkeypatch.setattr(checkpoint, "free_bytes", lambda path: need // 4)
     trainer.step(_batches(episodes, trainer)[1])
-    with pytest.raises(checkpoint.CheckpointSpaceError, match=r"step 2 needs ~.* GiB free .*keep_checkpoints = 1"):
+    (ckpt / "step-00000002.partial").mkdir()  # what the save that filled the disk left: not counted, removed
+    (ckpt / "step-00000002.partial" / "dcp").write_bytes(b"\0" * need)
+    with pytest.raises(checkpoint.CheckpointSpaceError, match=r"step 2 needs ~.* MiB free .*keep_checkpoints = 1"):
         save_checkpoint(trainer, ckpt, keep=2)
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000001"]  # nothing written, nothing pruned
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000001"]  # nothing written, nothing else pruned
