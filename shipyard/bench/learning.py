@@ -327,7 +327,7 @@ def sampler(choice: str, config) -> str:
     installed ([vllm] python): it is the faster sampler here (docs/benchmarks.md, "vLLM as the loop's sampler")."""
     from shipyard.models.vllm_server import require_python, runnable
 
-    installed = runnable(Path(config.vllm.python).expanduser())
+    installed = runnable(config.vllm.python)
     if choice == "vllm":
         require_python(config.vllm.python, "--engine vllm: [vllm] python", "set --vllm.python")
     return "vllm" if choice == "vllm" or (choice == "auto" and installed) else "local"

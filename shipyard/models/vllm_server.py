@@ -118,9 +118,11 @@ class ServerStartError(InfraError, UsageError):
     """A vLLM server that did not come up: its log's last lines say why."""
 
 
-def runnable(path: Path) -> bool:
-    """Whether `path` is a file this user may execute (a directory is "executable" too, and is no python)."""
-    return Path(path).is_file() and os.access(path, os.X_OK)
+def runnable(path: Path | str) -> bool:
+    """Whether `path` (`~` expanded, as a run starts it) is a file this user may execute (a directory is "executable"
+    too, and is no python)."""
+    path = Path(path).expanduser()
+    return path.is_file() and os.access(path, os.X_OK)
 
 
 def require_python(python: Path | str, setting: str, instead: str) -> Path:

@@ -92,7 +92,7 @@ def plan(config: RLConfig) -> Plan:
         out.lines.append(f"engine: replays {kind.removeprefix('replay:')} (no policy: nothing is pushed)")
     else:
         out.lines.append(f"engine: {config.model.name} in this process on {config.engine.device}")
-    if kind == "vllm" and not config.vllm.urls and not runnable(Path(config.vllm.python).expanduser()):  # started
+    if kind == "vllm" and not config.vllm.urls and not runnable(config.vllm.python):  # servers started from it
         out.missing_here.append(f"vLLM's venv: {config.vllm.python} is not there (bash scripts/install-vllm.sh)")
     if config.ray is None:
         at_once = config.rollout.max_in_flight or config.rollout.group_size * config.rollout.groups_per_step
