@@ -350,7 +350,8 @@ def env_server(
 @app.command()
 def synth(
     repo: list[str] | None = typer.Option(None, "--repo", help="A repository (repeatable): a directory with a pytest "
-                                          "suite (never modified), or name or name==version of an sdist on PyPI."),
+                                          "suite (never modified), or name or name==version of an sdist on PyPI. "
+                                          "With --from: the source of a project of the pack (default: its release)."),
     repos: list[Path] | None = typer.Option(None, "--repos", help="A file of --repo values, one a line (repeatable)."),
     out: Path = typer.Option(..., "--out", help="The task-set directory to write or append to (docs/tasks.md)."),
     max_tasks: int = typer.Option(20, "--max-tasks", min=1, help="Stop after this many validated tasks per project."),
@@ -361,17 +362,37 @@ def synth(
                                            "declare, as `pip install` takes it (repeatable): --with hypothesis"),
     skip_done: bool = typer.Option(False, "--skip-done", help="Skip the projects the task set already holds tasks "
                                    "of (to finish an interrupted build) instead of refusing them."),
+    from_: Path | None = typer.Option(None, "--from", help="Rebuild the tasks of this pack (`shipyard pack`) instead "
+                                      "of synthesizing: minutes, not CPU hours."),
+    check: bool = typer.Option(True, "--check/--no-check", help="With --from: grade each rebuilt task again (empty "
+                               "patch fails, gold passes) before keeping it."),
 ) -> None:
     """Feature-deletion tasks of each repository into one task set, validated in sandboxes, graded by the tests."""
     from shipyard.tasks.pool import specs_of
     from shipyard.tasks.synth import SynthConfig
 
     with user_errors():
+        need(from_ is None or not (max_tasks != 20 or tier or with_), "--from rebuilds a pack's tasks as they are: "
+             "--max-tasks, --tier and --with apply to synthesis only")
         config = SynthConfig(max_tasks=max_tasks, tiers=tuple(sorted(set(tier or (1, 2, 3)))), timeout=timeout,
                              requirements=tuple(with_ or ()))
-        reports = synth_shown(specs_of(repo or (), repos or ()), out, config, skip_done)
-    if not any(report.accepted for report in reports):
-        raise typer.Exit(1)
+        specs = specs_of(repo or (), repos or ()) if from_ is None or repo or repos else []
+        reports = synth_shown(specs, out, config, skip_done, from_, check)
+    if not any(report.accepted for report in reports) or (from_ and any(report.rejections for report in reports)):
+        raise typer.Exit(1)  # nothing made, or a pack rebuilt in part (the tasks left out are named above)
+
+
+@app.command()
+def pack(
+    tasks: Path = typer.Option(..., "--tasks", help="A task-set directory made by `shipyard synth`."),
+    out_path: Path = typer.Option(..., "--out", help="The pack to write (gzip'd JSON lines, e.g. pool.pack.gz)."),
+) -> None:
+    """Write a task set as one small file that `shipyard synth --from` rebuilds anywhere (docs/tasks.md)."""
+    from shipyard.tasks.pack import write_pack
+
+    with user_errors():
+        projects, count = write_pack(tasks, out_path)
+    console.print(f"[green]{count} tasks[/] of {projects} projects in {out_path} ({out_path.stat().st_size:,} bytes)")
 
 
 @app.command()

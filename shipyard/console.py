@@ -162,15 +162,21 @@ def run_eval_shown(tasks: Path, task_ids: list[str], model: str, config, episode
                             rollouts_path=rollouts_path, resume=resume, describe=described)
 
 
-def synth_shown(specs: list[str], out_dir: Path, config, skip_done: bool) -> list:
-    """`shipyard.tasks.pool.synthesize_specs` with a progress bar over every project's tasks, then one line per
-    project: its tasks and headline figures; the reports."""
+def synth_shown(specs: list[str], out_dir: Path, config, skip_done: bool, pack: Path | None = None,
+                check: bool = True) -> list:
+    """`shipyard.tasks.pool.synthesize_specs` (or, with `pack`, `shipyard.tasks.pack.rebuild` with `specs` as its
+    --repo sources) with a progress bar over every project's tasks, then one line per project: its tasks and
+    headline figures; the reports."""
+    from shipyard.tasks.pack import pack_size, rebuild
     from shipyard.tasks.pool import synthesize_specs
 
+    total = pack_size(pack) if pack else config.max_tasks * len(specs)
     with progress_bar("[bold]validated tasks", "{task.fields[tried]} tried") as bar:
-        job = bar.add_task("synth", total=config.max_tasks * len(specs), tried=0)
-        reports = synthesize_specs(specs, out_dir, config, log=lambda m: bar.console.print(f"[dim]· {m}[/]"),
-                                   progress=lambda a, t: bar.update(job, completed=a, tried=t), skip_done=skip_done)
+        job = bar.add_task("synth", total=total, tried=0)
+        kw = {"log": lambda m: bar.console.print(f"[dim]· {m}[/]"),
+              "progress": lambda a, t: bar.update(job, completed=a, tried=t), "skip_done": skip_done}
+        reports = rebuild(pack, out_dir, config, specs, check, **kw) if pack else \
+            synthesize_specs(specs, out_dir, config, **kw)
     for report in reports:
         console.print(f"[green]{len(report.accepted)} tasks[/] of {report.project} in {out_dir} — "
                       + json.dumps(report.headline()))

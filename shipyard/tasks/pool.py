@@ -30,7 +30,7 @@ from shipyard.errors import InputNotFound, UsageError
 from shipyard.tasks.environment import EnvSetupError
 from shipyard.tasks.sources import Source, SourceError, is_directory_spec, resolve
 from shipyard.tasks.synth import SynthConfig, Synthesizer, SynthReport
-from shipyard.tasks.taskset import TaskSetConflict, claim
+from shipyard.tasks.taskset import Project, TaskSetConflict, claim
 
 Log = Callable[[str], None]
 MAX_LIST = 1 << 20  # bytes of a list file
@@ -41,24 +41,13 @@ def synthesize(sources: list[Source], out: Path, config: SynthConfig, log: Log =
     """Each source synthesized into the task set `out` (module docstring); the reports, in order. `progress` hears
     (tasks accepted, candidates tried) summed over the projects so far. With `skip_done`, a project the set already
     holds tasks of is skipped (finishing an interrupted build) rather than refused."""
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "tasks.jsonl").exists())):
-        raise UsageError(f"--out {out} exists and is not a task set; choose an empty or new directory")
-    todo = []
-    for source in sources:
-        try:
-            claim(out, source.project)
-        except TaskSetConflict:
-            if not skip_done:
-                raise
-            log(f"{source.project}: the task set already holds its tasks; skipped")
-            continue
-        todo.append(source)
+    todo = [sources[i] for i in unclaimed([s.project for s in sources], out, skip_done, log)]
     reports: list[SynthReport] = []
     for source in todo:
         log(f"{source.project}: up to {config.max_tasks} tasks from {source.path}")
         try:
             report = Synthesizer(source.path, out, config, log=log, project=source.project,
-                                 progress=None if progress is None else _offset(progress, reports)).run()
+                                 progress=None if progress is None else offset_progress(progress, reports)).run()
         except EnvSetupError as e:
             raise SourceError(f"{source.project}: {e}") from None
         log(f"{source.project}: {len(report.accepted)} tasks of {report.tried} tried")
@@ -103,7 +92,25 @@ def synthesize_specs(specs: Iterable[str], out: Path, config: SynthConfig, log: 
 
 
 
-def _offset(progress: Callable[[int, int], None], before: list[SynthReport]) -> Callable[[int, int], None]:
+def unclaimed(projects: list[Project], out: Path, skip_done: bool, log: Log = print) -> list[int]:
+    """The positions of `projects` to make into the task set `out`: all of them, or with `skip_done` those it
+    holds no tasks of yet (TaskSetConflict without it; UsageError when `out` is something other than a task set)."""
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "tasks.jsonl").exists())):
+        raise UsageError(f"--out {out} exists and is not a task set; choose an empty or new directory")
+    todo = []
+    for i, project in enumerate(projects):
+        try:
+            claim(out, project)
+        except TaskSetConflict:
+            if not skip_done:
+                raise
+            log(f"{project}: the task set already holds its tasks; skipped")
+            continue
+        todo.append(i)
+    return todo
+
+
+def offset_progress(progress: Callable[[int, int], None], before: list[SynthReport]) -> Callable[[int, int], None]:
     """`progress` for one more project: its counts added to those of the projects `before` it."""
     accepted, tried = sum(len(r.accepted) for r in before), sum(r.tried for r in before)
     return lambda a, t: progress(accepted + a, tried + t)

@@ -125,6 +125,7 @@ class SynthReport:
     cpu_seconds: float = 0.0
     unmeasured_sandboxes: int = 0  # sandboxes whose CPU time the host could not count (no cgroup cpu accounting)
     differential: dict[str, dict] = field(default_factory=dict)  # per tier ("T1"…): the differential check's reach
+    rebuilt: dict = field(default_factory=dict)  # made from a pack (`pack.rebuild`): its synthesis report, re-graded
 
     def cover(self, task: Task) -> None:
         """Count an accepted task in its tier's differential coverage: tasks, tasks with cases, cases, and why the
@@ -165,7 +166,7 @@ class Rejected(Exception):
         self.reason, self.detail = reason, detail
 
 
-def _cpu() -> tuple[float, int]:
+def cpu_used() -> tuple[float, int]:
     """(CPU seconds of this process, its reaped children and its closed sandboxes; sandboxes not measured)."""
     sandboxes, unmeasured = sandbox_cpu()
     return sandboxes + sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
@@ -226,7 +227,7 @@ def _venv_bytes(venv: Path, files: list[Path]) -> bytes:
     return b"\n".join(out)
 
 
-def _copy_tree(base: Path, dest: Path) -> None:
+def copy_task_tree(base: Path, dest: Path) -> None:
     """The repository copied, its (never edited) venv hard-linked: tasks share the venv's disk space."""
     shutil.copytree(base, dest, symlinks=True, ignore=shutil.ignore_patterns(VENV))
     if (base / VENV).exists():
@@ -251,6 +252,21 @@ def baseline(base: Path, runs: int, timeout: float) -> tuple[set[str], dict[str,
     return stable, excluded, results[0].coverage, errors
 
 
+def check_empty(task: Task, stage: Path, snap: Path, config: SynthConfig, step: Callable[..., None]) -> None:
+    """The empty patch's grade, as a task must have it: graded, the suite collected, every test reported, at most
+    `max_f2p_pass_rate` of FAIL_TO_PASS passing and every PASS_TO_PASS test passing (each a `step`)."""
+    t0 = time.monotonic()
+    empty = grade(task, stage, "", config.timeout, snap)
+    if empty.status != "graded":
+        step("empty_patch", False, t0, empty_patch_reason(empty.status), empty.detail)
+    step("collects", not empty.collection_errors, t0, "collection_error", ", ".join(empty.collection_errors))
+    step("tests_present", not empty.missing, t0, "tests_missing", ", ".join(empty.missing[:5]))
+    rate = empty.fail_to_pass["passed"] / max(1, empty.fail_to_pass["total"])
+    step("f2p_fail", rate <= config.max_f2p_pass_rate, t0, "f2p_pass_rate", f"{rate:.2f}", pass_rate=rate)
+    step("p2p_pass", empty.pass_to_pass["passed"] == empty.pass_to_pass["total"], t0, "p2p_broken",
+         ", ".join(t for t in empty.failed if t in set(task.pass_to_pass))[:500])
+
+
 class Synthesizer:
     def __init__(self, repo: Path, out: Path, config: SynthConfig, log: Callable[[str], None] = print,
                  progress: Callable[[int, int], None] | None = None, project: Project | None = None):
@@ -265,8 +281,9 @@ class Synthesizer:
     def task_id(self, feature: Feature) -> str:
         return task_id(feature, self.project.name)
 
-    def run(self) -> SynthReport:
-        start, (cpu0, unmeasured0) = time.monotonic(), _cpu()
+    def prepare_base(self) -> None:
+        """The project's environment, prepared once into `self.base` (scrubbed), its source `commit` and
+        `test_files`; the ids the set already lists in `listed` (TaskSetConflict when it holds this project)."""
         self.out.mkdir(parents=True, exist_ok=True)
         self.listed = claim(self.out, self.project)  # the ids the set already holds: never overwritten
         self.log("preparing the environment (.venv, dependencies, editable install)")
@@ -285,6 +302,10 @@ class Synthesizer:
         if prepared.generated:
             self.log(f"kept {len(prepared.generated)} files the editable build generated: "
                      + ", ".join(prepared.generated[:10]))
+
+    def run(self) -> SynthReport:
+        start, (cpu0, unmeasured0) = time.monotonic(), cpu_used()
+        self.prepare_base()
         self.log(f"running the suite {self.config.suite_runs}× (the first with per-test coverage)")
         stable, excluded, coverage, errors = baseline(self.base, self.config.suite_runs, self.config.timeout)
         outside = {t for t in stable if t.split("::", 1)[0] not in set(self.test_files)}
@@ -335,6 +356,12 @@ class Synthesizer:
             index.append(IndexEntry.of(task))
             self.log(f"  accepted {task.id} ({len(task.fail_to_pass)} FAIL_TO_PASS)")
             self.progress(len(self.report.accepted), self.report.tried)
+        self.finish(index, start, cpu0, unmeasured0)
+        return self.report
+
+    def finish(self, index: list[IndexEntry], start: float, cpu0: float, unmeasured0: int) -> None:
+        """The accepted tasks' search indexes, the work directory removed, the report's timings, and the project's
+        tasks and report appended to the set."""
         if self.config.search_index and self.report.accepted:
             from shipyard.search.service import index_tasks, shared_embedder
 
@@ -343,10 +370,9 @@ class Synthesizer:
                         self.work, self.log)
         shutil.rmtree(self.work, ignore_errors=True)
         self.report.seconds = round(time.monotonic() - start, 1)
-        cpu1, unmeasured1 = _cpu()
+        cpu1, unmeasured1 = cpu_used()
         self.report.cpu_seconds, self.report.unmeasured_sandboxes = round(cpu1 - cpu0, 1), unmeasured1 - unmeasured0
         append_project(self.out, index, self.project, self.report.to_json())
-        return self.report
 
     def validate(self, feature: Feature, third_party: bytes) -> Task:
         steps: list[dict] = []
@@ -359,18 +385,14 @@ class Synthesizer:
         stage = self.work / self.task_id(feature)
         shutil.rmtree(stage, ignore_errors=True)
         tree = stage / "snapshot"
-        _copy_tree(self.base, tree)
+        copy_task_tree(self.base, tree)
         t0 = time.monotonic()
         try:
             deletion = delete_feature(tree, feature)
         except DeletionError as e:
             step("delete", False, t0, "deletion_unparsable", str(e))
         step("delete", True, t0, "", files=deletion.changed)
-        test_files = self.test_files
-        base = Tree(self.base)
-        for rel in test_files:
-            (stage / "tests" / rel).parent.mkdir(parents=True, exist_ok=True)
-            (stage / "tests" / rel).write_bytes(base.read(rel, MAX_TEST_FILE))
+        self.write_tests(stage)
         gold = tree_diff(tree, self.base)
         stub = self._stub_patch(tree, feature, stage)
         t0 = time.monotonic()
@@ -385,7 +407,7 @@ class Synthesizer:
         lines = sum(s.end - (s.body_start if feature.tier < 3 else s.start) + 1 for s in feature.symbols)
         task = Task(stage.name, feature.tier, statement(feature, tree), feature.fail_to_pass, feature.pass_to_pass,
                     [DeletedSymbol(s.file, s.qualname, s.start, s.end) for s in feature.symbols], lines,
-                    {"repo": str(self.repo), "commit": self.commit}, test_files=test_files,
+                    {"repo": str(self.repo), "commit": self.commit}, test_files=self.test_files,
                     fingerprints=len(fps.all()), project=self.project)
         with snapshot_of(tree, host()) as snap:  # one sandbox snapshot for every grading run of this task
             try:
@@ -407,6 +429,13 @@ class Synthesizer:
         stage.replace(dest)
         return task
 
+    def write_tests(self, stage: Path) -> None:
+        """The canonical copies of the test files, from the base, into the task's `tests/`."""
+        base = Tree(self.base)
+        for rel in self.test_files:
+            (stage / "tests" / rel).parent.mkdir(parents=True, exist_ok=True)
+            (stage / "tests" / rel).write_bytes(base.read(rel, MAX_TEST_FILE))
+
     def _test_files(self) -> list[str]:
         """The base's test files and test configuration (what tasks restore before grading), each a regular file
         of at most MAX_TEST_FILE bytes; larger ones are reported as skipped."""
@@ -420,16 +449,7 @@ class Synthesizer:
         return out
 
     def _grade_steps(self, task: Task, stage: Path, gold: str, stub: str, snap: Path, step) -> None:
-        t0 = time.monotonic()
-        empty = grade(task, stage, "", self.config.timeout, snap)
-        if empty.status != "graded":
-            step("empty_patch", False, t0, empty_patch_reason(empty.status), empty.detail)
-        step("collects", not empty.collection_errors, t0, "collection_error", ", ".join(empty.collection_errors))
-        step("tests_present", not empty.missing, t0, "tests_missing", ", ".join(empty.missing[:5]))
-        rate = empty.fail_to_pass["passed"] / max(1, empty.fail_to_pass["total"])
-        step("f2p_fail", rate <= self.config.max_f2p_pass_rate, t0, "f2p_pass_rate", f"{rate:.2f}", pass_rate=rate)
-        step("p2p_pass", empty.pass_to_pass["passed"] == empty.pass_to_pass["total"], t0, "p2p_broken",
-             ", ".join(t for t in empty.failed if t in set(task.pass_to_pass))[:500])
+        check_empty(task, stage, snap, self.config, step)
         (stage / "gold.patch").write_text(gold)
         t0 = time.monotonic()  # the differential cases, before the oracle runs: gold must pass its own cases too
         diff = self._record(task, stage, gold, snap)

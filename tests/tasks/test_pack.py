@@ -1,0 +1,146 @@
+"""Task packs (`shipyard.tasks.pack`): a task set written as one small file and rebuilt into the same tasks, in real
+sandboxes from the example repository's session task set; and packs that were edited or planted: a gold patch that
+reaches a test file or leaves the tree, a deletion that does not reproduce, another release of the project, a cut
+or oversized file. Each is refused with its reason, and a bad task never costs the others."""
+
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from servers import needs_sandbox
+
+from shipyard.tasks import pack as pack_mod
+from shipyard.tasks.pack import PackFormatError, gold_problem, read_pack, rebuild, write_pack
+from shipyard.tasks.sources import SourceError
+from shipyard.tasks.synth import SynthConfig
+from shipyard.tasks.taskset import list_tasks, load_task, synth_reports
+
+pytestmark = needs_sandbox
+FAST = SynthConfig(search_index=False, timeout=300)
+
+
+def lines(path: Path) -> list[dict]:
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line) for line in f]
+
+
+def write(path: Path, rows: list[dict]) -> Path:
+    with gzip.open(path, "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def packed(out: Path, tmp_path: Path) -> list[dict]:
+    write_pack(out, tmp_path / "p.gz")
+    return lines(tmp_path / "p.gz")
+
+
+def tree_files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.is_symlink() and p.relative_to(root).parts[0] not in (".git", ".venv")
+            and "__pycache__" not in p.parts}
+
+
+def test_a_packed_task_set_rebuilds_into_the_same_tasks_graded_again(taskset, tmp_path):
+    out, _, repo = taskset
+    path = tmp_path / "set.pack.gz"
+    assert write_pack(out, path) == (1, 3)
+    assert path.stat().st_size < 200_000  # the set itself holds three snapshots with their venvs
+    rebuilt = tmp_path / "rebuilt"
+    [report] = rebuild(path, rebuilt, FAST, repos=[str(repo)], log=lambda m: None)
+    assert sorted(report.accepted) == sorted(list_tasks(out)) and not report.rejections
+    assert report.rebuilt["checked"] is True
+    assert sorted(synth_reports(rebuilt)["pocketlib"]["rebuilt"]["synth"]["accepted"]) == sorted(list_tasks(out))
+    for tid in list_tasks(out):
+        original, odir = load_task(out, tid)
+        again, adir = load_task(rebuilt, tid)
+        assert again == original
+        for name in ("gold.patch", "differential.json"):
+            assert (adir / name).read_bytes() == (odir / name).read_bytes()
+        assert tree_files(adir / "snapshot") == tree_files(odir / "snapshot")
+        assert tree_files(adir / "tests") == tree_files(odir / "tests")
+        assert subprocess.run(["git", "status", "--porcelain"], cwd=adir / "snapshot", capture_output=True,
+                              text=True, check=True).stdout == ""  # one fresh commit of the deleted tree
+
+
+def test_edited_tasks_are_left_out_by_reason_and_the_rest_is_kept(taskset, tmp_path):
+    out, _, repo = taskset
+    rows = packed(out, tmp_path)
+    tasks = [r for r in rows if "task" in r]
+    test_file = tasks[0]["task"]["test_files"][0]
+    # A gold patch that reaches a test file: refused before anything is applied.
+    tasks[0]["gold"] += (f"diff --git a/{test_file} b/{test_file}\n--- a/{test_file}\n+++ b/{test_file}\n"
+                         "@@ -1 +1 @@\n-x\n+y\n")
+    # A deletion that does not reproduce: one line of the restored code changed.
+    gold = tasks[1]["gold"].splitlines(keepends=True)
+    i = next(i for i, line in enumerate(gold) if line.startswith("+") and not line.startswith("+++"))
+    gold[i] = "+    pass  # not what was deleted\n"
+    tasks[1]["gold"] = "".join(gold)
+    rebuilt = tmp_path / "rebuilt"
+    [report] = rebuild(write(tmp_path / "edited.gz", rows), rebuilt, FAST, repos=[str(repo)], check=False,
+                       log=lambda m: None)
+    assert dict(report.rejections) == {"gold_refused": 1, "gold_mismatch": 1}
+    assert report.accepted == [tasks[2]["task"]["id"]] == list_tasks(rebuilt)
+    assert {r["task"] for r in report.rejected} == {tasks[0]["task"]["id"], tasks[1]["task"]["id"]}
+    assert not (rebuilt / ".work").exists()
+    # The CLI says so: the set holds what was rebuilt, the exit status is not 0.
+    cli = subprocess.run([sys.executable, "-m", "shipyard.cli", "synth", "--from", str(tmp_path / "edited.gz"),
+                          "--repo", str(repo), "--out", str(tmp_path / "cli"), "--no-check"],
+                         capture_output=True, text=True, timeout=600)
+    assert cli.returncode == 1, cli.stdout + cli.stderr
+    assert "left out" in cli.stdout + cli.stderr and list_tasks(tmp_path / "cli") == report.accepted
+
+
+def test_another_release_of_the_project_is_refused_before_any_task(taskset, tmp_path):
+    out, _, repo = taskset
+    path = tmp_path / "p.gz"
+    write_pack(out, path)
+    other = tmp_path / "pocketlib"
+    shutil.copytree(repo, other, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    module = next(p for p in sorted(other.rglob("*.py")) if "tests" not in p.parts)
+    module.write_text(module.read_text() + "\n# another release\n")
+    with pytest.raises(SourceError, match="not those the pack's tasks were made from"):
+        rebuild(path, tmp_path / "rebuilt", FAST, repos=[str(other)], check=False, log=lambda m: None)
+    assert not (tmp_path / "rebuilt" / "tasks.jsonl").exists()
+
+
+def test_gold_patches_may_touch_only_project_sources():
+    def patch(path: str, mode: str = "") -> str:
+        return (f"diff --git a/{path} b/{path}\n{mode}--- a/{path}\n+++ b/{path}\n@@ -1 +1,2 @@\n x\n+y\n")
+
+    assert gold_problem(patch("pkg/mod.py"), ["tests/test_mod.py"]) is None
+    for bad in ("../outside.py", "/etc/cron.py", "tests/test_mod.py", ".venv/lib/site.py", ".git/hooks/x.py",
+                "conftest.py", "setup.cfg", "pkg/data.bin"):
+        assert gold_problem(patch(bad), ["tests/test_mod.py"]), bad
+    assert gold_problem("diff --git a/pkg/m.py b/pkg/m.py\nnew file mode 120000\n--- /dev/null\n+++ b/pkg/m.py\n"
+                        "@@ -0,0 +1 @@\n+/etc/passwd\n", [])
+    assert gold_problem("", []) == "it changes no file"
+
+
+def test_malformed_packs_are_named_with_their_line(taskset, tmp_path, monkeypatch):
+    out = taskset[0]
+    good = packed(out, tmp_path)
+    (tmp_path / "plain.txt").write_text("not gzip")
+    cases = {
+        "not a gzip": tmp_path / "plain.txt",
+        "format": write(tmp_path / "a.gz", [{"format": "other"}]),
+        "version 9": write(tmp_path / "b.gz", [{**good[0], "version": 9}]),
+        "cut short": write(tmp_path / "c.gz", good[:-1]),
+        "before any project": write(tmp_path / "d.gz", [good[0], good[2]]),
+        "not a valid task": write(tmp_path / "e.gz", [good[0], good[1], {**good[2], "task": {"id": "x"}}]),
+        "listed twice": write(tmp_path / "f.gz", [{**good[0], "tasks": 4}, *good[1:], good[-1]]),
+        "another source": write(tmp_path / "g.gz", [good[0], {**good[1], "commit": "sha256:0"}, *good[2:]]),
+        "not JSON": tmp_path / "h.gz",
+    }
+    with gzip.open(tmp_path / "h.gz", "wt") as f:
+        f.write(json.dumps(good[0]) + "\n{oops\n")
+    for expected, path in cases.items():
+        with pytest.raises(PackFormatError, match=expected):
+            read_pack(path)
+    monkeypatch.setattr(pack_mod, "MAX_LINE", 1000)  # a line past the bound is refused, not read whole
+    with pytest.raises(PackFormatError, match="past the size"):
+        read_pack(tmp_path / "p.gz")
