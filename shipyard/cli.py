@@ -365,7 +365,8 @@ def synth(
     from_: Path | None = typer.Option(None, "--from", help="Rebuild the tasks of this pack (`shipyard pack`) instead "
                                       "of synthesizing: minutes, not CPU hours."),
     check: bool = typer.Option(True, "--check/--no-check", help="With --from: grade each rebuilt task again (empty "
-                               "patch fails, gold passes) before keeping it."),
+                               "patch fails, gold passes) before keeping it. --no-check trusts the pack's test lists: "
+                               "only for a pack you made."),
 ) -> None:
     """Feature-deletion tasks of each repository into one task set, validated in sandboxes, graded by the tests."""
     from shipyard.tasks.pool import specs_of

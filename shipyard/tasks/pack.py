@@ -1,35 +1,36 @@
 """Task packs: a task set as one small file, rebuilt on another machine in minutes instead of CPU hours.
 
 A task set is large (each task's `snapshot/` holds the project and its `.venv`: gigabytes for a pool) and costly to
-make (synthesis grades every candidate about eleven times: ~100 CPU-minutes a project, docs/tasks.md). What makes a
-task is small: the project's release, the deletion (its gold patch, reversed), the tests that decide it, its
-statement and differential cases. A pack holds exactly that, so a pool can be committed, shared or moved, and
-rebuilt anywhere `shipyard synth` runs (`shipyard pack`, `shipyard synth --from`), the way SWE-bench ships task
-instances rather than images.
+make (synthesis grades every candidate about eleven times). What defines a task is small: the project's release,
+which definitions were deleted, the tests that decide it, its statement and differential cases. A pack holds exactly
+that, so a pool can be committed, shared or moved, and rebuilt wherever `shipyard synth` runs (`shipyard pack`,
+`shipyard synth --from`), the way SWE-bench ships task instances rather than images.
 
 **Format** (gzip-compressed JSON lines; `PACK_VERSION`):
 
     {"format": "shipyard-task-pack", "version": 1, "projects": P, "tasks": T}
-    {"project": {"name", "version"}, "spec": "name==version", "commit": C, "synth": REPORT}   one per project,
+    {"project": {"name", "version"}, "commit": C, "requirements": [...], "synth": SUMMARY}   one per project,
     {"task": TASK_JSON, "gold": GOLD_PATCH, "differential": CASES or null}                   then its tasks
 
 `commit` is the project's source commit as synthesis recorded it (`synth.source_commit`: for an sdist, a hash of
-its files as copied). `synth` is the project's synthesis report (rejections, timings), kept for the record.
+its files as copied); `requirements` what `--with` added; `synth` a summary of its synthesis (`SUMMARY_KEYS`).
 
-**Rebuilding** (`rebuild`) reuses synthesis's own steps (`Synthesizer.prepare_base`, `write_tests`, `scrub`,
-`fresh_commit`, `finish`): each project's release is fetched (sha256-checked against the index) or taken from a
-`--repo` directory of the same project, its environment prepared, and its source commit compared with the pack's,
-so the code is the one the tasks were made from. Each task's tree is the base with its gold patch applied in
-reverse; the patch is then taken again (`tree_diff`) and must equal the pack's byte for byte, so the rebuilt
-snapshot is exactly the deleted tree synthesis validated. The test lists, statement and cases are the pack's.
+**Rebuilding** (`rebuild`) runs synthesis's own steps, except the search for candidates and most of their grading:
+the release `name==version` is fetched (sha256-checked against the index), or taken from a `--repo` directory of
+the same project; its environment is prepared (`Synthesizer.prepare_base`) and its source commit must equal the
+pack's, so the code is the one the tasks were made from. Each task's deletion is made again by this shipyard
+(`deletion.delete_feature` on the symbols the task names), and the diff back to the original must equal the pack's
+gold patch byte for byte: the snapshot is then exactly a deletion of the release's own code, never something a pack
+wrote. The leak scan runs again; tests, scrub, fresh commit and search index are made as synthesis makes them.
 
-**Trust.** A pack is input like a task directory (`taskset`): possibly edited or planted. Every task goes through
-the task schema (`Task.save`'s checks) and the differential schema; the gold patch is parsed by the grader's parser
-and may name only the project's Python source files, never a test file, the venv or a link (it is applied on the
-host, with `git apply`, in a copy made for the purpose). The environment may differ from where the pack was made
-(other dependency releases, another interpreter), so by default each rebuilt task is graded again: the empty patch
-must fail as synthesis required (`synth.check_empty`) and the gold patch must pass once. A task that fails is left
-out and named, its reason counted; the rest of the set is kept, and the command exits non-zero.
+**Trust.** A pack is input like a task directory (`taskset`): possibly edited or planted. No patch of the pack is
+ever applied (the tree is made by the deletion code), so a pack cannot write files, links or modes; ids must be of
+their project and tier and new to the set; every task goes through the task and differential schemas and is read
+back from disk before it joins the set. The test lists and statement are the pack's, so by default each task is
+graded again (`check`): the empty patch must fail as synthesis requires (`synth.check_empty`) and the gold patch
+must pass. `check=False` trusts the pack's test lists (for a pack one made oneself). A task that fails is left out
+and named, counted by reason; a project whose release differs is left out whole; the rest is kept, and the caller
+reports failure.
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ import gzip
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,26 +53,27 @@ from pydantic_core import from_json
 from shipyard.errors import FileFormatError, InputNotFound, UsageError
 from shipyard.harness.diff import tree_diff
 from shipyard.sandbox.host import host
-from shipyard.sandbox.snapshot import check_name, snapshot_of
+from shipyard.sandbox.snapshot import snapshot_of
 from shipyard.tasks import differential
-from shipyard.tasks.environment import VENV, EnvSetupError
+from shipyard.tasks.deletion import DeletionError, delete_feature
+from shipyard.tasks.environment import EnvSetupError
+from shipyard.tasks.features import Feature, Symbol
 from shipyard.tasks.grade import MAX_GOLD, grade, read_gold
-from shipyard.tasks.patchparse import parse_patch
-from shipyard.tasks.patchscan import is_test_config
 from shipyard.tasks.pool import offset_progress, unclaimed
+from shipyard.tasks.report import Rejected, SynthReport, cpu_used
 from shipyard.tasks.scrub import fresh_commit, scrub
 from shipyard.tasks.sources import Source, SourceError, resolve
-from shipyard.tasks.synth import Rejected, SynthConfig, Synthesizer, SynthReport, check_empty, copy_task_tree, cpu_used
+from shipyard.tasks.synth import SynthConfig, Synthesizer, check_empty, copy_task_tree, leaks
 from shipyard.tasks.taskset import (
     MAX_TASK_JSON,
     TASK,
+    TASK_VERSION,
     IndexEntry,
     Project,
     Task,
     TaskFormatError,
     index_entries,
     load_task,
-    path_problem,
     schema_problem,
     synth_reports,
 )
@@ -79,7 +81,10 @@ from shipyard.tasks.taskset import (
 FORMAT = "shipyard-task-pack"
 PACK_VERSION = 1
 MAX_PACK = 1 << 30  # bytes of a pack, decompressed (a 160-task pool is a few MiB)
-MAX_LINE = MAX_TASK_JSON + differential.MAX_DIFF_FILE + MAX_GOLD  # one task line: task.json, cases and gold patch
+MAX_LINE = 2 * (MAX_TASK_JSON + differential.MAX_DIFF_FILE + MAX_GOLD)  # one task line, JSON escaping included
+MAX_SUMMARY = 1 << 20  # bytes of a project's synthesis summary
+SUMMARY_KEYS = ("accepted", "tried", "rejections", "stable_tests", "seconds", "cpu_seconds", "yield",
+                "tasks_per_cpu_hour")
 Log = Callable[[str], None]
 
 
@@ -97,15 +102,30 @@ class PackedTask:
 @dataclass
 class PackedProject:
     project: Project
-    spec: str
     commit: str
+    requirements: list[str]
     synth: dict[str, Any]
     tasks: list[PackedTask]
+
+    @property
+    def spec(self) -> str | None:
+        """The release to fetch (None for a project without a version: its source must be given)."""
+        return None if self.project.version is None else str(self.project)
+
+
+def summary(report: dict[str, Any]) -> dict[str, Any]:
+    """A project's synthesis report cut to `SUMMARY_KEYS` (a rebuilt set's: the summary of the synthesis it was
+    rebuilt from, so packs of packs do not nest)."""
+    rebuilt = report.get("rebuilt")
+    report = rebuilt["synth"] if isinstance(rebuilt, dict) and isinstance(rebuilt.get("synth"), dict) else report
+    return {k: report[k] for k in SUMMARY_KEYS if k in report}
 
 
 def write_pack(tasks_dir: Path, out: Path) -> tuple[int, int]:
     """The task set `tasks_dir` as a pack at `out` (through a temporary file and a rename); (projects, tasks)."""
     tasks_dir, out = Path(tasks_dir), Path(out)
+    if out.is_dir() or not out.parent.is_dir():
+        raise UsageError(f"--out {out}: give a file name in an existing directory (e.g. pool.pack.gz)")
     entries = index_entries(tasks_dir)
     if not entries:
         raise InputNotFound(f"--tasks {tasks_dir} lists no tasks (no tasks.jsonl, or it is empty): pack a task set "
@@ -115,24 +135,33 @@ def write_pack(tasks_dir: Path, out: Path) -> tuple[int, int]:
     for entry in entries:
         task, task_dir = load_task(tasks_dir, entry.id)
         by_project.setdefault(task.project.name, []).append((task, task_dir))
+    lines = [{"format": FORMAT, "version": PACK_VERSION, "projects": len(by_project), "tasks": len(entries)}]
+    for name, tasks in by_project.items():
+        commits = {t.source.get("commit") for t, _ in tasks}
+        if len(commits) != 1:
+            raise TaskFormatError(f"the tasks of {name} in {tasks_dir} were made from {len(commits)} different "
+                                  "sources; a pack holds one release of each project")
+        report = reports.get(name, {})
+        lines.append({"project": asdict(tasks[0][0].project), "commit": commits.pop(),
+                      "requirements": report.get("requirements", []), "synth": summary(report)})
+        for task, task_dir in tasks:
+            gold = read_gold(task_dir)
+            if not gold:
+                raise TaskFormatError(f"{task_dir} has no gold.patch: re-create the task with `shipyard synth`")
+            diff = differential.load(task_dir)
+            lines.append({"task": asdict(task), "gold": gold, "differential": None if diff is None else asdict(diff)})
     tmp = out.with_name(out.name + ".partial")
-    with gzip.open(tmp, "wt", encoding="utf-8") as f:
-        f.write(json.dumps({"format": FORMAT, "version": PACK_VERSION, "projects": len(by_project),
-                            "tasks": len(entries)}) + "\n")
-        for name, tasks in by_project.items():
-            commits = {t.source.get("commit") for t, _ in tasks}
-            if len(commits) != 1:
-                raise TaskFormatError(f"the tasks of {name} in {tasks_dir} were made from {len(commits)} different "
-                                      "sources; a pack holds one release of each project")
-            project = tasks[0][0].project
-            f.write(json.dumps({"project": asdict(project), "spec": f"{project.name}=={project.version}",
-                                "commit": commits.pop(), "synth": reports.get(name, {})}) + "\n")
-            for task, task_dir in tasks:
-                gold = read_gold(task_dir)
-                diff = differential.load(task_dir)
-                f.write(json.dumps({"task": asdict(task), "gold": gold,
-                                    "differential": None if diff is None else asdict(diff)}) + "\n")
-    tmp.replace(out)
+    try:
+        with gzip.open(tmp, "wt", encoding="utf-8") as f:
+            for line in lines:
+                text = json.dumps(line) + "\n"
+                if len(text.encode()) > MAX_LINE:
+                    raise TaskFormatError(f"task {line['task']['id']} is larger than a pack line may be "
+                                          f"({MAX_LINE >> 20} MiB)")
+                f.write(text)
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return len(by_project), len(entries)
 
 
@@ -150,16 +179,50 @@ def _lines(path: Path) -> Iterator[tuple[int, Any]]:
                     yield number, from_json(line)
                 except ValueError as e:
                     raise PackFormatError(f"{path}: line {number} is not JSON ({e})") from None
-    except (gzip.BadGzipFile, EOFError, OSError) as e:
-        if isinstance(e, FileNotFoundError):
-            raise InputNotFound(f"--from {path} does not exist") from None
+    except FileNotFoundError:
+        raise InputNotFound(f"--from {path} does not exist") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error, OSError) as e:
         raise PackFormatError(f"{path} is not a gzip-compressed pack ({e}); make one with `shipyard pack`") from None
 
 
-def _field(raw: Any, key: str, kind: type, where: str) -> Any:
-    if not isinstance(raw, dict) or not isinstance(raw.get(key), kind):
-        raise PackFormatError(f"{where}: field '{key}' is missing or not a {kind.__name__}")
-    return raw[key]
+def _field(raw: Any, key: str, kinds: type | tuple[type, ...], where: str) -> Any:
+    value = raw.get(key) if isinstance(raw, dict) else None
+    if not isinstance(value, kinds) or isinstance(value, bool):
+        raise PackFormatError(f"{where}: field '{key}' is missing or of the wrong type")
+    return value
+
+
+def _project(raw: dict, where: str, known: list[PackedProject]) -> PackedProject:
+    p = _field(raw, "project", dict, where)
+    project = Project(_field(p, "name", str, where), p.get("version") if p.get("version") is None
+                      else _field(p, "version", str, where))
+    if project.problem() or project.name in {q.project.name for q in known}:
+        raise PackFormatError(f"{where}: project {project} is {project.problem() or 'listed twice'}")
+    requirements = _field(raw, "requirements", list, where)
+    if not all(isinstance(r, str) for r in requirements):
+        raise PackFormatError(f"{where}: field 'requirements' is not a list of requirements")
+    synth = _field(raw, "synth", dict, where)
+    if len(json.dumps(synth)) > MAX_SUMMARY:
+        raise PackFormatError(f"{where}: the synthesis summary is larger than {MAX_SUMMARY >> 20} MiB")
+    return PackedProject(project, _field(raw, "commit", str, where), requirements, synth, [])
+
+
+def _task(raw: dict, where: str, owner: PackedProject) -> PackedTask:
+    try:  # strict schemas read dataclasses from JSON objects only (JSON mode), so each part is read as JSON
+        task = TASK.validate_json(json.dumps(_field(raw, "task", dict, where)))
+        diff = raw.get("differential")
+        diff = None if diff is None else differential.DIFFERENTIAL.validate_json(json.dumps(diff))
+    except ValidationError as e:
+        raise PackFormatError(f"{where}: not a valid task: {schema_problem(e)}") from None
+    prefix = f"t{task.tier}-{owner.project.name}."
+    problem = (f"is of format version {task.version}, not {TASK_VERSION}" if task.version != TASK_VERSION
+               else f"is not of {owner.project}" if task.project != owner.project
+               else f"does not start with {prefix} (its tier and project)" if not task.id.startswith(prefix)
+               else "was made from another source than its project's line"
+               if task.source.get("commit") != owner.commit else None)
+    if problem:
+        raise PackFormatError(f"{where}: task {task.id[:80]} {problem}")
+    return PackedTask(task, _field(raw, "gold", str, where), diff)
 
 
 def read_pack(path: Path) -> list[PackedProject]:
@@ -168,48 +231,29 @@ def read_pack(path: Path) -> list[PackedProject]:
     path = Path(path)
     lines = _lines(path)
     first = next(lines, None)
-    if first is None or not isinstance(first[1], dict) or first[1].get("format") != FORMAT:
+    header = first[1] if first is not None and isinstance(first[1], dict) else {}
+    if header.get("format") != FORMAT:
         raise PackFormatError(f"{path} is not a shipyard task pack (its first line does not say format {FORMAT!r})")
-    if first[1].get("version") != PACK_VERSION:
-        raise PackFormatError(f"{path} is pack version {str(first[1].get('version'))[:20]}; this shipyard reads "
+    if header.get("version") != PACK_VERSION:
+        raise PackFormatError(f"{path} is pack version {str(header.get('version'))[:20]}; this shipyard reads "
                               f"{PACK_VERSION}: pack the task set again with this shipyard")
     projects: list[PackedProject] = []
     seen: set[str] = set()
     for number, raw in lines:
         where = f"{path}: line {number}"
         if isinstance(raw, dict) and "project" in raw:
-            p = _field(raw, "project", dict, where)
-            project = Project(str(p.get("name")), str(p.get("version")))
-            if project.problem() or project.name in {q.project.name for q in projects}:
-                raise PackFormatError(f"{where}: project {project} is {project.problem() or 'listed twice'}")
-            projects.append(PackedProject(project, _field(raw, "spec", str, where), _field(raw, "commit", str, where),
-                                          _field(raw, "synth", dict, where), []))
-            continue
-        if not projects:
+            projects.append(_project(raw, where, projects))
+        elif not projects:
             raise PackFormatError(f"{where}: a task before any project line")
-        try:
-            # Strict schemas read dataclasses from JSON objects only (JSON mode), so each part is read as JSON.
-            task = TASK.validate_json(json.dumps(_field(raw, "task", dict, where)))
-            diff = raw.get("differential")
-            diff = None if diff is None else differential.DIFFERENTIAL.validate_json(json.dumps(diff))
-        except ValidationError as e:
-            raise PackFormatError(f"{where}: not a valid task: {schema_problem(e)}") from None
-        owner = projects[-1]
-        try:
-            check_name(task.id, "task id")
-        except ValueError as e:
-            raise PackFormatError(f"{where}: {e}") from None
-        if task.project != owner.project or task.id in seen:
-            raise PackFormatError(f"{where}: task {task.id} is {'listed twice' if task.id in seen else 'not of '}"
-                                  f"{'' if task.id in seen else str(owner.project)}")
-        if task.source.get("commit") != owner.commit:
-            raise PackFormatError(f"{where}: task {task.id} was made from another source than its project's line")
-        seen.add(task.id)
-        owner.tasks.append(PackedTask(task, _field(raw, "gold", str, where), diff))
-    expected = first[1].get("tasks")
-    if expected != len(seen):
-        raise PackFormatError(f"{path} holds {len(seen)} tasks, its header says {str(expected)[:20]}: the file is cut "
-                              "short or edited; pack the task set again")
+        else:
+            packed = _task(raw, where, projects[-1])
+            if packed.task.id in seen:
+                raise PackFormatError(f"{where}: task {packed.task.id} is listed twice")
+            seen.add(packed.task.id)
+            projects[-1].tasks.append(packed)
+    if header.get("tasks") != len(seen) or isinstance(header.get("tasks"), bool):
+        raise PackFormatError(f"{path} holds {len(seen)} tasks, its header says {str(header.get('tasks'))[:20]}: the "
+                              "file is cut short or edited; pack the task set again")
     return projects
 
 
@@ -219,99 +263,109 @@ def pack_size(path: Path) -> int:
         with gzip.open(path, "rb") as f:
             header = from_json(f.readline(1 << 16))
         return int(header["tasks"]) if isinstance(header, dict) and isinstance(header.get("tasks"), int) else 0
-    except (OSError, EOFError, ValueError):
+    except (OSError, EOFError, ValueError, zlib.error):
         return 0
 
 
-def gold_problem(gold: str, test_files: list[str]) -> str | None:
-    """Why the gold patch may not be applied in reverse on the host: it must edit only Python source files of the
-    project (paths checked by `taskset.path_problem`), never a test file, the venv or a mode."""
-    changes = parse_patch(gold)
-    if not changes:
-        return "it changes no file"
-    tests = set(test_files)
-    for change in changes:
-        if change.problem:
-            return f"git would refuse it ({change.problem})"
-        for rel in change.paths:
-            problem = path_problem(rel)
-            if problem or not rel.endswith(".py") or rel in tests or is_test_config(rel) \
-                    or rel.split("/", 1)[0] in (VENV, ".git") or change.mode not in (None, "100644") or change.binary:
-                return f"it edits {rel!r}, which a deletion never does ({problem or 'not a project source file'})"
-    return None
+def feature_of(task: Task, symbols: dict[tuple[str, str, int, int], Symbol]) -> Feature:
+    """The feature whose deletion made `task`: its symbols found in the base by file, name and lines."""
+    found = [symbols.get((d.file, d.qualname, d.start, d.end)) for d in task.deleted]
+    missing = [f"{d.file}:{d.qualname}" for d, s in zip(task.deleted, found, strict=True) if s is None]
+    if missing or not found:
+        raise Rejected("deletion_differs", f"the release has no definition {', '.join(missing[:3])} at the lines "
+                                           "the task names")
+    return Feature(task.tier, tuple(found), task.fail_to_pass, task.pass_to_pass)
 
 
-def unapply(tree: Path, gold: str) -> str | None:
-    """`gold` applied in reverse to `tree` with git (no repository above it is consulted); git's complaint, or
-    None."""
-    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tree.parent), "GIT_CONFIG_NOSYSTEM": "1",
-           "GIT_CONFIG_GLOBAL": os.devnull}
-    proc = subprocess.run(["git", "apply", "-R", "--whitespace=nowarn"], cwd=tree, input=gold.encode(),
-                          capture_output=True, env=env, timeout=120)
-    return None if proc.returncode == 0 else (proc.stderr.decode(errors="replace").strip().splitlines() or ["?"])[0]
+class Rebuild:
+    """One packed project's tasks into a task set, through a `Synthesizer` over its source."""
 
+    def __init__(self, synth: Synthesizer, check: bool):
+        self.synth, self.check = synth, check
+        synth.prepare_base()
+        self.symbols = {(s.file, s.qualname, s.start, s.end): s for s in synth.symbols()}
+        self.third_party = synth.third_party()
 
-def _rebuild_task(synth: Synthesizer, packed: PackedTask, check: bool) -> Task:
-    """One task of the pack into `synth.out`, as synthesis would have written it (module docstring); Rejected with
-    the reason when it cannot be."""
-    task = packed.task
-    stage = synth.work / task.id
-    shutil.rmtree(stage, ignore_errors=True)
-    tree = stage / "snapshot"
-    copy_task_tree(synth.base, tree)
-    problem = gold_problem(packed.gold, synth.test_files)
-    if problem:
-        raise Rejected("gold_refused", problem)
-    problem = unapply(tree, packed.gold)
-    if problem:
-        raise Rejected("gold_mismatch", f"the gold patch does not apply in reverse: {problem}")
-    if tree_diff(tree, synth.base) != packed.gold:
-        raise Rejected("gold_mismatch", "the deletion, taken again, is not the pack's gold patch")
-    if task.test_files != synth.test_files:
-        raise Rejected("tests_differ", "the project's test files are not those the task restores")
-    synth.write_tests(stage)
-    scrub(tree)
-    fresh_commit(tree)
-    (stage / "gold.patch").write_text(packed.gold)
-    if packed.differential is not None:
-        differential.save(stage, packed.differential)
+    def task(self, packed: PackedTask) -> Task:
+        """One task, as synthesis would have written it (module docstring); Rejected with the reason otherwise."""
+        synth, task = self.synth, packed.task
+        if task.id in synth.listed:
+            raise Rejected("id_taken", f"the task set already lists a task {task.id}")
+        if task.test_files != synth.test_files:
+            raise Rejected("tests_differ", "the release's test files are not those the task restores")
+        feature = feature_of(task, self.symbols)
+        stage = synth.work / task.id
+        shutil.rmtree(stage, ignore_errors=True)
+        tree = stage / "snapshot"
+        copy_task_tree(synth.base, tree)
+        try:
+            deletion = delete_feature(tree, feature)
+        except DeletionError as e:
+            raise Rejected("deletion_unparsable", str(e)) from None
+        if tree_diff(tree, synth.base) != packed.gold:
+            raise Rejected("gold_mismatch", "this shipyard's deletion of the task's definitions is not the pack's gold "
+                                            "patch: the pack was edited, or made by another version of synthesis "
+                                            "(synthesize the project again)")
+        synth.write_tests(stage)
+        scrub(tree)
+        fresh_commit(tree)
+        hits, _ = leaks(tree, deletion.snippets, self.third_party)
+        if hits:
+            raise Rejected("leak", f"deleted code found in {hits[:5]}")
+        (stage / "gold.patch").write_text(packed.gold)
+        if packed.differential is not None:
+            differential.save(stage, packed.differential)
+        if self.check:
+            self.regrade(task, stage, packed.gold)
+        try:
+            task.save(stage)
+            load_task(synth.work, task.id)  # read back as every later reader will
+            differential.load(stage)
+        except TaskFormatError as e:
+            raise Rejected("invalid_task", str(e)) from None
+        dest = synth.out / task.id  # not listed (checked above), and named for this project, which the set lacks
+        if os.path.lexists(dest):
+            synth.log(f"  replacing {dest}, which the task set's index does not list (left by an interrupted run?)")
+            shutil.rmtree(dest) if dest.is_dir() and not dest.is_symlink() else dest.unlink()
+        stage.replace(dest)
+        return task
 
-    def step(name: str, ok: bool, t0: float, reason: str, detail: str = "", **info) -> None:
-        if not ok:
-            raise Rejected(reason, detail)
+    def regrade(self, task: Task, stage: Path, gold: str) -> None:
+        def step(name: str, ok: bool, t0: float, reason: str, detail: str = "", **info) -> None:
+            if not ok:
+                raise Rejected(reason, detail)
 
-    if check:
-        with snapshot_of(tree, host()) as snap:
-            check_empty(task, stage, snap, synth.config, step)
-            t0 = time.monotonic()
-            v = grade(task, stage, packed.gold, synth.config.timeout, snap)
-            step("oracle", v.reward == 1.0, t0, "oracle_fails", f"{v.status} {v.failed[:5]} {v.detail[-300:]}")
-    try:
-        task.save(stage)
-    except TaskFormatError as e:
-        raise Rejected("invalid_task", str(e)) from None
-    dest = synth.out / task.id
-    if os.path.lexists(dest):  # not in the index (`claim` checked): what an interrupted run left
-        shutil.rmtree(dest) if dest.is_dir() and not dest.is_symlink() else dest.unlink()
-    stage.replace(dest)
-    return task
+        with snapshot_of(stage / "snapshot", host()) as snap:
+            check_empty(task, stage, snap, self.synth.config, step)
+            v = grade(task, stage, gold, self.synth.config.timeout, snap)
+            step("oracle", v.reward == 1.0, 0.0, "oracle_fails", f"{v.status} {v.failed[:5]} {v.detail[-300:]}")
 
 
 def rebuild_project(source: Source, packed: PackedProject, out: Path, config: SynthConfig, check: bool = True,
                     log: Log = print, progress: Callable[[int, int], None] | None = None) -> SynthReport:
-    """The tasks of one packed project into the task set `out`; the report lists them and the ones left out."""
+    """The tasks of one packed project into the task set `out`; the report lists them and the ones left out (all of
+    them, `source_differs`, when the source is not the release the pack's tasks were made from)."""
     start, (cpu0, unmeasured0) = time.monotonic(), cpu_used()
-    synth = Synthesizer(source.path, out, config, log=log, project=packed.project)
-    synth.prepare_base()
-    if synth.commit != packed.commit:
-        raise SourceError(f"{source.spec}: its files are not those the pack's tasks were made from (source "
-                          f"{synth.commit}, the pack's {packed.commit}); give --repo the release the pack names, "
-                          f"{packed.spec}")
+    synth = Synthesizer(source.path, out, replace(config, requirements=tuple(packed.requirements)), log=log,
+                        project=packed.project)
     index: list[IndexEntry] = []
+    try:
+        rebuild = Rebuild(synth, check)
+        if synth.commit != packed.commit:
+            raise SourceError(f"{source.spec}: its files are not those the pack's tasks were made from (source "
+                              f"{synth.commit}, the pack's {packed.commit})")
+    except (SourceError, EnvSetupError) as e:  # this project is left out; the others are still rebuilt
+        shutil.rmtree(synth.work, ignore_errors=True)
+        reason = "source_differs" if isinstance(e, SourceError) else "environment_failed"
+        log(f"  left out all {len(packed.tasks)} tasks of {packed.project}: {e}")
+        synth.report.tried = len(packed.tasks)
+        synth.report.rejections[reason] = len(packed.tasks)
+        synth.report.rejected.append({"project": packed.project.name, "reason": reason, "detail": str(e)[:500]})
+        return synth.report
     for packed_task in packed.tasks:
         synth.report.tried += 1
         try:
-            task = _rebuild_task(synth, packed_task, check)
+            task = rebuild.task(packed_task)
         except Rejected as r:
             synth.report.rejections[r.reason] += 1
             synth.report.rejected.append({"task": packed_task.task.id, "reason": r.reason, "detail": r.detail[:500]})
@@ -333,8 +387,9 @@ def rebuild(pack: Path, out: Path, config: SynthConfig, repos: Sequence[str] = (
             log: Log = print, progress: Callable[[int, int], None] | None = None, skip_done: bool = False) \
         -> list[SynthReport]:
     """Every project of the pack into the task set `out` (module docstring). A `repos` spec (a directory or
-    name==version) replaces the pack's spec of the same project; every source is resolved, and every project checked
-    against the set, before the first is rebuilt. The reports, in order."""
+    name==version) is the source of the pack's project of the same name; the others are fetched as the release the
+    pack names. Every source is resolved, and every project checked against the set, before the first is rebuilt.
+    The reports, in order."""
     projects = read_pack(pack)
     todo = [projects[i] for i in unclaimed([p.project for p in projects], out, skip_done, log)]
     with tempfile.TemporaryDirectory(prefix="shipyard-sources-") as tmp:
@@ -343,15 +398,18 @@ def rebuild(pack: Path, out: Path, config: SynthConfig, repos: Sequence[str] = (
         if unknown:
             raise UsageError(f"--repo {', '.join(given[n].spec for n in unknown)}: the pack has no tasks of "
                              f"{', '.join(unknown)}; its projects: {', '.join(str(p.project) for p in projects)}")
+        unversioned = [str(p.project) for p in todo if p.spec is None and p.project.name not in given]
+        if unversioned:
+            raise UsageError(f"the pack's project(s) {', '.join(unversioned)} state no version, so no release can be "
+                             "fetched: give each source with --repo DIR")
         sources = [given.get(p.project.name) or resolve([p.spec], Path(tmp), config.index_url, config.cache)[0]
                    for p in todo]
+        for source, packed in zip(sources, todo, strict=True):
+            if source.project.name != packed.project.name:  # a release whose metadata names another project
+                raise SourceError(f"{source.spec} is project {source.project.name}, not {packed.project.name}")
         reports: list[SynthReport] = []
         for source, packed in zip(sources, todo, strict=True):
             log(f"{packed.project}: {len(packed.tasks)} tasks from {source.path}")
-            try:
-                report = rebuild_project(source, packed, out, config, check, log,
-                                         None if progress is None else offset_progress(progress, reports))
-            except EnvSetupError as e:
-                raise SourceError(f"{packed.project}: {e}") from None
-            reports.append(report)
+            reports.append(rebuild_project(source, packed, out, config, check, log,
+                                           None if progress is None else offset_progress(progress, reports)))
     return reports

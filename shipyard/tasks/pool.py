@@ -28,8 +28,9 @@ from pathlib import Path
 
 from shipyard.errors import InputNotFound, UsageError
 from shipyard.tasks.environment import EnvSetupError
+from shipyard.tasks.report import SynthReport
 from shipyard.tasks.sources import Source, SourceError, is_directory_spec, resolve
-from shipyard.tasks.synth import SynthConfig, Synthesizer, SynthReport
+from shipyard.tasks.synth import SynthConfig, Synthesizer
 from shipyard.tasks.taskset import Project, TaskSetConflict, claim
 
 Log = Callable[[str], None]

@@ -22,10 +22,7 @@ project: `t{tier}-{project}.{module}-{symbols}` (`task_id`). Project names are c
 between the tier and the first `.` is the project, and two projects' ids can never be equal; an id the set already
 lists is an error all the same (`TaskSetConflict`), never an overwrite.
 
-CPU time is this process's and its waited-for children's rusage plus the CPU its sandboxes used, read from their
-cgroups (`shipyard.sandbox.bwrap.sandbox_cpu`): sandboxed processes never show up in rusage. Where the host has no
-cgroup that counts CPU, `unmeasured_sandboxes` says how many sandboxes' time is missing, and tasks per CPU-hour is
-an upper bound.
+The run's record, and how its CPU time is counted, are in `shipyard.tasks.report`.
 """
 
 from __future__ import annotations
@@ -33,29 +30,28 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import resource
 import shutil
 import subprocess
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from shipyard.errors import UsageError
 from shipyard.harness.confined import PathError, Tree
 from shipyard.harness.workspace import tree_diff
-from shipyard.sandbox.bwrap import sandbox_cpu
 from shipyard.sandbox.host import host
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import snapshot_of
 from shipyard.tasks import differential
 from shipyard.tasks.deletion import DeletionError, delete_feature
 from shipyard.tasks.environment import VENV, prepare, project_requirements, regular_files
-from shipyard.tasks.features import Feature, candidates, reach, source_files, symbols_of
+from shipyard.tasks.features import Feature, Symbol, candidates, reach, source_files, symbols_of
 from shipyard.tasks.grade import Refused, apply_patch, grade
 from shipyard.tasks.patchparse import parse_patch
 from shipyard.tasks.patchscan import is_test_config
+from shipyard.tasks.report import Rejected, SynthReport, cpu_used
 from shipyard.tasks.scrub import fingerprints, fresh_commit, scan, scrub, third_party_files
 from shipyard.tasks.sources import directory_project
 from shipyard.tasks.statement import statement, stub_source
@@ -105,72 +101,6 @@ class SynthConfig:
                 why = str(e).splitlines()[0]
                 raise UsageError(f"--with / requirements: {req!r} is not a requirement ({why}); write it as pip does: "
                                  f"'hypothesis>=6'") from None
-
-
-@dataclass
-class SynthReport:
-    repo: str
-    project: Project | None = None
-    accepted: list[str] = field(default_factory=list)
-    tried: int = 0
-    rejections: Counter = field(default_factory=Counter)
-    rejected: list[dict[str, str]] = field(default_factory=list)
-    stable_tests: int = 0
-    excluded_tests: dict[str, str] = field(default_factory=dict)  # node id → flaky | failing
-    baseline_errors: list[str] = field(default_factory=list)  # pytest's lines for modules that failed to collect
-    skipped: dict[str, str] = field(default_factory=dict)  # repo path → why it is in no task (links, special files)
-    generated: list[str] = field(default_factory=list)  # .py files the editable build generated (kept)
-    sdists: list[str] = field(default_factory=list)  # requirements fetched as source and built in the sandbox
-    seconds: float = 0.0
-    cpu_seconds: float = 0.0
-    unmeasured_sandboxes: int = 0  # sandboxes whose CPU time the host could not count (no cgroup cpu accounting)
-    differential: dict[str, dict] = field(default_factory=dict)  # per tier ("T1"…): the differential check's reach
-    rebuilt: dict = field(default_factory=dict)  # made from a pack (`pack.rebuild`): its synthesis report, re-graded
-
-    def cover(self, task: Task) -> None:
-        """Count an accepted task in its tier's differential coverage: tasks, tasks with cases, cases, and why the
-        others have none."""
-        d = self.differential.setdefault(f"T{task.tier}", {"tasks": 0, "with_cases": 0, "cases": 0, "why_none": {}})
-        cases = task.differential.get("cases", 0)
-        d["tasks"] += 1
-        d["with_cases"] += cases > 0
-        d["cases"] += cases
-        if not cases:
-            why = task.differential.get("why_none") or "synthesized without differential cases"
-            d["why_none"][why] = d["why_none"].get(why, 0) + 1
-
-    @property
-    def yield_(self) -> float:
-        return len(self.accepted) / self.tried if self.tried else 0.0
-
-    @property
-    def tasks_per_cpu_hour(self) -> float:
-        return len(self.accepted) / (self.cpu_seconds / 3600) if self.cpu_seconds else 0.0
-
-    def to_json(self) -> dict:
-        out = asdict(self)
-        out["rejections"] = dict(self.rejections)
-        out |= {"yield": round(self.yield_, 3), "tasks_per_cpu_hour": round(self.tasks_per_cpu_hour, 1)}
-        return out
-
-    def headline(self) -> dict:
-        """The figures `shipyard synth` prints: yield, rate, tries, rejections by reason, seconds."""
-        summary = self.to_json()
-        return {k: summary[k] for k in ("yield", "tasks_per_cpu_hour", "tried", "rejections", "differential",
-                                        "seconds")}
-
-
-class Rejected(Exception):
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail = reason, detail
-
-
-def cpu_used() -> tuple[float, int]:
-    """(CPU seconds of this process, its reaped children and its closed sandboxes; sandboxes not measured)."""
-    sandboxes, unmeasured = sandbox_cpu()
-    return sandboxes + sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
-                           for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)), unmeasured
 
 
 def source_commit(repo: Path, copy: Path, files: list[str]) -> str:
@@ -267,6 +197,14 @@ def check_empty(task: Task, stage: Path, snap: Path, config: SynthConfig, step: 
          ", ".join(t for t in empty.failed if t in set(task.pass_to_pass))[:500])
 
 
+def leaks(tree: Path, snippets: list[str], third_party: bytes) -> tuple[list[str], int]:
+    """Where the deleted `snippets` can be found in the scrubbed `tree` (the leak scan), and how many fingerprints
+    were searched for."""
+    visible = b"\n".join((tree / f).read_bytes() for f in regular_files(tree))
+    fps = fingerprints(snippets, visible + b"\n" + third_party)
+    return scan(tree, fps), len(fps.all())
+
+
 class Synthesizer:
     def __init__(self, repo: Path, out: Path, config: SynthConfig, log: Callable[[str], None] = print,
                  progress: Callable[[int, int], None] | None = None, project: Project | None = None):
@@ -290,7 +228,7 @@ class Synthesizer:
         prepared = prepare(self.repo, self.base, self.config.cache, timeout=self.config.timeout,
                            extra=self.config.requirements, index_url=self.config.index_url)
         self.report.skipped, self.report.generated = prepared.skipped, prepared.generated
-        self.report.sdists = prepared.sdists
+        self.report.sdists, self.report.requirements = prepared.sdists, list(self.config.requirements)
         self.commit = source_commit(self.repo, self.base, prepared.files)
         scrub(self.base)
         self.test_files = self._test_files()
@@ -319,13 +257,12 @@ class Synthesizer:
         if errors:
             self.log(f"warning: {len(errors)} test modules fail before any deletion, their tests are left out "
                      "(a missing test dependency? name it with --with):\n    " + "\n    ".join(errors[:10]))
-        symbols = [s for f in source_files(self.base) for s in symbols_of(f, (self.base / f).read_text())]
+        symbols = self.symbols()
         reached = reach(symbols, coverage, stable)
         pools = {t: candidates(symbols, reached, stable, t, self.config.min_lines) for t in self.config.tiers}
         self.log(f"{len(stable)} stable tests, {len(excluded)} excluded; candidates per tier: "
                  + ", ".join(f"T{t} {len(p)}" for t, p in pools.items()))
-        name = project_requirements(self.base)[0]
-        third_party = _venv_bytes(self.base / VENV, third_party_files(self.base / VENV, name and name.lower()))
+        third_party = self.third_party()
         used: dict[int, set] = {t: set() for t in pools}
         per_tier: Counter = Counter()
         index: list[IndexEntry] = []
@@ -400,15 +337,13 @@ class Synthesizer:
         fresh_commit(tree)
         step("scrub", True, t0, "", removed=removed)
         t0 = time.monotonic()
-        visible = b"\n".join((tree / f).read_bytes() for f in regular_files(tree))
-        fps = fingerprints(deletion.snippets, visible + b"\n" + third_party)
-        hits = scan(tree, fps)
-        step("leak_scan", not hits, t0, "leak", f"deleted code found in {hits[:5]}", fingerprints=len(fps.all()))
+        hits, searched = leaks(tree, deletion.snippets, third_party)
+        step("leak_scan", not hits, t0, "leak", f"deleted code found in {hits[:5]}", fingerprints=searched)
         lines = sum(s.end - (s.body_start if feature.tier < 3 else s.start) + 1 for s in feature.symbols)
         task = Task(stage.name, feature.tier, statement(feature, tree), feature.fail_to_pass, feature.pass_to_pass,
                     [DeletedSymbol(s.file, s.qualname, s.start, s.end) for s in feature.symbols], lines,
                     {"repo": str(self.repo), "commit": self.commit}, test_files=self.test_files,
-                    fingerprints=len(fps.all()), project=self.project)
+                    fingerprints=searched, project=self.project)
         with snapshot_of(tree, host()) as snap:  # one sandbox snapshot for every grading run of this task
             try:
                 self._grade_steps(task, stage, gold, stub, snap, step)
@@ -428,6 +363,16 @@ class Synthesizer:
                 dest.unlink()
         stage.replace(dest)
         return task
+
+    def symbols(self) -> list[Symbol]:
+        """Every definition of the base's non-test code (`features.symbols_of`)."""
+        return [s for f in source_files(self.base) for s in symbols_of(f, (self.base / f).read_text())]
+
+    def third_party(self) -> bytes:
+        """The bytes of the venv's distributions other than the project: the leak scan's fingerprints must be rare
+        there too (code also found in a dependency is no leak of the answer)."""
+        name = project_requirements(self.base)[0]
+        return _venv_bytes(self.base / VENV, third_party_files(self.base / VENV, name and name.lower()))
 
     def write_tests(self, stage: Path) -> None:
         """The canonical copies of the test files, from the base, into the task's `tests/`."""

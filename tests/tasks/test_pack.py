@@ -1,7 +1,7 @@
 """Task packs (`shipyard.tasks.pack`): a task set written as one small file and rebuilt into the same tasks, in real
 sandboxes from the example repository's session task set; and packs that were edited or planted: a gold patch that
-reaches a test file or leaves the tree, a deletion that does not reproduce, another release of the project, a cut
-or oversized file. Each is refused with its reason, and a bad task never costs the others."""
+plants code or reaches a test file, an id that is not its project's or not new, another release of the project, a
+cut, corrupt or oversized file. Each is refused with its reason, and a bad task or project never costs the others."""
 
 import gzip
 import json
@@ -14,8 +14,7 @@ import pytest
 from servers import needs_sandbox
 
 from shipyard.tasks import pack as pack_mod
-from shipyard.tasks.pack import PackFormatError, gold_problem, read_pack, rebuild, write_pack
-from shipyard.tasks.sources import SourceError
+from shipyard.tasks.pack import PackFormatError, read_pack, rebuild, write_pack
 from shipyard.tasks.synth import SynthConfig
 from shipyard.tasks.taskset import list_tasks, load_task, synth_reports
 
@@ -68,34 +67,59 @@ def test_a_packed_task_set_rebuilds_into_the_same_tasks_graded_again(taskset, tm
 
 
 def test_edited_tasks_are_left_out_by_reason_and_the_rest_is_kept(taskset, tmp_path):
+    """No patch of a pack is ever applied: the deletion is made again and must give the pack's gold patch, so a gold
+    patch that would plant code (here: the answer behind a clock check), a link or a test edit is a mismatch."""
     out, _, repo = taskset
     rows = packed(out, tmp_path)
     tasks = [r for r in rows if "task" in r]
     test_file = tasks[0]["task"]["test_files"][0]
-    # A gold patch that reaches a test file: refused before anything is applied.
     tasks[0]["gold"] += (f"diff --git a/{test_file} b/{test_file}\n--- a/{test_file}\n+++ b/{test_file}\n"
                          "@@ -1 +1 @@\n-x\n+y\n")
-    # A deletion that does not reproduce: one line of the restored code changed.
     gold = tasks[1]["gold"].splitlines(keepends=True)
-    i = next(i for i, line in enumerate(gold) if line.startswith("+") and not line.startswith("+++"))
-    gold[i] = "+    pass  # not what was deleted\n"
+    i = next(i for i, line in enumerate(gold) if line.startswith("-") and not line.startswith("---"))
+    gold[i] = "-    if __import__('time').time() > 2e9: return 1  # planted\n"
     tasks[1]["gold"] = "".join(gold)
     rebuilt = tmp_path / "rebuilt"
     [report] = rebuild(write(tmp_path / "edited.gz", rows), rebuilt, FAST, repos=[str(repo)], check=False,
                        log=lambda m: None)
-    assert dict(report.rejections) == {"gold_refused": 1, "gold_mismatch": 1}
+    assert dict(report.rejections) == {"gold_mismatch": 2}
     assert report.accepted == [tasks[2]["task"]["id"]] == list_tasks(rebuilt)
     assert {r["task"] for r in report.rejected} == {tasks[0]["task"]["id"], tasks[1]["task"]["id"]}
-    assert not (rebuilt / ".work").exists()
-    # The CLI says so: the set holds what was rebuilt, the exit status is not 0.
+    assert not (rebuilt / ".work").exists() and not (rebuilt / tasks[1]["task"]["id"]).exists()
+    # The CLI says so, run from inside a git work tree with a relative --out: the set holds what was rebuilt, and
+    # the exit status is not 0.
+    cwd = tmp_path / "checkout"
+    cwd.mkdir()
+    subprocess.run(["git", "init", "-q", "."], cwd=cwd, check=True)
     cli = subprocess.run([sys.executable, "-m", "shipyard.cli", "synth", "--from", str(tmp_path / "edited.gz"),
-                          "--repo", str(repo), "--out", str(tmp_path / "cli"), "--no-check"],
-                         capture_output=True, text=True, timeout=600)
+                          "--repo", str(repo), "--out", "cli", "--no-check"],
+                         capture_output=True, text=True, timeout=600, cwd=cwd)
     assert cli.returncode == 1, cli.stdout + cli.stderr
-    assert "left out" in cli.stdout + cli.stderr and list_tasks(tmp_path / "cli") == report.accepted
+    assert "left out" in cli.stdout + cli.stderr and list_tasks(cwd / "cli") == report.accepted
 
 
-def test_another_release_of_the_project_is_refused_before_any_task(taskset, tmp_path):
+def test_ids_must_be_of_their_project_and_new_to_the_set(taskset, tmp_path):
+    out, _, repo = taskset
+    rows = packed(out, tmp_path)
+    renamed = [dict(r) for r in rows]
+    renamed[2] = {**rows[2], "task": {**rows[2]["task"], "id": "tasks.jsonl"}}
+    with pytest.raises(PackFormatError, match="does not start with t"):
+        read_pack(write(tmp_path / "renamed.gz", renamed))
+    # Rebuilt into a set that already lists one of the ids (under another project's name, by hand): left out.
+    target = tmp_path / "set"
+    target.mkdir()
+    first = rows[2]["task"]["id"]
+    (target / "tasks.jsonl").write_text(json.dumps({"id": first, "tier": rows[2]["task"]["tier"], "fail_to_pass": 1,
+                                                    "lines_deleted": 1, "project": {"name": "other",
+                                                                                    "version": "1"}}) + "\n")
+    (target / first).mkdir()
+    (target / first / "keep").write_text("mine")
+    [report] = rebuild(tmp_path / "p.gz", target, FAST, repos=[str(repo)], check=False, log=lambda m: None)
+    assert report.rejections == {"id_taken": 1} and len(report.accepted) == 2
+    assert (target / first / "keep").read_text() == "mine"
+
+
+def test_another_release_of_the_project_is_left_out_whole(taskset, tmp_path):
     out, _, repo = taskset
     path = tmp_path / "p.gz"
     write_pack(out, path)
@@ -103,37 +127,36 @@ def test_another_release_of_the_project_is_refused_before_any_task(taskset, tmp_
     shutil.copytree(repo, other, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
     module = next(p for p in sorted(other.rglob("*.py")) if "tests" not in p.parts)
     module.write_text(module.read_text() + "\n# another release\n")
-    with pytest.raises(SourceError, match="not those the pack's tasks were made from"):
-        rebuild(path, tmp_path / "rebuilt", FAST, repos=[str(other)], check=False, log=lambda m: None)
-    assert not (tmp_path / "rebuilt" / "tasks.jsonl").exists()
-
-
-def test_gold_patches_may_touch_only_project_sources():
-    def patch(path: str, mode: str = "") -> str:
-        return (f"diff --git a/{path} b/{path}\n{mode}--- a/{path}\n+++ b/{path}\n@@ -1 +1,2 @@\n x\n+y\n")
-
-    assert gold_problem(patch("pkg/mod.py"), ["tests/test_mod.py"]) is None
-    for bad in ("../outside.py", "/etc/cron.py", "tests/test_mod.py", ".venv/lib/site.py", ".git/hooks/x.py",
-                "conftest.py", "setup.cfg", "pkg/data.bin"):
-        assert gold_problem(patch(bad), ["tests/test_mod.py"]), bad
-    assert gold_problem("diff --git a/pkg/m.py b/pkg/m.py\nnew file mode 120000\n--- /dev/null\n+++ b/pkg/m.py\n"
-                        "@@ -0,0 +1 @@\n+/etc/passwd\n", [])
-    assert gold_problem("", []) == "it changes no file"
+    [report] = rebuild(path, tmp_path / "rebuilt", FAST, repos=[str(other)], check=False, log=lambda m: None)
+    assert report.rejections == {"source_differs": 3} and not report.accepted
+    assert "not those the pack's tasks were made from" in report.rejected[0]["detail"]
+    assert not (tmp_path / "rebuilt" / ".work").exists() and not (tmp_path / "rebuilt" / "tasks.jsonl").exists()
 
 
 def test_malformed_packs_are_named_with_their_line(taskset, tmp_path, monkeypatch):
     out = taskset[0]
     good = packed(out, tmp_path)
     (tmp_path / "plain.txt").write_text("not gzip")
+    data = bytearray((tmp_path / "p.gz").read_bytes())
+    data[len(data) // 2] ^= 0x7F
+    (tmp_path / "flipped.gz").write_bytes(bytes(data))
+    task = good[2]["task"]
     cases = {
         "not a gzip": tmp_path / "plain.txt",
+        "gzip-compressed": tmp_path / "flipped.gz",
         "format": write(tmp_path / "a.gz", [{"format": "other"}]),
         "version 9": write(tmp_path / "b.gz", [{**good[0], "version": 9}]),
         "cut short": write(tmp_path / "c.gz", good[:-1]),
+        "header says True": write(tmp_path / "c2.gz", [{**good[0], "tasks": True}, *good[1:]]),
         "before any project": write(tmp_path / "d.gz", [good[0], good[2]]),
         "not a valid task": write(tmp_path / "e.gz", [good[0], good[1], {**good[2], "task": {"id": "x"}}]),
         "listed twice": write(tmp_path / "f.gz", [{**good[0], "tasks": 4}, *good[1:], good[-1]]),
         "another source": write(tmp_path / "g.gz", [good[0], {**good[1], "commit": "sha256:0"}, *good[2:]]),
+        "wrong type": write(tmp_path / "i.gz", [good[0], {**good[1], "project": {"name": 123}}, *good[2:]]),
+        "format version 99": write(tmp_path / "j.gz", [good[0], good[1], {**good[2], "task": {**task, "version": 99}},
+                                                       *good[3:]]),
+        "summary is larger": write(tmp_path / "k.gz", [good[0], {**good[1], "synth": {"x": [0] * 400_000}},
+                                                       *good[2:]]),
         "not JSON": tmp_path / "h.gz",
     }
     with gzip.open(tmp_path / "h.gz", "wt") as f:
