@@ -167,3 +167,22 @@ def test_malformed_packs_are_named_with_their_line(taskset, tmp_path, monkeypatc
     monkeypatch.setattr(pack_mod, "MAX_LINE", 1000)  # a line past the bound is refused, not read whole
     with pytest.raises(PackFormatError, match="past the size"):
         read_pack(tmp_path / "p.gz")
+
+
+def test_the_committed_pool_pack_is_the_recipe_pool():
+    """configs/pool.pack.gz (docs/tasks.md, "The pool: recipe") holds releases the recipe's lists name, at most 20
+    tasks each, every task readable: >= 80 training tasks of >= 5 projects, >= 24 held-out tasks of the learning
+    config's held-out projects."""
+    from shipyard.tasks.pool import read_list
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    projects = read_pack(configs / "pool.pack.gz")
+    training, held_out = read_list(configs / "pool.txt"), read_list(configs / "pool-heldout.txt")
+    assert {str(p.project) for p in projects} <= {*training, *held_out}
+    assert all(0 < len(p.tasks) <= 20 for p in projects)
+    train = [p for p in projects if str(p.project) in training]
+    held = [p for p in projects if str(p.project) in held_out]
+    assert len(train) >= 5 and sum(len(p.tasks) for p in train) >= 80
+    assert len(held) == 2 and sum(len(p.tasks) for p in held) >= 24
+    names = ", ".join(f'"{p.project.name}"' for p in held)
+    assert f"held_out_projects = [{names}]" in (configs / "learning.toml").read_text()
