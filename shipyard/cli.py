@@ -354,7 +354,8 @@ def synth(
                                           "With --from: the source of a project of the pack (default: its release)."),
     repos: list[Path] | None = typer.Option(None, "--repos", help="A file of --repo values, one a line (repeatable)."),
     out: Path = typer.Option(..., "--out", help="The task-set directory to write or append to (docs/tasks.md)."),
-    max_tasks: int = typer.Option(20, "--max-tasks", min=1, help="Stop after this many validated tasks per project."),
+    max_tasks: int | None = typer.Option(None, "--max-tasks", min=1, help="Stop after this many validated tasks per "
+                                         "project (default 20)."),
     tier: list[int] | None = typer.Option(None, "--tier", min=1, max=3, help="Tiers to make (repeatable): 1 one "
                                           "body, 2 several bodies of a feature, 3 whole definitions. Default: all."),
     timeout: float = typer.Option(900, min=1, help="Seconds one run of the test suite may take."),
@@ -373,9 +374,10 @@ def synth(
     from shipyard.tasks.synth import SynthConfig
 
     with user_errors():
-        need(from_ is None or not (max_tasks != 20 or tier or with_), "--from rebuilds a pack's tasks as they are: "
-             "--max-tasks, --tier and --with apply to synthesis only")
-        config = SynthConfig(max_tasks=max_tasks, tiers=tuple(sorted(set(tier or (1, 2, 3)))), timeout=timeout,
+        need(from_ is None or not (max_tasks is not None or tier or with_), "--from rebuilds a pack's tasks as they "
+             "are: --max-tasks, --tier and --with apply to synthesis only")
+        config = SynthConfig(max_tasks=20 if max_tasks is None else max_tasks,
+                             tiers=tuple(sorted(set(tier or (1, 2, 3)))), timeout=timeout,
                              requirements=tuple(with_ or ()))
         specs = specs_of(repo or (), repos or ()) if from_ is None or repo or repos else []
         reports = synth_shown(specs, out, config, skip_done, from_, check)

@@ -186,3 +186,12 @@ def test_the_committed_pool_pack_is_the_recipe_pool():
     assert len(held) == 2 and sum(len(p.tasks) for p in held) >= 24
     names = ", ".join(f'"{p.project.name}"' for p in held)
     assert f"held_out_projects = [{names}]" in (configs / "learning.toml").read_text()
+
+
+def test_synthesis_options_are_refused_with_from_even_at_their_defaults(tmp_path):
+    for extra in (["--max-tasks", "20"], ["--tier", "1"], ["--with", "hypothesis"]):
+        cli = subprocess.run([sys.executable, "-m", "shipyard.cli", "synth", "--from", "configs/pool.pack.gz",
+                              "--out", str(tmp_path / "x"), *extra], capture_output=True, text=True, timeout=120,
+                             cwd=Path(__file__).resolve().parents[2])
+        assert cli.returncode == 2 and "apply to synthesis only" in cli.stderr, (extra, cli.stderr)
+        assert not (tmp_path / "x").exists()
