@@ -22,7 +22,9 @@ for all arms: what differs between arms is the weights, nothing else.
 **Budgets.** Each training stage gets `--minutes` of wall time: `shipyard train` and `shipyard sft` stop themselves
 after the step that reaches the budget less `--eval-reserve` (`run.max_minutes`) and checkpoint; a stage still
 running at the budget is killed, reported as such, and fails the measurement — the same command resumes it from its
-last checkpoint. Evaluations run to their end.
+last checkpoint. The budget is the stage's in all: a stage that stopped itself at it is reused by the same command,
+and continued from its checkpoint by one with a larger `--minutes` for what is left of it (its earlier runs here
+counted; `OUT/budgets.json` keeps the budget each stage last ran under). Evaluations run to their end.
 
 **Cost.** The RL stages run with `--run.evaluate false`: the benchmark evaluates every arm itself, the same way, so
 the runs' own before/after evaluations would be the same work twice.
@@ -208,6 +210,7 @@ class Bench:
         self.failures: list[str] = []
         self.seconds_path = self.out / "stages.json"  # wall seconds of what ran here, kept for a resumed measurement
         self.seconds: dict[str, float] = _json(self.seconds_path)
+        self.budgets_path = self.out / "budgets.json"  # the steps' budget (minutes) each stage here last ran under
 
     def ran(self, key: str, record: dict[str, Any], resumed: bool = False) -> dict[str, Any]:
         """Note the wall time of a stage run here (a resumed stage adds to what its earlier runs took)."""
@@ -239,22 +242,26 @@ class Bench:
         run = self.stage_dir(stage)
         start = self.model_of(parent) if parent else self.config.model.name
         state = run_state(run)
-        if stage in self.args.reuse_runs or (state["status"] == "finished" and state["export"]):
-            seconds = state["recorded_seconds"] if stage in self.args.reuse_runs else self.seconds.get(stage)
+        a = self.args
+        minutes = a.minutes - a.eval_reserve  # the stage's steps' budget (`run.max_minutes`)
+        left = self.budget_left(stage, state, minutes)
+        if stage in a.reuse_runs or (state["status"] == "finished" and state["export"] and left is None):
+            seconds = state["recorded_seconds"] if stage in a.reuse_runs else self.seconds.get(stage)
             record = {"reused": str(run), "seconds": seconds}
         else:
-            a = self.args
             per_stage = shlex.split(a.sft_args if command == "sft" else a.rl_args)
             resumed = (run / "run.json").exists()
+            minutes = max(minutes if left is None else left, 0.1)
             cmd = [sys.executable, "-m", "shipyard.cli", command, str(a.config), *self.overrides, *per_stage,
                    "--run.dir", str(run), "--run.tasks", str(self.tasks), "--model.name", start,
-                   "--run.max_minutes", str(max(a.minutes - a.eval_reserve, 0.1)), *extra,
+                   "--run.max_minutes", str(minutes), *extra,
                    *(["--engine.kind", self.engine] if command == "train" else []),
                    *(["--run.resume", "true"] if resumed else [])]
-            record = run_stage(stage, cmd, self.out / f"{stage}.log", a.minutes,
+            record = run_stage(stage, cmd, self.out / f"{stage}.log", minutes + a.eval_reserve,
                                lambda: len([m for m in _lines(run / "metrics.jsonl") if m.get("step", 0) > 0]),
                                self.config.run.steps if command == "train" else None)
             record = self.ran(stage, record, resumed)
+            self.budgets_path.write_text(json.dumps({**_json(self.budgets_path), stage: a.minutes - a.eval_reserve}))
             state = run_state(run)
         why = self._stage_problem(run, state, start, record)
         self.runs[stage] = {**record, **{k: state[k] for k in ("status", "stopped", "steps", "grounded")},
@@ -262,6 +269,17 @@ class Bench:
         if why:
             self.failures.append(f"{stage}: {why}")
         return why is None
+
+    def budget_left(self, stage: str, state: dict[str, Any], minutes: float) -> float | None:
+        """Minutes still owed to a stage that stopped itself at its budget (`stopped = "max_minutes"`) when this
+        measurement gives its stages more than it had (`--minutes` raised): its earlier runs here count against the
+        new budget. So the same command reuses it, and a larger budget continues it from its checkpoint. None:
+        nothing owed."""
+        spent, had = self.seconds.get(stage), _json(self.budgets_path).get(stage)
+        if stage in self.args.reuse_runs or state["stopped"] != "max_minutes" or spent is None or had is None:
+            return None
+        left = minutes - spent / 60
+        return left if minutes > had and left >= 1 else None
 
     def _stage_problem(self, run: Path, state: dict[str, Any], start: str, record: dict[str, Any]) -> str | None:
         if record.get("cut_at_budget"):

@@ -241,3 +241,28 @@ def test_the_bench_trains_and_evaluates_base_sft_and_sft_rl(taskset, tmp_path):
     rc, stale, log = _bench(config, out, "--arms", "sft+rl")
     assert rc == 1, log
     assert any("exported again after this run started from it" in f for f in stale["failures"]), stale["failures"]
+
+
+@needs_sandbox
+def test_a_stage_stopped_at_its_budget_is_continued_only_when_the_budget_grows(taskset, tmp_path):
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY.format(tasks=taskset[0]))
+    out = tmp_path / "out"
+    # two SFT steps (2 epochs of one batch); 6 s for steps, so it stops itself after the first
+    small = ("--arms", "sft", "--sft-args", "--sft.epochs 2", "--minutes", "3", "--eval-reserve", "2.9")
+    rc, first, log = _bench(config, out, *small)
+    assert rc == 0, log
+    assert first["runs"]["sft"]["stopped"] == "max_minutes" and first["runs"]["sft"]["steps"] == 1, first["runs"]
+
+    rc, again, log = _bench(config, out, *small)  # the same budget: reused as it is
+    assert rc == 0, log
+    assert "reused" in again["runs"]["sft"] and again["runs"]["sft"]["steps"] == 1
+    assert "reused" in again["runs"]["eval sft"]
+
+    larger = (*small[:-4], "--minutes", "6", "--eval-reserve", "2.9")  # 3.1 minutes in all, less what it took
+    rc, more, log = _bench(config, out, *larger)
+    assert rc == 0, log
+    sft = more["runs"]["sft"]
+    assert "reused" not in sft and sft["steps"] == 2 and sft["stopped"] is None, sft
+    assert "--run.resume true" in sft["command"] and "reused" not in more["runs"]["eval sft"]
+    assert more["stages"]["sft"] > first["stages"]["sft"]  # the continuation adds to what the stage took
