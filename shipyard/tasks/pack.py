@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -55,15 +54,13 @@ from shipyard.harness.diff import tree_diff
 from shipyard.sandbox.host import host
 from shipyard.sandbox.snapshot import snapshot_of
 from shipyard.tasks import differential
-from shipyard.tasks.deletion import DeletionError, delete_feature
 from shipyard.tasks.environment import EnvSetupError
 from shipyard.tasks.features import Feature, Symbol
 from shipyard.tasks.grade import MAX_GOLD, grade, read_gold
 from shipyard.tasks.pool import offset_progress, unclaimed
 from shipyard.tasks.report import Rejected, SynthReport, cpu_used
-from shipyard.tasks.scrub import fresh_commit, scrub
 from shipyard.tasks.sources import Source, SourceError, resolve
-from shipyard.tasks.synth import SynthConfig, Synthesizer, check_empty, copy_task_tree, leaks
+from shipyard.tasks.synth import SynthConfig, Synthesizer, check_empty, leaks
 from shipyard.tasks.taskset import (
     MAX_TASK_JSON,
     TASK,
@@ -293,22 +290,14 @@ class Rebuild:
             raise Rejected("id_taken", f"the task set already lists a task {task.id}")
         if task.test_files != synth.test_files:
             raise Rejected("tests_differ", "the release's test files are not those the task restores")
-        feature = feature_of(task, self.symbols)
-        stage = synth.work / task.id
-        shutil.rmtree(stage, ignore_errors=True)
+        stage, deletion = synth.stage_deletion(task.id, feature_of(task, self.symbols))
         tree = stage / "snapshot"
-        copy_task_tree(synth.base, tree)
-        try:
-            deletion = delete_feature(tree, feature)
-        except DeletionError as e:
-            raise Rejected("deletion_unparsable", str(e)) from None
         if tree_diff(tree, synth.base) != packed.gold:
             raise Rejected("gold_mismatch", "this shipyard's deletion of the task's definitions is not the pack's gold "
                                             "patch: the pack was edited, or made by another version of synthesis "
                                             "(synthesize the project again)")
         synth.write_tests(stage)
-        scrub(tree)
-        fresh_commit(tree)
+        synth.scrub(tree)
         hits, _ = leaks(tree, deletion.snippets, self.third_party)
         if hits:
             raise Rejected("leak", f"deleted code found in {hits[:5]}")
@@ -317,17 +306,7 @@ class Rebuild:
             differential.save(stage, packed.differential)
         if self.check:
             self.regrade(task, stage, packed.gold)
-        try:
-            task.save(stage)
-            load_task(synth.work, task.id)  # read back as every later reader will
-            differential.load(stage)
-        except TaskFormatError as e:
-            raise Rejected("invalid_task", str(e)) from None
-        dest = synth.out / task.id  # not listed (checked above), and named for this project, which the set lacks
-        if os.path.lexists(dest):
-            synth.log(f"  replacing {dest}, which the task set's index does not list (left by an interrupted run?)")
-            shutil.rmtree(dest) if dest.is_dir() and not dest.is_symlink() else dest.unlink()
-        stage.replace(dest)
+        synth.place(task, stage)  # not listed (checked above), and named for this project, which the set lacks
         return task
 
     def regrade(self, task: Task, stage: Path, gold: str) -> None:

@@ -45,7 +45,7 @@ from shipyard.sandbox.host import host
 from shipyard.sandbox.sandbox import Sandbox
 from shipyard.sandbox.snapshot import snapshot_of
 from shipyard.tasks import differential
-from shipyard.tasks.deletion import DeletionError, delete_feature
+from shipyard.tasks.deletion import Deletion, DeletionError, delete_feature
 from shipyard.tasks.environment import VENV, prepare, project_requirements, regular_files
 from shipyard.tasks.features import Feature, Symbol, candidates, reach, source_files, symbols_of
 from shipyard.tasks.grade import Refused, apply_patch, grade
@@ -66,6 +66,7 @@ from shipyard.tasks.taskset import (
     TaskSetConflict,
     append_project,
     claim,
+    load_task,
     project_name,
 )
 
@@ -319,23 +320,15 @@ class Synthesizer:
             if not ok:
                 raise Rejected(reason, detail)
 
-        stage = self.work / self.task_id(feature)
-        shutil.rmtree(stage, ignore_errors=True)
-        tree = stage / "snapshot"
-        copy_task_tree(self.base, tree)
         t0 = time.monotonic()
-        try:
-            deletion = delete_feature(tree, feature)
-        except DeletionError as e:
-            step("delete", False, t0, "deletion_unparsable", str(e))
+        stage, deletion = self.stage_deletion(self.task_id(feature), feature)
+        tree = stage / "snapshot"
         step("delete", True, t0, "", files=deletion.changed)
         self.write_tests(stage)
         gold = tree_diff(tree, self.base)
         stub = self._stub_patch(tree, feature, stage)
         t0 = time.monotonic()
-        removed = scrub(tree)
-        fresh_commit(tree)
-        step("scrub", True, t0, "", removed=removed)
+        step("scrub", True, t0, "", removed=self.scrub(tree))
         t0 = time.monotonic()
         hits, searched = leaks(tree, deletion.snippets, third_party)
         step("leak_scan", not hits, t0, "leak", f"deleted code found in {hits[:5]}", fingerprints=searched)
@@ -350,19 +343,40 @@ class Synthesizer:
             except TaskFormatError as e:  # e.g. differential cases the repository's code made unreadable
                 raise Rejected("invalid_task", str(e)) from None
         task.validation = steps
+        self.place(task, stage)
+        return task
+
+    def stage_deletion(self, task_id: str, feature: Feature) -> tuple[Path, Deletion]:
+        """A fresh stage for `task_id` (work/ID) whose snapshot is the prepared base with `feature` deleted."""
+        stage = self.work / task_id
+        shutil.rmtree(stage, ignore_errors=True)
+        copy_task_tree(self.base, stage / "snapshot")
+        try:
+            return stage, delete_feature(stage / "snapshot", feature)
+        except DeletionError as e:
+            raise Rejected("deletion_unparsable", str(e)) from None
+
+    @staticmethod
+    def scrub(tree: Path) -> list[str]:
+        """The task's tree without the project's history and caches, as one fresh commit; what was removed."""
+        removed = scrub(tree)
+        fresh_commit(tree)
+        return removed
+
+    def place(self, task: Task, stage: Path) -> None:
+        """Save `task` in its stage, read it back as every later reader will, and move the stage into the task set
+        (its id not listed there: the caller checked)."""
         try:
             task.save(stage)
+            load_task(self.work, task.id)
+            differential.load(stage)
         except TaskFormatError as e:
             raise Rejected("invalid_task", str(e)) from None
         dest = self.out / task.id
-        if os.path.lexists(dest):  # not in the index (`run` checked): what an interrupted run left
+        if os.path.lexists(dest):  # what an interrupted run left
             self.log(f"  replacing {dest}, which the task set's index does not list (left by an interrupted run?)")
-            if dest.is_dir() and not dest.is_symlink():
-                shutil.rmtree(dest)
-            else:
-                dest.unlink()
+            shutil.rmtree(dest) if dest.is_dir() and not dest.is_symlink() else dest.unlink()
         stage.replace(dest)
-        return task
 
     def symbols(self) -> list[Symbol]:
         """Every definition of the base's non-test code (`features.symbols_of`)."""
