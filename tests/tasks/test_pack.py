@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from servers import needs_sandbox
 
+from shipyard.errors import UsageError
 from shipyard.tasks import pack as pack_mod
 from shipyard.tasks.pack import PackFormatError, read_pack, rebuild, write_pack
 from shipyard.tasks.synth import SynthConfig
-from shipyard.tasks.taskset import list_tasks, load_task, synth_reports
+from shipyard.tasks.taskset import TaskSetConflict, list_tasks, load_task, synth_reports
 
 pytestmark = needs_sandbox
 FAST = SynthConfig(search_index=False, timeout=300)
@@ -50,8 +51,21 @@ def test_a_packed_task_set_rebuilds_into_the_same_tasks_graded_again(taskset, tm
     assert write_pack(out, path) == (1, 3)
     assert path.stat().st_size < 200_000  # the set itself holds three snapshots with their venvs
     rebuilt = tmp_path / "rebuilt"
+    # a project without a version (a directory's, unreleased) names no release to fetch: its source must be given
+    rows = lines(path)
+    for row in rows[1:]:
+        (row.get("task") or row)["project"]["version"] = None
+    unversioned = write(tmp_path / "unversioned.gz", rows)
+    assert read_pack(unversioned)[0].spec is None
+    with pytest.raises(UsageError, match="give each source with --repo DIR"):
+        rebuild(unversioned, rebuilt, FAST, log=lambda m: None)
     [report] = rebuild(path, rebuilt, FAST, repos=[str(repo)], log=lambda m: None)
     assert sorted(report.accepted) == sorted(list_tasks(out)) and not report.rejections
+    with pytest.raises(TaskSetConflict):  # the set holds the project's tasks now
+        rebuild(path, rebuilt, FAST, repos=[str(repo)], log=lambda m: None)
+    told: list[str] = []
+    assert rebuild(path, rebuilt, FAST, repos=[str(repo)], log=told.append, skip_done=True) == []
+    assert any("already holds its tasks; skipped" in m for m in told) and list_tasks(rebuilt) == list_tasks(out)
     assert report.rebuilt["checked"] is True
     assert sorted(synth_reports(rebuilt)["pocketlib"]["rebuilt"]["synth"]["accepted"]) == sorted(list_tasks(out))
     for tid in list_tasks(out):
