@@ -51,7 +51,7 @@ from shipyard.rollout.eval import default_ks, results, save_results, validity
 from shipyard.rollout.record import Hint
 from shipyard.rollout.scheduler import Scheduler
 from shipyard.train.batch import Batch
-from shipyard.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from shipyard.train.checkpoint import latest_checkpoint, load_checkpoint, require_space, save_checkpoint
 from shipyard.train.memory import PeakRSS, resident_mb
 from shipyard.train.trainer import Trainer
 
@@ -141,6 +141,9 @@ def export_policy(trainer: Trainer, full: dict[str, Any], tokenizer, directory: 
     directory = Path(directory)
     partial = directory.with_name(f".{directory.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
+    # the new export is written beside the old one: its tensors, plus the tokenizer and configs (~10 MiB)
+    require_space(directory.parent, sum(v.nbytes for v in full.values()) + (32 << 20),
+                  f"the export of step {trainer.step_count}")
     trainer.model.save_pretrained(partial, state_dict={k: v.contiguous() for k, v in full.items()})
     stored = next(iter(full.values())).dtype
     if trainer.model.dtype != stored:  # transformers records the module's dtype (a LoRA policy's: its frozen base's)

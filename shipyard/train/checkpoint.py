@@ -156,6 +156,15 @@ def _check_space(trainer: Trainer, final: Path, local_bytes: int, keep: int) -> 
             "checkpoint less often ([run] checkpoint_every)")
 
 
+def require_space(directory: Path, need: float, what: str) -> None:
+    """Refuse to write `what` (`need` bytes) into `directory` when its file system has less free: before anything is
+    written, with what to do. One process (an export is rank 0's); a checkpoint's collective check is `_check_space`."""
+    free = free_bytes(directory)
+    if need > free:
+        raise CheckpointSpaceError(f"{what} needs ~{_size(need)} in {directory}, which has {_size(free)} free: free "
+                                   "space there, or give the run a directory on a larger disk ([run] dir)")
+
+
 def _size(n: float) -> str:
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
 

@@ -156,6 +156,24 @@ def test_make_engine_attaches_the_adapter_a_push_needs():
         engine.close()
 
 
+def test_an_export_that_would_not_fit_is_refused_and_the_last_one_kept(tmp_path, monkeypatch):
+    """As a checkpoint: the space the export's tensors need is checked before anything is written. The free space
+    is the one thing faked."""
+    from shipyard.train import checkpoint
+
+    trainer = _trainer(seed=1, lr=5e-2)
+    trainer.step(_batch())
+    tok = tiny_model()[1]
+    export_policy(trainer, trainer.export_weights(), tok, tmp_path / "export")
+    before = (tmp_path / "export" / "model.safetensors").read_bytes()
+    trainer.step(_batch())
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda path: len(before) // 2)
+    with pytest.raises(checkpoint.CheckpointSpaceError, match=r"the export of step 2 needs ~.* MiB in .* free"):
+        export_policy(trainer, trainer.export_weights(), tok, tmp_path / "export")
+    assert (tmp_path / "export" / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
 def test_the_export_is_the_merged_model_that_plain_transformers_loads(tmp_path):
     """The export's logits equal the trained (unmerged) model's; its file holds plain names only; and the
     checkpoint's adapter, loaded by peft onto the base and merged by peft's own `merge_and_unload`, gives the same
