@@ -19,23 +19,26 @@ is checked against it, so no stage trained on an evaluated task), with the same 
 (`[episode.loop]` turns, tokens, temperature and wire, `[episode] grade_timeout`, `[run] seed`). One evaluation path
 for all arms: what differs between arms is the weights, nothing else.
 
-**Budgets.** Each training stage gets `--minutes` of wall time: `shipyard train` and `shipyard sft` stop themselves
-after the step that reaches the budget less `--eval-reserve` (`run.max_minutes`) and checkpoint; a stage still
-running at the budget is killed, reported as such, and fails the measurement — the same command resumes it from its
-last checkpoint. The budget is the stage's in all: a stage that stopped itself at it is reused by the same command,
-and continued from its checkpoint by one with a larger `--minutes` for what is left of it (its earlier runs here
-counted; `OUT/budgets.json` keeps the budget each stage last ran under). Evaluations run to their end.
+**Budgets.** Each training stage gets `--minutes` of wall time in all: `shipyard train` and `shipyard sft` stop
+themselves after the step that reaches the budget less `--eval-reserve` (`run.max_minutes`) and checkpoint; a stage
+still running at the budget is killed, reported as such, and fails the measurement. The wall time of a stage's
+earlier runs in OUT (`stages.json`) counts against its budget, and a run is started only when what is left holds
+another of its longest steps (`Bench.plan`). So a stage that stopped itself at its budget is reused by the same
+command and continued from its checkpoint by a larger `--minutes` (`budgets.json` keeps the budget each stage last
+ran under), and a killed stage is resumed with what is left, or refused until `--minutes` grows. A stage that started
+from an export written again since (its parent trained again) is stale: refused before it is reused or resumed.
+Evaluations run to their end.
 
 **Cost.** The RL stages run with `--run.evaluate false`: the benchmark evaluates every arm itself, the same way, so
 the runs' own before/after evaluations would be the same work twice.
 
-**Resuming.** A long measurement is resumed stage by stage: run the same command with the same `--out`. A training
-stage whose run directory there is finished (with an export) is reused, an unfinished one continues from its last
-checkpoint (`--run.resume true`), and an arm's evaluation file there is reused when it evaluated the same model, tasks,
-samples, seed and episode settings. An evaluation that was stopped goes on from its journal (`ARM.rollouts.jsonl`,
-`shipyard eval --resume`): its finished rollouts are kept when the journal's settings are this arm's and its model was
-not exported again since. `--reuse ARM=DIR` uses a finished run elsewhere as the arm's stage, `--reuse
-ARM=FILE.json` an evaluation elsewhere as the arm's results (checked the same way, but for the model).
+**Resuming.** A long measurement is resumed stage by stage: run the same command with the same `--out`. A training stage
+whose run directory there is finished (with an export) is reused, an unfinished one continues from its last checkpoint
+(`--run.resume true`) within its budget (above), and an arm's evaluation file there is reused when it evaluated the same
+model, tasks, samples, seed and episode settings. An evaluation that was stopped goes on from its journal
+(`ARM.rollouts.jsonl`, `shipyard eval --resume`): its finished rollouts are kept when the journal's settings are this
+arm's and its model was not exported again since. `--reuse ARM=DIR` uses a finished run elsewhere as the arm's stage,
+`--reuse ARM=FILE.json` an evaluation elsewhere as the arm's results (checked the same way, but for the model).
 
 **Figures.** pass@1 per arm over the held-out tasks × samples, with a bootstrap 95 % interval over tasks; for every
 arm the paired difference from base, and `delta_rl` = (sft+rl) − sft, each with its paired bootstrap 95 % interval
@@ -54,20 +57,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
-import signal
-import subprocess
 import sys
 import time
-import tomllib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rich.progress import Progress, TimeElapsedColumn
-
 from shipyard.bench._common import console, finish, table
+from shipyard.bench._stages import ci_text, newer, read_json, read_lines, run_stage, run_state
 from shipyard.rollout.eval import bootstrap_mean, paired_difference, task_rates
 
 ARMS = ("base", "sft", "sft+rl", "rl", "sft+rl+hints")
@@ -106,7 +103,7 @@ def journal_usable(journal: Path, expected: dict[str, Any], model: str, engine: 
     settings; the model not exported again since)."""
     from shipyard.rollout.evalrun import settings_path
 
-    settings = _json(settings_path(journal))
+    settings = read_json(settings_path(journal))
     episode = settings.get("episode", {})
     seen = {"grade_timeout": episode.get("grade_timeout"), **{k: episode.get("loop", {}).get(k) for k in LOOP_SETTINGS}}
     return (journal.is_file() and settings.get("model") == engine and not newer(Path(model) / "config.json", journal)
@@ -122,71 +119,6 @@ def eval_mismatch(doc: dict[str, Any], expected: dict[str, Any], model: str | No
         seen["model"], expected = c.get("model"), {**expected, "model": model}
     wrong = [f"{k} {seen[k]!r} (here {v!r})" for k, v in expected.items() if seen[k] != v]
     return "; ".join(wrong) or None
-
-
-def run_stage(label: str, cmd: list[str], log: Path, minutes: float | None, done: Callable[[], int],
-              total: int | None, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run `cmd` (with `env` added to the environment) and its output in `log`, killed (its whole process group)
-    past `minutes`; what happened."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    deadline = None if minutes is None else start + minutes * 60
-    rc, cut = None, False
-    with open(log, "w") as out, Progress(*Progress.get_default_columns(), TimeElapsedColumn(),
-                                          console=console) as progress:
-        bar = progress.add_task(f"{label} (log: {log})", total=total)
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})
-        try:
-            while rc is None:
-                try:
-                    rc = proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    if deadline is not None and time.monotonic() > deadline:
-                        cut = True
-                        break
-                progress.update(bar, completed=done())
-        finally:
-            if proc.poll() is None:  # cut at the budget, or the benchmark itself interrupted: stop the whole stage
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-    return {"command": shlex.join(cmd), "returncode": rc, "cut_at_budget": cut, "seconds": time.monotonic() - start,
-            "log": str(log)}
-
-
-def _lines(path: Path) -> list[dict[str, Any]]:
-    # lines end with a newline; what follows the last one is a line still being written (read while running)
-    return [json.loads(x) for x in path.read_text().split("\n")[:-1] if x.strip()] if path.exists() else []
-
-
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except json.JSONDecodeError:
-        return {}
-
-
-def newer(a: Path, b: Path) -> bool:
-    """Whether `a` was written after `b` (False when either is missing): an export newer than what was made from
-    it means the stage before was trained again, and what follows it is stale."""
-    return a.is_file() and b.is_file() and a.stat().st_mtime > b.stat().st_mtime
-
-
-def run_state(run: Path) -> dict[str, Any]:
-    """A training run directory as the benchmark sees it: status, steps, its recorded split and starting model, the
-    grounded-validity curve of its steps."""
-    status = _json(run / "run.json")
-    saved = tomllib.loads((run / "config.toml").read_text()) if (run / "config.toml").is_file() else {}
-    steps = [m for m in _lines(run / "metrics.jsonl") if m.get("step", 0) > 0]
-    return {"status": status.get("status", "missing"), "stopped": status.get("stopped"),
-            "error": status.get("error"), "export": (run / "export" / "config.json").is_file(),
-            "held_out": sorted(saved.get("run", {}).get("held_out", [])), "model": saved.get("model", {}).get("name"),
-            "steps": len(steps), "grounded": [m.get("tools/grounded_fraction") for m in steps if "tools/calls" in m],
-            "recorded_seconds": status["updated"] - status["started"] if "started" in status else None}
 
 
 class Bench:
@@ -209,7 +141,7 @@ class Bench:
         self.runs: dict[str, dict[str, Any]] = {}  # stage or "eval ARM" → what happened
         self.failures: list[str] = []
         self.seconds_path = self.out / "stages.json"  # wall seconds of what ran here, kept for a resumed measurement
-        self.seconds: dict[str, float] = _json(self.seconds_path)
+        self.seconds: dict[str, float] = read_json(self.seconds_path)
         self.budgets_path = self.out / "budgets.json"  # the steps' budget (minutes) each stage here last ran under
 
     def ran(self, key: str, record: dict[str, Any], resumed: bool = False) -> dict[str, Any]:
@@ -243,47 +175,81 @@ class Bench:
         start = self.model_of(parent) if parent else self.config.model.name
         state = run_state(run)
         a = self.args
-        minutes = a.minutes - a.eval_reserve  # the stage's steps' budget (`run.max_minutes`)
-        left = self.budget_left(stage, state, minutes)
-        if stage in a.reuse_runs or (state["status"] == "finished" and state["export"] and left is None):
+        stale = self.stale(run, state, start)
+        action, minutes, note = ("stale", 0.0, stale) if stale else self.plan(stage, run, state)
+        if action == "reuse":
             seconds = state["recorded_seconds"] if stage in a.reuse_runs else self.seconds.get(stage)
-            record = {"reused": str(run), "seconds": seconds}
+            record = {"reused": str(run), "seconds": seconds, **({"note": note} if note else {})}
+        elif action in ("stale", "spent"):
+            record = {"seconds": self.seconds.get(stage), "refused": note}
         else:
             per_stage = shlex.split(a.sft_args if command == "sft" else a.rl_args)
             resumed = (run / "run.json").exists()
-            minutes = max(minutes if left is None else left, 0.1)
             cmd = [sys.executable, "-m", "shipyard.cli", command, str(a.config), *self.overrides, *per_stage,
                    "--run.dir", str(run), "--run.tasks", str(self.tasks), "--model.name", start,
-                   "--run.max_minutes", str(minutes), *extra,
+                   "--run.max_minutes", f"{minutes:.2f}", *extra,
                    *(["--engine.kind", self.engine] if command == "train" else []),
                    *(["--run.resume", "true"] if resumed else [])]
             record = run_stage(stage, cmd, self.out / f"{stage}.log", minutes + a.eval_reserve,
-                               lambda: len([m for m in _lines(run / "metrics.jsonl") if m.get("step", 0) > 0]),
-                               self.config.run.steps if command == "train" else None)
-            record = self.ran(stage, record, resumed)
-            self.budgets_path.write_text(json.dumps({**_json(self.budgets_path), stage: a.minutes - a.eval_reserve}))
+                               lambda: run_state(run)["steps"], self.config.run.steps if command == "train" else None)
+            record = {**self.ran(stage, record, resumed), "deadline_minutes": minutes + a.eval_reserve}
+            budgets = {**read_json(self.budgets_path), stage: a.minutes - a.eval_reserve}
+            self.budgets_path.write_text(json.dumps(budgets, indent=1) + "\n")
             state = run_state(run)
-        why = self._stage_problem(run, state, start, record)
+        why = record.get("refused") or self._stage_problem(state, start, record)
         self.runs[stage] = {**record, **{k: state[k] for k in ("status", "stopped", "steps", "grounded")},
-                            "ok": why is None, **({"problem": why} if why else {})}
+                            "budget_minutes": a.minutes - a.eval_reserve, "ok": why is None,
+                            **({"problem": why} if why else {})}
         if why:
             self.failures.append(f"{stage}: {why}")
         return why is None
 
-    def budget_left(self, stage: str, state: dict[str, Any], minutes: float) -> float | None:
-        """Minutes still owed to a stage that stopped itself at its budget (`stopped = "max_minutes"`) when this
-        measurement gives its stages more than it had (`--minutes` raised): its earlier runs here count against the
-        new budget. So the same command reuses it, and a larger budget continues it from its checkpoint. None:
-        nothing owed."""
-        spent, had = self.seconds.get(stage), _json(self.budgets_path).get(stage)
-        if stage in self.args.reuse_runs or state["stopped"] != "max_minutes" or spent is None or had is None:
-            return None
-        left = minutes - spent / 60
-        return left if minutes > had and left >= 1 else None
+    def plan(self, stage: str, run: Path, state: dict[str, Any]) -> tuple[str, float, str | None]:
+        """What to do with a stage: ("reuse" | "run" | "spent", minutes its steps may take, a note). `--minutes`
+        less `--eval-reserve` is the stage's budget in all: the wall time of its earlier runs here (`stages.json`)
+        counts against it, and a run is only started when what is left holds another of its longest steps (a step
+        that started always ends, so less would be killed). A stage that stopped itself at its budget is reused by the
+        same command and continued by a larger budget than the one it last ran under (`budgets.json`; before that file,
+        the run's own `run.max_minutes`)."""
+        budget = self.args.minutes - self.args.eval_reserve
+        if stage in self.args.reuse_runs:
+            return "reuse", 0.0, None
+        if not (run / "run.json").exists():
+            return "run", budget, None
+        had = read_json(self.budgets_path).get(stage, state["max_minutes"])
+        spent = self.seconds.get(stage)
+        spent = spent / 60 if spent is not None else (had or 0.0)
+        left, step = budget - spent, (state["longest_step"] or 0.0) / 60 + 1
+        done = state["status"] == "finished" and state["export"]
+        if done and state["stopped"] != "max_minutes":
+            return "reuse", 0.0, None
+        if done:
+            if had is not None and budget <= had:
+                return "reuse", 0.0, (f"stopped at its budget of {had:g} minutes, more than this run's {budget:g}"
+                                      if budget < had else None)
+            if left < step:
+                return "reuse", 0.0, (f"stopped at its budget; {left:.1f} more minutes hold no step of its (the "
+                                      f"longest took {step - 1:.1f}): reused as it is")
+            return "run", left, None
+        if left < step:  # killed or failed, and nothing left to resume it with
+            return "spent", 0.0, (f"its budget of {budget:g} minutes is spent ({spent:.1f} minutes in its runs here) "
+                                  f"and it is not finished: raise --minutes to resume it")
+        return "run", left, None
 
-    def _stage_problem(self, run: Path, state: dict[str, Any], start: str, record: dict[str, Any]) -> str | None:
+    def stale(self, run: Path, state: dict[str, Any], start: str) -> str | None:
+        """Why a stage that started from `start` (a stage's export) is no longer what that stage made: the export was
+        written again after the run began (its parent trained again). Checked before reusing or resuming it."""
+        export = Path(start) / "config.json"
+        if state["model"] not in (None, start) and Path(state["model"]).resolve() != Path(start).resolve():
+            return None  # it did not start from `start` at all: `_stage_problem` says so
+        if state["started"] is None or not export.is_file() or export.stat().st_mtime <= state["started"]:
+            return None
+        return f"{start} was exported again after this run started from it: delete {run} to train it again"
+
+    def _stage_problem(self, state: dict[str, Any], start: str, record: dict[str, Any]) -> str | None:
         if record.get("cut_at_budget"):
-            return f"killed at its budget of {self.args.minutes:g} minutes (rerun with the same --out to resume it)"
+            return (f"killed at its deadline of {record['deadline_minutes']:.1f} minutes (what was left of its budget "
+                    f"plus --eval-reserve): raise --minutes and run the same command to resume it")
         if state["status"] != "finished":
             return f"status {state['status']}: {state['error'] or 'see ' + str(record.get('log'))}"
         if not state["export"]:
@@ -293,8 +259,6 @@ class Bench:
                     f"({len(self.held_out)}): it may have trained on an evaluated task")
         if state["model"] not in (None, start) and Path(state["model"]).resolve() != Path(start).resolve():
             return f"it started from {state['model']}, not {start}"
-        if newer(Path(start) / "config.json", run / "config.toml"):
-            return f"{start} was exported again after this run started from it: delete the run to train it again"
         return None
 
     def evaluate(self, arm: str) -> dict[str, Any] | None:
@@ -303,7 +267,7 @@ class Bench:
         given = self.args.reuse_evals.get(arm)
         path = Path(given) if given else self.out / "eval" / f"{arm}.json"
         model, engine = self.model_of(arm), self.engine_of(arm)
-        doc = _json(path)
+        doc = read_json(path)
         why = eval_mismatch(doc, self.expected, None if given else engine) if doc else "missing"
         if why is None and not given and newer(Path(model) / "config.json", path):
             why = "its model was exported again after it"
@@ -323,15 +287,15 @@ class Bench:
         command = eval_command(self.config, self.tasks, engine, self.held_out, self.args.samples,
                                self.args.concurrency, path)
         log = self.out / "eval" / f"{arm}.log"
-        record = run_stage(key, command + (["--resume"] if resumed else []), log, None, lambda: len(_lines(rollouts)),
-                           len(self.held_out) * self.args.samples, self.env)
+        record = run_stage(key, command + (["--resume"] if resumed else []), log, None,
+                           lambda: len(read_lines(rollouts)), len(self.held_out) * self.args.samples, self.env)
         if resumed and record["returncode"] == 2:  # eval refused the journal (its own settings check): start over
             rollouts.unlink(missing_ok=True)
             resumed = False
-            record = run_stage(key, command, log, None, lambda: len(_lines(rollouts)),
+            record = run_stage(key, command, log, None, lambda: len(read_lines(rollouts)),
                                len(self.held_out) * self.args.samples, self.env)
         record = self.ran(key, record, resumed)
-        doc = _json(path)
+        doc = read_json(path)
         if record["returncode"] != 0 or not doc:
             self.failures.append(f"{key}: `shipyard eval` exited {record['returncode']} (see {record['log']})")
             self.runs[key] = {**record, "ok": False}
@@ -381,12 +345,6 @@ def pass_figures(docs: dict[str, dict[str, Any]], resamples: int) -> tuple[dict[
     return out, delta
 
 
-def _ci(figure: dict[str, Any] | None) -> str:
-    if not figure or figure.get("ci95") is None:
-        return "–"
-    return f"[{figure['ci95'][0]:+.3f}, {figure['ci95'][1]:+.3f}]"
-
-
 def plot(pass_at_1: dict[str, Any], delta_rl: dict[str, Any], curves: dict[str, list], path: Path) -> None:
     import matplotlib
 
@@ -429,10 +387,10 @@ def report(bench: Bench, docs: dict[str, dict[str, Any]], arms: list[str]) -> di
     n, samples = len(bench.held_out), bench.args.samples
     table(f"held-out pass@1 per arm ({n} tasks × {samples} samples; bootstrap 95 % intervals over tasks, paired by "
           f"task for differences)", ["arm", "pass@1", "95% CI", "vs base", "95% CI", "solved / scored", "tasks"],
-          [[a, f["mean"], _ci(f), (f["vs_base"] or {}).get("mean"), _ci(f["vs_base"]),
+          [[a, f["mean"], ci_text(f), (f["vs_base"] or {}).get("mean"), ci_text(f["vs_base"]),
             f"{efforts[a]['solved_rollouts']} / {efforts[a]['scored_rollouts']}", f["tasks"]]
            for a, f in pass_at_1.items()])
-    shown = "–" if delta_rl["mean"] is None else f"{delta_rl['mean']:+.3f} {_ci(delta_rl)}"
+    shown = "–" if delta_rl["mean"] is None else f"{delta_rl['mean']:+.3f} {ci_text(delta_rl)}"
     console.print(f"delta_rl = (sft+rl) − sft: {shown} over {delta_rl['tasks']} tasks {delta_rl.get('note', '')}")
     table("effort per arm (held-out rollouts)", ["arm", "solved tasks", "tokens/solved", "turns/solved",
                                                  "tokens/rollout", "turns/rollout"],
@@ -461,7 +419,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
     p.add_argument("--config", type=Path, default=REPO / "configs" / "learning.toml")
     p.add_argument("--arms", default="base,sft,sft+rl", help=f"among {', '.join(ARMS)}")
     p.add_argument("--samples", type=int, default=2, help="evaluation samples per held-out task")
-    p.add_argument("--minutes", type=float, default=360.0, help="wall-time budget of each training stage")
+    p.add_argument("--minutes", type=float, default=360.0, help="wall-time budget of each training stage, in all: "
+                   "its earlier runs in --out count, and a larger budget continues a stage stopped at its own")
     p.add_argument("--eval-reserve", type=float, default=None,
                    help="minutes of an RL stage's budget kept for its own final eval and checkpoint (default: a "
                         "quarter of --minutes, at most 90)")

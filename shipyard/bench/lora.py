@@ -42,43 +42,50 @@ from pathlib import Path
 from typing import Any
 
 from shipyard.bench._common import console, finish, table
-from shipyard.bench.learning import _ci, _lines, run_stage, run_state
+from shipyard.bench._stages import ci_text, read_json, read_lines, run_stage, run_state
 from shipyard.rollout.eval import bootstrap_mean, paired_difference
+
+MIN_LATE = 4  # late steps below which no verdict is given: an interval over fewer says nothing
 
 
 def arms(lr: float, rank: int, scale: float) -> dict[str, list[str]]:
-    """Arm name → its trainer overrides."""
+    """Arm name → its trainer overrides (the full arm turns LoRA off, whatever the configuration says)."""
     lora = ["--trainer.lora.enabled", "true", "--trainer.lora.rank", str(rank)]
-    return {"full": ["--trainer.optim.lr", repr(lr)],
+    return {"full": ["--trainer.lora.enabled", "false", "--trainer.optim.lr", repr(lr)],
             f"lora-r{rank}": [*lora, "--trainer.optim.lr", repr(lr)],
             f"lora-r{rank}-x{scale:g}": [*lora, "--trainer.optim.lr", repr(lr * scale)]}
 
 
-def curves(run: Path) -> dict[str, list[float | None]]:
-    """Per step of a run: its mean reward, grounded tool-call rate, wall seconds and peak resident memory (MiB)."""
-    steps = sorted((m for m in _lines(run / "metrics.jsonl") if m.get("step", 0) > 0), key=lambda m: m["step"])
-    return {"reward": [m.get("reward/mean") for m in steps],
-            "grounded": [m.get("tools/grounded_fraction") for m in steps],
-            "seconds": [m.get("time/step_seconds") for m in steps],
-            "peak_rss_mb": [m.get("memory/step_peak_rss_mb") for m in steps]}
+def curves(run: Path, steps: int) -> dict[str, list[float | None]]:
+    """Per step of a run (its first `steps`): mean reward, grounded tool-call rate, wall seconds and peak resident
+    memory (MiB)."""
+    rows = sorted((m for m in read_lines(run / "metrics.jsonl") if m.get("step", 0) > 0), key=lambda m: m["step"])
+    rows = rows[:steps]
+    return {"reward": [m.get("reward/mean") for m in rows],
+            "grounded": [m.get("tools/grounded_fraction") for m in rows],
+            "seconds": [m.get("time/step_seconds") for m in rows],
+            "peak_rss_mb": [m.get("memory/step_peak_rss_mb") for m in rows]}
 
 
-def late(values: list[float | None]) -> list[float]:
-    """The second half of a curve (its later steps, where a learning rate has had time to act)."""
-    return [v for v in values[len(values) // 2:] if v is not None]
+def _over_steps(figure: dict[str, Any]) -> dict[str, Any]:
+    """A bootstrap figure whose units are steps (`bootstrap_mean` counts `tasks`)."""
+    return {"mean": figure["mean"], "ci95": figure["ci95"], "steps": figure["tasks"]}
 
 
 def compare(runs: dict[str, dict[str, list]], resamples: int) -> dict[str, Any]:
-    """Late-step means per arm and each LoRA arm's paired difference from full (by step index), with intervals."""
+    """Per arm, the mean over the late steps — the second half of the steps every arm made, one window for all —
+    with its bootstrap interval over those steps, and each LoRA arm's difference from full paired by step."""
+    n = min((len(c["reward"]) for c in runs.values()), default=0)
+    window = range(n // 2, n)
     out: dict[str, Any] = {}
     for arm, c in runs.items():
-        figure = {key: bootstrap_mean(late(c[key]), resamples=resamples) for key in ("reward", "grounded")}
-        if arm != "full" and "full" in runs:
-            for key in ("reward", "grounded"):
-                steps = len(c[key])  # its late steps, paired with full's of the same index
-                figure[f"{key}_vs_full"] = paired_difference(
-                    dict(enumerate(runs["full"][key][steps // 2:steps])), dict(enumerate(c[key][steps // 2:])),
-                    resamples=resamples)
+        figure: dict[str, Any] = {"late_steps": [i + 1 for i in window]}
+        for key in ("reward", "grounded"):
+            late = [c[key][i] for i in window if c[key][i] is not None]
+            figure[key] = _over_steps(bootstrap_mean(late, resamples=resamples))
+            if arm != "full" and "full" in runs:
+                figure[f"{key}_vs_full"] = _over_steps(paired_difference(
+                    {i: runs["full"][key][i] for i in window}, {i: c[key][i] for i in window}, resamples=resamples))
         seconds = [s for s in c["seconds"] if s is not None]
         figure["seconds_per_step"] = sum(seconds) / len(seconds) if seconds else None
         figure["peak_rss_mb"] = max((m for m in c["peak_rss_mb"] if m is not None), default=None)
@@ -87,18 +94,30 @@ def compare(runs: dict[str, dict[str, list]], resamples: int) -> dict[str, Any]:
     return out
 
 
+def _side(figure: dict[str, Any] | None) -> str | None:
+    """Where a difference's interval lies: below 0, above 0, or holding 0 (None: not measured)."""
+    if not figure or figure.get("ci95") is None:
+        return None
+    lo, hi = figure["ci95"]
+    return "below" if hi < 0 else "above" if lo > 0 else "holds 0"
+
+
 def verdict(figures: dict[str, Any], rank: int, scale: float) -> str:
-    """What the late-step reward differences say about the claim (see the module docstring)."""
-    scaled, plain = figures.get(f"lora-r{rank}-x{scale:g}", {}), figures.get(f"lora-r{rank}", {})
-    s, p = scaled.get("reward_vs_full"), plain.get("reward_vs_full")
-    if not s or s.get("ci95") is None:
-        return "not measured"
-    if s["ci95"][1] < 0:
-        return f"not matched: LoRA rank {rank} at {scale:g}x learned less than full fine-tuning"
-    held = "matched" if s["ci95"][0] <= 0 else "exceeded"
-    if p and p.get("ci95") is not None and p["ci95"][1] < 0:
-        return f"{held}, and at 1x LoRA fell short: the learning rate is what LoRA needs"
-    return f"{held} (LoRA at 1x was not distinguishable from full either)"
+    """What the late-step reward differences from full say, in words that claim no more than one run's intervals
+    (one seed per arm; steps resampled as if independent)."""
+    scaled = figures.get(f"lora-r{rank}-x{scale:g}", {}).get("reward_vs_full")
+    plain = figures.get(f"lora-r{rank}", {}).get("reward_vs_full")
+    if _side(scaled) is None:
+        return "not measured (an arm did not finish)"
+    if scaled["steps"] < MIN_LATE:
+        return f"not measured: {scaled['steps']} late step(s), fewer than {MIN_LATE} (run more --steps)"
+    words = {"below": "below full fine-tuning", "above": "above full fine-tuning",
+             "holds 0": "not distinguishable from full fine-tuning"}
+    said = f"at {scale:g}x, LoRA rank {rank} was {words[_side(scaled)]} (reward interval {ci_text(scaled)})"
+    plain_side = _side(plain)
+    said += "; the 1x arm did not finish" if plain_side is None else \
+        f"; at 1x it was {words[plain_side]} ({ci_text(plain)})"
+    return said + " — in this one run"
 
 
 def plot(runs: dict[str, dict[str, list]], path: Path) -> None:
@@ -152,30 +171,42 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"[bold]bench lora[/]: {', '.join(plan)}, {args.steps} RL steps each from {config.model.name} on "
                   f"{tasks}; out {args.out}")
     runs, records, failures = {}, {}, []
+    made = read_json(args.out / "arms.json")  # arm → the command that trained it (less --run.resume)
     for arm, trainer in plan.items():
         run = args.out / arm
+        cmd = [sys.executable, "-m", "shipyard.cli", "train", str(args.config.resolve()), *overrides, *trainer,
+               "--run.dir", str(run), "--run.tasks", str(tasks), "--run.steps", str(args.steps),
+               "--run.evaluate", "false", "--run.max_minutes", str(args.minutes)]
         state = run_state(run)
+        if (run / "run.json").exists() and made.get(arm) != cmd[1:]:
+            failures.append(f"{arm}: {run} was trained by another command (configuration, overrides or steps): "
+                            "give another --out, or delete it to train it again")
+            continue
         if state["status"] == "finished" and state["steps"] >= args.steps:
             records[arm] = {"reused": str(run)}
         else:
-            cmd = [sys.executable, "-m", "shipyard.cli", "train", str(args.config), *overrides, *trainer,
-                   "--run.dir", str(run), "--run.tasks", str(tasks), "--run.steps", str(args.steps),
-                   "--run.evaluate", "false", "--run.max_minutes", str(args.minutes),
-                   *(["--run.resume", "true"] if (run / "run.json").exists() else [])]
+            resumed = (run / "run.json").exists()
+            made[arm] = cmd[1:]
+            (args.out / "arms.json").parent.mkdir(parents=True, exist_ok=True)
+            (args.out / "arms.json").write_text(json.dumps(made, indent=1) + "\n")
             # killed past the budget and 15 minutes: a step that started inside the budget is let end
-            records[arm] = run_stage(arm, cmd, args.out / f"{arm}.log", args.minutes + 15,
-                                     lambda run=run: len(_lines(run / "metrics.jsonl")), args.steps)
+            records[arm] = run_stage(arm, [*cmd, *(["--run.resume", "true"] if resumed else [])],
+                                     args.out / f"{arm}.log", args.minutes + 15,
+                                     lambda run=run: run_state(run)["steps"], args.steps)
             state = run_state(run)
-        if state["status"] != "finished" or state["steps"] < 2:
-            failures.append(f"{arm}: status {state['status']} after {state['steps']} steps: "
-                            f"{state['error'] or 'see ' + str(args.out / (arm + '.log'))}")
+        if state["status"] != "finished" or state["steps"] < args.steps:
+            why = "killed at --minutes + 15" if records[arm].get("cut_at_budget") else \
+                f"stopped at --minutes {args.minutes:g}" if state["stopped"] == "max_minutes" else \
+                f"status {state['status']}: {state['error'] or 'see ' + str(args.out / (arm + '.log'))}"
+            failures.append(f"{arm}: {state['steps']} of {args.steps} steps ({why}); raise --minutes, and run the "
+                            "same command again to resume it")
             continue
-        runs[arm] = curves(run)
+        runs[arm] = curves(run, args.steps)
     figures = compare(runs, args.bootstrap)
     table("late steps (second half) per arm: mean and bootstrap 95 % interval over steps; vs full paired by step",
           ["arm", "steps", "reward", "95% CI", "vs full", "95% CI", "grounded", "vs full", "s/step", "peak RSS MiB"],
-          [[arm, f["steps"], f["reward"]["mean"], _ci(f["reward"]), (f.get("reward_vs_full") or {}).get("mean"),
-            _ci(f.get("reward_vs_full")), f["grounded"]["mean"], (f.get("grounded_vs_full") or {}).get("mean"),
+          [[arm, f["steps"], f["reward"]["mean"], ci_text(f["reward"]), (f.get("reward_vs_full") or {}).get("mean"),
+            ci_text(f.get("reward_vs_full")), f["grounded"]["mean"], (f.get("grounded_vs_full") or {}).get("mean"),
             f["seconds_per_step"], f["peak_rss_mb"]] for arm, f in figures.items()])
     table("reward per step", ["arm", *(str(i) for i in range(1, args.steps + 1))],
           [[arm, *c["reward"]] for arm, c in runs.items()])

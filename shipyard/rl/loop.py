@@ -139,9 +139,10 @@ def export_policy(trainer: Trainer, full: dict[str, Any], tokenizer, directory: 
     import shutil
 
     directory = Path(directory)
-    partial = directory.with_name(f".{directory.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    # the new export is written beside the old one: its tensors, plus the tokenizer and configs (~10 MiB)
+    partial, old = directory.with_name(f".{directory.name}.partial"), directory.with_name(f".{directory.name}.old")
+    for leftover in (partial, old):  # what an export that died left
+        shutil.rmtree(leftover, ignore_errors=True)
+    # the new export is written beside the old one: its tensors, the tokenizer and configs (~10 MiB; 32 kept)
     require_space(directory.parent, sum(v.nbytes for v in full.values()) + (32 << 20),
                   f"the export of step {trainer.step_count}")
     trainer.model.save_pretrained(partial, state_dict={k: v.contiguous() for k, v in full.items()})
@@ -153,8 +154,6 @@ def export_policy(trainer: Trainer, full: dict[str, Any], tokenizer, directory: 
     tokenizer.save_pretrained(partial)
     (partial / "shipyard.json").write_text(json.dumps({"policy_version": trainer.version, "step": trainer.step_count,
                                                         "wire": asdict(wire)}) + "\n")
-    old = directory.with_name(f".{directory.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
     if directory.exists():
         directory.rename(old)
     partial.rename(directory)

@@ -290,14 +290,15 @@ class Rebuild:
             raise Rejected("id_taken", f"the task set already lists a task {task.id}")
         if task.test_files != synth.test_files:
             raise Rejected("tests_differ", "the release's test files are not those the task restores")
-        stage, deletion = synth.stage_deletion(task.id, feature_of(task, self.symbols))
+        stage = synth.fresh_stage(task.id)
         tree = stage / "snapshot"
+        deletion = synth.delete(tree, feature_of(task, self.symbols))
         if tree_diff(tree, synth.base) != packed.gold:
             raise Rejected("gold_mismatch", "this shipyard's deletion of the task's definitions is not the pack's gold "
                                             "patch: the pack was edited, or made by another version of synthesis "
                                             "(synthesize the project again)")
         synth.write_tests(stage)
-        synth.scrub(tree)
+        synth.scrub_tree(tree)
         hits, _ = leaks(tree, deletion.snippets, self.third_party)
         if hits:
             raise Rejected("leak", f"deleted code found in {hits[:5]}")

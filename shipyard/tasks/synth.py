@@ -320,15 +320,16 @@ class Synthesizer:
             if not ok:
                 raise Rejected(reason, detail)
 
-        t0 = time.monotonic()
-        stage, deletion = self.stage_deletion(self.task_id(feature), feature)
+        stage = self.fresh_stage(self.task_id(feature))
         tree = stage / "snapshot"
+        t0 = time.monotonic()
+        deletion = self.delete(tree, feature)
         step("delete", True, t0, "", files=deletion.changed)
         self.write_tests(stage)
         gold = tree_diff(tree, self.base)
         stub = self._stub_patch(tree, feature, stage)
         t0 = time.monotonic()
-        step("scrub", True, t0, "", removed=self.scrub(tree))
+        step("scrub", True, t0, "", removed=self.scrub_tree(tree))
         t0 = time.monotonic()
         hits, searched = leaks(tree, deletion.snippets, third_party)
         step("leak_scan", not hits, t0, "leak", f"deleted code found in {hits[:5]}", fingerprints=searched)
@@ -346,18 +347,23 @@ class Synthesizer:
         self.place(task, stage)
         return task
 
-    def stage_deletion(self, task_id: str, feature: Feature) -> tuple[Path, Deletion]:
-        """A fresh stage for `task_id` (work/ID) whose snapshot is the prepared base with `feature` deleted."""
+    def fresh_stage(self, task_id: str) -> Path:
+        """A new stage for `task_id` (work/ID), its snapshot a copy of the prepared base."""
         stage = self.work / task_id
         shutil.rmtree(stage, ignore_errors=True)
         copy_task_tree(self.base, stage / "snapshot")
+        return stage
+
+    @staticmethod
+    def delete(tree: Path, feature: Feature) -> Deletion:
+        """`feature` deleted from `tree`; Rejected when its source cannot be parsed and edited."""
         try:
-            return stage, delete_feature(stage / "snapshot", feature)
+            return delete_feature(tree, feature)
         except DeletionError as e:
             raise Rejected("deletion_unparsable", str(e)) from None
 
     @staticmethod
-    def scrub(tree: Path) -> list[str]:
+    def scrub_tree(tree: Path) -> list[str]:
         """The task's tree without the project's history and caches, as one fresh commit; what was removed."""
         removed = scrub(tree)
         fresh_commit(tree)

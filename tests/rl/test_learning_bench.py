@@ -20,6 +20,7 @@ from servers import needs_sandbox
 from tiny_run import CONFIG
 
 from shipyard.bench import learning
+from shipyard.bench._stages import run_stage
 
 TINY = CONFIG + '\n[sft]\nsources = ["gold"]\nepochs = 1\nbatch_size = 4\n'
 
@@ -164,7 +165,7 @@ def test_the_sampler_is_vllm_where_it_is_installed_unless_told(tmp_path):
 def test_a_stage_past_its_budget_is_killed_with_its_children(tmp_path):
     pid_file = tmp_path / "child.pid"
     cmd = ["sh", "-c", f"sleep 300 & echo $! > {pid_file}; wait"]
-    record = learning.run_stage("stuck", cmd, tmp_path / "stuck.log", 0.005, lambda: 0, None)
+    record = run_stage("stuck", cmd, tmp_path / "stuck.log", 0.005, lambda: 0, None)
     assert record["cut_at_budget"] is True and record["returncode"] is None
     child = int(pid_file.read_text())
     for _ in range(100):  # the group got SIGTERM: wait for the grandchild to be gone (reaped by init)
@@ -173,8 +174,46 @@ def test_a_stage_past_its_budget_is_killed_with_its_children(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail(f"the stage's child {child} outlived the stage")
-    done = learning.run_stage("quick", ["true"], tmp_path / "quick.log", None, lambda: 0, None)
+    done = run_stage("quick", ["true"], tmp_path / "quick.log", None, lambda: 0, None)
     assert done["returncode"] == 0 and not done["cut_at_budget"]
+
+
+def _planner(tmp_path: Path, minutes: float, spent_minutes: float | None, budgets: dict | None = None):
+    """A `Bench` as far as `Bench.plan` sees one: --minutes (eval reserve 3), stages.json, budgets.json."""
+    from types import SimpleNamespace
+
+    tmp_path.mkdir(exist_ok=True)
+    if budgets is not None:
+        (tmp_path / "budgets.json").write_text(json.dumps(budgets))
+    seconds = {} if spent_minutes is None else {"sft": spent_minutes * 60}
+    return SimpleNamespace(args=SimpleNamespace(minutes=minutes, eval_reserve=3.0, reuse_runs={}),
+                           budgets_path=tmp_path / "budgets.json", seconds=seconds)
+
+
+def test_a_stages_budget_counts_its_earlier_runs_and_a_step_must_fit(tmp_path):
+    run = tmp_path / "sft"
+    plan = learning.Bench.plan
+    stopped = {"status": "finished", "export": True, "stopped": "max_minutes", "max_minutes": 117.0,
+               "longest_step": 807.0}
+    assert plan(_planner(tmp_path, 120, None), "sft", run, {}) == ("run", 117.0, None)  # a new stage: all of it
+    run.mkdir()
+    (run / "run.json").write_text("{}")
+    assert plan(_planner(tmp_path, 120, 119.0, {"sft": 117.0}), "sft", run, stopped) == ("reuse", 0.0, None)
+    assert plan(_planner(tmp_path, 120, 119.0), "sft", run, {**stopped, "stopped": None})[0] == "reuse"  # finished
+    # a larger budget continues it for what is left; before budgets.json, the run's own max_minutes is its budget
+    for budgets in ({"sft": 117.0}, None):
+        action, minutes, _ = plan(_planner(tmp_path / str(budgets is None), 360, 119.0, budgets), "sft", run, stopped)
+        assert action == "run" and minutes == pytest.approx(357 - 119)
+    # too little more to hold its longest step (13.5 min) and start-up: reused as it is, and said so
+    action, _, note = plan(_planner(tmp_path, 130, 119.0, {"sft": 117.0}), "sft", run, stopped)
+    assert action == "reuse" and "hold no step" in note
+    action, _, note = plan(_planner(tmp_path, 60, 119.0, {"sft": 117.0}), "sft", run, stopped)
+    assert action == "reuse" and "more than this run's 57" in note  # a smaller budget: reused, and said so
+    # killed (or failed): resumed with what is left, refused once the budget is spent
+    killed = {**stopped, "status": "running", "stopped": None}
+    assert plan(_planner(tmp_path, 120, 50.0, {"sft": 117.0}), "sft", run, killed) == ("run", 67.0, None)
+    action, _, note = plan(_planner(tmp_path, 120, 119.0, {"sft": 117.0}), "sft", run, killed)
+    assert action == "spent" and "raise --minutes" in note
 
 
 def _bench(config: Path, out: Path, *extra: str) -> tuple[int, dict, str]:
@@ -259,7 +298,7 @@ def test_a_stage_stopped_at_its_budget_is_continued_only_when_the_budget_grows(t
     assert "reused" in again["runs"]["sft"] and again["runs"]["sft"]["steps"] == 1
     assert "reused" in again["runs"]["eval sft"]
 
-    larger = (*small[:-4], "--minutes", "6", "--eval-reserve", "2.9")  # 3.1 minutes in all, less what it took
+    larger = (*small[:-4], "--minutes", "20", "--eval-reserve", "2.9")  # 17.1 minutes in all, less what it took
     rc, more, log = _bench(config, out, *larger)
     assert rc == 0, log
     sft = more["runs"]["sft"]

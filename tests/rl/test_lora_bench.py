@@ -26,23 +26,40 @@ def test_late_steps_are_compared_paired_by_step():
     runs = {"full": _curve([0.0, 0.1, 0.4, 0.5]), "lora-r1": _curve([0.0, 0.0, 0.1, 0.1]),
             "lora-r1-x10": _curve([0.0, 0.2, 0.6, 0.7])}
     figures = lora.compare(runs, resamples=500)
-    assert figures["full"]["reward"]["mean"] == pytest.approx(0.45) and "reward_vs_full" not in figures["full"]
+    assert figures["full"]["late_steps"] == [3, 4] and "reward_vs_full" not in figures["full"]
+    assert figures["full"]["reward"] == {"mean": pytest.approx(0.45), "ci95": [0.4, 0.5], "steps": 2}
     assert figures["lora-r1"]["reward_vs_full"]["mean"] == pytest.approx(-0.35)  # (0.1-0.4 + 0.1-0.5) / 2
     assert figures["lora-r1"]["reward_vs_full"]["ci95"] == [pytest.approx(-0.4), pytest.approx(-0.3)]
     assert figures["lora-r1-x10"]["grounded_vs_full"]["mean"] == pytest.approx(0.1)  # halves of +0.2, +0.2
     assert figures["full"]["seconds_per_step"] == 10.0 and figures["full"]["peak_rss_mb"] == 103.0
-    assert lora.verdict(figures, 1, 10).startswith("exceeded, and at 1x LoRA fell short")
-    runs["lora-r1-x10"] = _curve([0.0, 0.1, 0.3, 0.6])  # late differences -0.1 and +0.1: an interval holding 0
-    assert lora.verdict(lora.compare(runs, resamples=500), 1, 10).startswith("matched")
-    runs["lora-r1-x10"] = _curve([0.0, 0.0, 0.0, 0.1])
-    assert lora.verdict(lora.compare(runs, resamples=500), 1, 10).startswith("not matched")
-    assert lora.verdict(lora.compare({"full": runs["full"]}, resamples=10), 1, 10) == "not measured"
+    assert lora.verdict(figures, 1, 10).startswith("not measured: 2 late step(s)")  # too few for any verdict
+    # arms of different lengths share one window: the steps every arm made
+    shorter = lora.compare({**runs, "full": _curve([0.0, 0.1, 0.4, 0.5, 0.5, 0.5])}, resamples=100)
+    assert shorter["full"]["late_steps"] == [3, 4] and shorter["full"]["reward"]["mean"] == pytest.approx(0.45)
+
+
+def test_the_verdict_says_where_each_interval_lies():
+    full = [0.1 * i for i in range(8)]
+
+    def said(scaled: list[float], plain: list[float] | None) -> str:
+        runs = {"full": _curve(full), "lora-r1-x10": _curve(scaled), **({"lora-r1": _curve(plain)} if plain else {})}
+        return lora.verdict(lora.compare(runs, resamples=500), 1, 10)
+
+    below, same = [v - 0.3 for v in full], [v + (0.05 if i % 2 else -0.05) for i, v in enumerate(full)]
+    above = [v + 0.2 for v in full]
+    assert said(same, below).startswith("at 10x, LoRA rank 1 was not distinguishable from full fine-tuning")
+    assert "; at 1x it was below full fine-tuning" in said(same, below)
+    assert said(above, above).startswith("at 10x, LoRA rank 1 was above") and "at 1x it was above" in said(above, above)
+    assert said(below, None).startswith("at 10x, LoRA rank 1 was below") and "the 1x arm did not finish" in \
+        said(below, None)
+    assert said(same, below).endswith("in this one run")
+    assert lora.verdict(lora.compare({"full": _curve(full)}, resamples=10), 1, 10).startswith("not measured")
 
 
 def test_arms_differ_only_in_the_trainer():
     plan = lora.arms(3e-6, 1, 10)
     assert list(plan) == ["full", "lora-r1", "lora-r1-x10"]
-    assert plan["full"] == ["--trainer.optim.lr", "3e-06"]
+    assert plan["full"] == ["--trainer.lora.enabled", "false", "--trainer.optim.lr", "3e-06"]
     assert plan["lora-r1-x10"][-1] == repr(3e-5) and "--trainer.lora.enabled" in plan["lora-r1-x10"]
 
 
@@ -53,9 +70,9 @@ def test_bad_arguments_are_refused(argv, capsys):
     assert e.value.code == 2 and "--steps must be at least 2" in capsys.readouterr().err
 
 
-def _bench(config, out) -> tuple[int, dict, str]:
+def _bench(config, out, *extra: str) -> tuple[int, dict, str]:
     proc = subprocess.run([sys.executable, "-m", "shipyard.bench.lora", "--config", str(config), "--steps", "2",
-                           "--minutes", "10", "--bootstrap", "100", "--out", str(out)],
+                           "--minutes", "10", "--bootstrap", "100", "--out", str(out), *extra],
                           capture_output=True, text=True, timeout=1200, env={**os.environ, "COLUMNS": "200"})
     return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -71,7 +88,8 @@ def test_the_bench_trains_every_arm_the_same_way_but_for_the_trainer(taskset, tm
     for arm, figure in result["arms"].items():
         assert figure["steps"] == 2 and len(result["curves"][arm]["reward"]) == 2
         assert figure["reward"]["mean"] is not None and figure["peak_rss_mb"] > 0
-    assert result["arms"]["lora-r1"]["reward_vs_full"]["tasks"] == 1  # the late half of 2 steps
+    assert result["arms"]["lora-r1"]["reward_vs_full"]["steps"] == 1  # the late half of 2 steps
+    assert result["verdict"].startswith("not measured: 1 late step(s)")
     saved = {arm: tomllib.loads((out / arm / "config.toml").read_text()) for arm in result["arms"]}
     assert saved["full"]["trainer"]["lora"]["enabled"] is False
     assert saved["lora-r1"]["trainer"]["lora"]["enabled"] and saved["lora-r1"]["trainer"]["lora"]["rank"] == 1
@@ -85,3 +103,6 @@ def test_the_bench_trains_every_arm_the_same_way_but_for_the_trainer(taskset, tm
     rc, again, log = _bench(config, out)  # the same command: every arm reused, the same figures
     assert rc == 0, log
     assert all("reused" in r for r in again["runs"].values()) and again["arms"] == result["arms"]
+    rc, other, log = _bench(config, out, "--trainer.optim.lr", "1e-4")  # another command: refused, not reused
+    assert rc == 1, log
+    assert len(other["failures"]) == 3 and all("trained by another command" in f for f in other["failures"])
