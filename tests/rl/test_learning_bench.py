@@ -9,15 +9,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
-import sys
 import time
 import tomllib
 from pathlib import Path
 
 import pytest
 from servers import needs_sandbox
-from tiny_run import CONFIG
+from tiny_run import CONFIG, run_bench
 
 from shipyard.bench import learning
 from shipyard.bench._stages import run_stage
@@ -217,11 +215,8 @@ def test_a_stages_budget_counts_its_earlier_runs_and_a_step_must_fit(tmp_path):
 
 
 def _bench(config: Path, out: Path, *extra: str) -> tuple[int, dict, str]:
-    proc = subprocess.run([sys.executable, "-m", "shipyard.bench.learning", "--config", str(config), "--run.steps",
-                           "1", "--minutes", "10", "--bootstrap", "200", "--engine", "local", "--out", str(out),
-                           *extra],
-                          capture_output=True, text=True, timeout=1200, env={**os.environ, "COLUMNS": "200"})
-    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run_bench("learning", "--config", str(config), "--run.steps", "1", "--minutes", "10", "--bootstrap", "200",
+                     "--engine", "local", "--out", str(out), *extra)
 
 
 @needs_sandbox

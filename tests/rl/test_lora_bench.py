@@ -4,15 +4,11 @@ arm is the same `shipyard train` but for its trainer, and a second run with the 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import tomllib
 
 import pytest
 from servers import needs_sandbox
-from tiny_run import CONFIG
+from tiny_run import CONFIG, run_bench
 
 from shipyard.bench import lora
 
@@ -71,10 +67,8 @@ def test_bad_arguments_are_refused(argv, capsys):
 
 
 def _bench(config, out, *extra: str) -> tuple[int, dict, str]:
-    proc = subprocess.run([sys.executable, "-m", "shipyard.bench.lora", "--config", str(config), "--steps", "2",
-                           "--minutes", "10", "--bootstrap", "100", "--out", str(out), *extra],
-                          capture_output=True, text=True, timeout=1200, env={**os.environ, "COLUMNS": "200"})
-    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run_bench("lora", "--config", str(config), "--steps", "2", "--minutes", "10", "--bootstrap", "100", "--out",
+                     str(out), *extra)
 
 
 @needs_sandbox

@@ -32,3 +32,15 @@ seed = 0
 name = "adamw"
 lr = 1e-3
 """
+
+
+def run_bench(name: str, *args: str) -> tuple[int, dict, str]:
+    """`python -m shipyard.bench.NAME ARGS` as a user runs it: (exit status, its last line's JSON, output's ends)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", f"shipyard.bench.{name}", *args], capture_output=True, text=True,
+                          timeout=1200, env={**os.environ, "COLUMNS": "200"})
+    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout[-3000:] + proc.stderr[-3000:]
