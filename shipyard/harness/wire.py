@@ -198,6 +198,17 @@ class ChatFormat:
                 out += ids if self.controls.ids.isdisjoint(ids) else self.controls.plain_ids(piece)
         return out
 
+    def completion_ids(self, text: str) -> list[int]:
+        """The ids of `text` as a policy writes it under this wire: the call tags as their control tokens (`token`) or
+        in ordinary pieces (`spelled`). A replayed or scripted completion that is to train the policy (SFT's gold
+        demonstrations) must be these ids: under `spelled` the tag token is one the model cannot write."""
+        return self._encode(text)
+
+    def tag_ids(self) -> set[int]:
+        """The ids of the call tags when each is one token of the tokenizer (none otherwise)."""
+        ids = [self.tokenizer.encode(tag, add_special_tokens=False) for tag in (OPEN, CLOSE)]
+        return {i[0] for i in ids if len(i) == 1}
+
     def _encode(self, text: str) -> list[int]:
         if self.tags == "token":
             return self.tokenizer.encode(text, add_special_tokens=False)

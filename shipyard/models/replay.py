@@ -30,7 +30,7 @@ import json
 import re
 import threading
 from array import array
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -116,12 +116,15 @@ def _digest(ids: list[int]) -> bytes:
 
 class ReplayEngine:
     def __init__(self, messages: list[str] | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
-                 name: str = "replay", scripts: Mapping[str, list[str]] | None = None):
+                 name: str = "replay", scripts: Mapping[str, list[str]] | None = None,
+                 encode: Callable[[str], list[int]] | None = None):
         self.messages = list(messages or [])
         self.scripts = {task: list(script) for task, script in (scripts or {}).items()}
         if not self.messages and not self.scripts:
             raise ValueError("a replay engine needs messages or keyed scripts")
         self.tokenizer = tokenizer or byte_tokenizer()
+        # a message's ids: as the policy would write it (`ChatFormat.completion_ids`: its wire's call tags) when given
+        self.encode = encode or (lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         self.name = name
         self.policy_version = -1
         self.pushed_version = -1
@@ -168,7 +171,7 @@ class ReplayEngine:
         out = []
         for req in requests:
             text = self._next_message(req.session, req.prompt_ids)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = self.encode(text)
             finish = "length" if len(ids) > req.sampling.max_tokens else "stop"
             ids = ids[: req.sampling.max_tokens]
             if finish == "stop" and req.sampling.stop_token_ids:
@@ -180,7 +183,7 @@ class ReplayEngine:
     def longest(self) -> int:
         """Tokens in the longest recorded message (a turn's token budget must be at least this to replay it whole)."""
         scripts = [self.messages, *self.scripts.values()]
-        return max((len(self.tokenizer.encode(m, add_special_tokens=False)) for s in scripts for m in s), default=0)
+        return max((len(self.encode(m)) for s in scripts for m in s), default=0)
 
     def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """A replay engine has no weights: a push (`shipyard train` with `engine.kind = "replay:…"`, a scripted

@@ -146,6 +146,10 @@ def _check_rendering(source: str, rollout: Rollout, statement: str, chat: ChatFo
     """The trajectory was tokenized with the policy's tokenizer and chat format: its ids are in the vocabulary, its
     prompt ends with the policy's assistant header and decodes to text that holds the task's statement."""
     traj = rollout.trajectory
+    if written_with_tag_tokens(rollout, chat):
+        raise UserError(f"SFT source {source}: rollout {rollout.rollout_id} writes the call tags as control tokens, "
+                        f"while this run's wire spells them (episode.loop.tags = \"spelled\"): the policy would learn "
+                        f"a token it cannot write. Sample it with the same tags (`shipyard eval --tags spelled`)")
     vocab = len(chat.tokenizer)
     ids = traj.token_ids()
     bad = max(ids, default=0) >= vocab or tuple(traj.prompt_ids[-len(header):]) != header or \
@@ -156,17 +160,31 @@ def _check_rendering(source: str, rollout: Rollout, statement: str, chat: ChatFo
                         f"(`shipyard eval --tokenizer MODEL`) and the same episode settings")
 
 
-def gold_rollouts(config: RLConfig, tasks_dir: Path, task_ids: list[str], tokenizer, out: Path,
+def written_with_tag_tokens(rollout: Rollout, chat: ChatFormat) -> bool:
+    """Whether a completion of the rollout holds a call tag's control token while the run spells the tags: a
+    demonstration the policy could not reproduce (the bundled Qwen models' tag token is untrained: docs/harness.md)."""
+    tags = chat.tag_ids() if chat.tags == "spelled" else set()
+    turns = rollout.trajectory.turns if rollout.trajectory is not None else []
+    return bool(tags) and any(not tags.isdisjoint(t.completion_ids) for t in turns)
+
+
+def gold_rollouts(config: RLConfig, tasks_dir: Path, task_ids: list[str], chat: ChatFormat, out: Path,
                   status: Status) -> list[Rollout]:
     """Replay the gold demonstration of every task in `task_ids` through the harness in sandboxes (an eval with the
     `replay:gold` engine), its records appended to `out`; an existing `out` (a resumed run) is read back instead, and
-    the replays a stopped run finished (`OUT.partial`, their journal) are kept."""
+    the replays a stopped run finished (`OUT.partial`, their journal) are kept. Each message is encoded as the policy
+    writes it under the run's wire (`ChatFormat.completion_ids`); replays that were not (an older shipyard wrote
+    spelled tags as their control tokens) are made again."""
     if out.exists():
-        return _last_replays(read_rollouts(out), task_ids)
+        replays = _last_replays(read_rollouts(out), task_ids)
+        if not any(written_with_tag_tokens(r, chat) for r in replays):
+            return replays
+        status(f"{out} holds replays with the call tags as control tokens, which this run spells: replaying again")
+        out.unlink()
     from shipyard.rollout.environment import LocalEnvironment
     from shipyard.rollout.evalrun import EvalConfig, run_eval, settings_path
 
-    engine = gold_engine(tasks_dir, task_ids, tokenizer=tokenizer)
+    engine = gold_engine(tasks_dir, task_ids, tokenizer=chat.tokenizer, encode=chat.completion_ids)
     loop = config.episode.loop
     turns = max((len(s) for s in engine.scripts.values()), default=1)  # a replay is played whole: its turns fit
     episode = replace(config.episode, loop=replace(loop, max_new_tokens=max(loop.max_new_tokens, engine.longest() + 8),
@@ -239,8 +257,7 @@ def _run(config: RLConfig, run: RunDir, tasks_dir: Path, train_ids: list[str], h
     sources: dict[str, list[Rollout]] = {}
     for source in config.sft.sources:
         if source == GOLD:
-            sources[GOLD] = gold_rollouts(config, tasks_dir, train_ids, tokenizer, run.root / "sft" / "gold.jsonl",
-                                          status)
+            sources[GOLD] = gold_rollouts(config, tasks_dir, train_ids, chat, run.root / "sft" / "gold.jsonl", status)
         else:
             sources[source] = read_rollouts(Path(source))
     data = select(sources, set(train_ids), held, tasks_dir, chat)

@@ -39,6 +39,7 @@ import re
 import shlex
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -385,6 +386,9 @@ def write_gold_replay(tasks_dir: Path, out: Path, task_ids: list[str] | None = N
     return out
 
 
-def gold_engine(tasks_dir: Path, task_ids: list[str] | None = None, tokenizer=None) -> ReplayEngine:
-    """A replay engine that plays the gold trajectory of every task (`--model replay:gold`)."""
-    return ReplayEngine(tokenizer=tokenizer, name=GOLD_ENGINE, scripts=gold_scripts(tasks_dir, task_ids, tokenizer))
+def gold_engine(tasks_dir: Path, task_ids: list[str] | None = None, tokenizer=None,
+                encode: Callable[[str], list[int]] | None = None) -> ReplayEngine:
+    """A replay engine that plays the gold trajectory of every task (`--model replay:gold`); `encode`: how a message
+    becomes the ids the policy would write (`ChatFormat.completion_ids`, for demonstrations that train it)."""
+    return ReplayEngine(tokenizer=tokenizer, name=GOLD_ENGINE, scripts=gold_scripts(tasks_dir, task_ids, tokenizer),
+                        encode=encode)

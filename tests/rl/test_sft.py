@@ -13,6 +13,7 @@ import pytest
 from servers import needs_sandbox
 from tiny_run import CONFIG
 
+from shipyard.errors import UserError
 from shipyard.harness.trajectory import Trajectory, Turn
 from shipyard.rl.config import SFTConfig, load_config
 from shipyard.rollout.record import Rollout
@@ -183,5 +184,40 @@ def test_the_gold_replays_of_a_resumed_run_are_the_last_of_each_training_task(tm
 
     out = _write(tmp_path / "gold.jsonl", [_rollout("a", reward=None), _rollout("b"), _rollout("a"),
                                             _rollout("held-out-now")])
-    got = gold_rollouts(RLConfig(), tmp_path, ["a", "b"], None, out, status=lambda _: None)
+    got = gold_rollouts(RLConfig(), tmp_path, ["a", "b"], _chat("spelled"), out, status=lambda _: None)
     assert sorted((r.task_id, r.reward) for r in got) == [("a", 1.0), ("b", 1.0)]
+
+
+def _chat(tags: str):
+    from shipyard.harness.tools import default_tools
+    from shipyard.harness.wire import ChatFormat
+    from shipyard.models.resolve import load_tokenizer
+
+    return ChatFormat(load_tokenizer("qwen2.5-coder-0.5b", lambda _: None), default_tools(), tags=tags)
+
+
+def test_gold_demonstrations_write_the_call_tags_as_the_runs_wire_does():
+    """The bundled Qwen's `<tool_call>` token is untrained (the reason for `tags = "spelled"`): a gold replay encoded
+    with the tokenizer's own split taught the policy that token, and the SFT policy ended its turns where the tag
+    belonged (2026-12-06: 23 of 32 held-out episodes one prose turn long). Replays are encoded as the policy writes
+    under the run's wire, and a demonstration with the tag tokens is refused under spelled tags."""
+    from shipyard.models.engine import GenerationRequest, SamplingParams
+    from shipyard.models.replay import ReplayEngine
+    from shipyard.rl.sft import _check_rendering, written_with_tag_tokens
+
+    message = 'I will read it.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>\n'
+    spelled, token = _chat("spelled"), _chat("token")
+    tags = spelled.tag_ids()
+    assert len(tags) == 2  # each tag one token of this tokenizer
+    request = GenerationRequest(prompt_ids=[1, 2], sampling=SamplingParams(max_tokens=200))
+    for chat, holds in ((spelled, False), (token, True)):
+        engine = ReplayEngine([message], tokenizer=chat.tokenizer, encode=chat.completion_ids)
+        [done] = engine.generate([request])
+        assert (not tags.isdisjoint(done.token_ids)) is holds
+        assert chat.tokenizer.decode(done.token_ids) == message  # the same text either way
+    with_tokens = _rollout("a")
+    with_tokens.trajectory.turns[0].completion_ids = token.completion_ids(message)
+    assert written_with_tag_tokens(with_tokens, spelled) and not written_with_tag_tokens(with_tokens, token)
+    assert not written_with_tag_tokens(_rollout("a"), spelled)
+    with pytest.raises(UserError, match="writes the call tags as control tokens"):
+        _check_rendering("f.jsonl", with_tokens, "s", spelled, ())
