@@ -196,12 +196,23 @@ def _project(raw: dict, where: str, known: list[PackedProject]) -> PackedProject
     if project.problem() or project.name in {q.project.name for q in known}:
         raise PackFormatError(f"{where}: project {project} is {project.problem() or 'listed twice'}")
     requirements = _field(raw, "requirements", list, where)
-    if not all(isinstance(r, str) for r in requirements):
-        raise PackFormatError(f"{where}: field 'requirements' is not a list of requirements")
+    if not all(isinstance(r, str) and _index_requirement(r) for r in requirements):
+        raise PackFormatError(f"{where}: field 'requirements' is not a list of requirements by name (and version): "
+                              "a pack's requirements come from the package index, never from a URL or a path")
     synth = _field(raw, "synth", dict, where)
     if len(json.dumps(synth)) > MAX_SUMMARY:
         raise PackFormatError(f"{where}: the synthesis summary is larger than {MAX_SUMMARY >> 20} MiB")
     return PackedProject(project, _field(raw, "commit", str, where), requirements, synth, [])
+
+
+def _index_requirement(text: str) -> bool:
+    """Whether `text` is a requirement pip resolves from the package index (a name, extras, versions, markers)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        return Requirement(text).url is None and not text.lstrip().startswith("-")
+    except InvalidRequirement:
+        return False
 
 
 def _task(raw: dict, where: str, owner: PackedProject) -> PackedTask:

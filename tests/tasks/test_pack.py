@@ -171,6 +171,10 @@ def test_malformed_packs_are_named_with_their_line(taskset, tmp_path, monkeypatc
                                                        *good[3:]]),
         "summary is larger": write(tmp_path / "k.gz", [good[0], {**good[1], "synth": {"x": [0] * 400_000}},
                                                        *good[2:]]),
+        "never from a URL": write(tmp_path / "l.gz", [good[0], {**good[1], "requirements": [
+            "hypothesis>=6", "evil @ https://example.invalid/evil-1.0.tar.gz"]}, *good[2:]]),
+        "requirements by name": write(tmp_path / "m.gz", [good[0], {**good[1], "requirements": ["not a req!"]},
+                                                          *good[2:]]),
         "not JSON": tmp_path / "h.gz",
     }
     with gzip.open(tmp_path / "h.gz", "wt") as f:
@@ -178,6 +182,8 @@ def test_malformed_packs_are_named_with_their_line(taskset, tmp_path, monkeypatc
     for expected, path in cases.items():
         with pytest.raises(PackFormatError, match=expected):
             read_pack(path)
+    with_req = write(tmp_path / "n.gz", [good[0], {**good[1], "requirements": ["hypothesis>=6"]}, *good[2:]])
+    assert read_pack(with_req)[0].requirements == ["hypothesis>=6"]  # what `--with` added, for the rebuild
     monkeypatch.setattr(pack_mod, "MAX_LINE", 1000)  # a line past the bound is refused, not read whole
     with pytest.raises(PackFormatError, match="past the size"):
         read_pack(tmp_path / "p.gz")
