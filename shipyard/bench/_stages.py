@@ -86,6 +86,7 @@ def run_state(run: Path) -> dict[str, Any]:
             "error": status.get("error"), "export": (run / "export" / "config.json").is_file(),
             "held_out": sorted(saved.get("run", {}).get("held_out", [])), "model": saved.get("model", {}).get("name"),
             "steps": len(steps), "grounded": [m.get("tools/grounded_fraction") for m in steps if "tools/calls" in m],
+            "updated": status.get("updated"),
             "recorded_seconds": status["updated"] - status["started"] if "started" in status else None}
 
 

@@ -143,13 +143,39 @@ class Bench:
         self.seconds_path = self.out / "stages.json"  # wall seconds of what ran here, kept for a resumed measurement
         self.seconds: dict[str, float] = read_json(self.seconds_path)
         self.budgets_path = self.out / "budgets.json"  # the steps' budget (minutes) each stage here last ran under
+        self.open_path = self.out / "running.json"  # stage → when its run began, while it runs
 
     def ran(self, key: str, record: dict[str, Any], resumed: bool = False) -> dict[str, Any]:
         """Note the wall time of a stage run here (a resumed stage adds to what its earlier runs took)."""
-        self.seconds[key] = (self.seconds.get(key, 0.0) if resumed else 0.0) + record["seconds"]
+        self.note_seconds(key, (self.seconds.get(key, 0.0) if resumed else 0.0) + record["seconds"])
+        self.opened(key, None)
+        return {**record, "seconds": self.seconds[key]}
+
+    def note_seconds(self, key: str, seconds: float) -> None:
+        self.seconds[key] = seconds
         self.out.mkdir(parents=True, exist_ok=True)
         self.seconds_path.write_text(json.dumps(self.seconds, indent=1) + "\n")
-        return {**record, "seconds": self.seconds[key]}
+
+    def opened(self, key: str, since: float | None) -> None:
+        """Mark a stage run as begun here at `since` (None: it ended and `stages.json` holds its time). A mark left
+        behind means this benchmark died with the run (a session ended): `spent` then counts the run up to its last
+        recorded step."""
+        marks = {k: v for k, v in read_json(self.open_path).items() if k != key}
+        if since is not None:
+            marks[key] = since
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.open_path.write_text(json.dumps(marks, indent=1) + "\n")
+
+    def spent(self, stage: str, state: dict[str, Any]) -> float | None:
+        """Seconds a stage's runs here took, a run this benchmark did not see end included (its time up to the run's
+        last update); None when nothing says."""
+        seconds = self.seconds.get(stage)
+        since = read_json(self.open_path).get(stage)
+        if since is not None and state["updated"] is not None:
+            return (seconds or 0.0) + max(0.0, state["updated"] - since)
+        if seconds is None and state["recorded_seconds"] is not None:
+            return state["recorded_seconds"]  # a run begun before marks were kept: its own record
+        return seconds
 
     def model_of(self, arm: str) -> str:
         return self.config.model.name if arm == "base" else str(self.stage_dir(arm).resolve() / "export")
@@ -185,6 +211,9 @@ class Bench:
         else:
             per_stage = shlex.split(a.sft_args if command == "sft" else a.rl_args)
             resumed = (run / "run.json").exists()
+            if resumed and (spent := self.spent(stage, state)) is not None:
+                self.note_seconds(stage, spent)  # fold a run that died unseen into the stage's time
+            self.opened(stage, time.time())
             cmd = [sys.executable, "-m", "shipyard.cli", command, str(a.config), *self.overrides, *per_stage,
                    "--run.dir", str(run), "--run.tasks", str(self.tasks), "--model.name", start,
                    "--run.max_minutes", f"{minutes:.2f}", *extra,
@@ -217,7 +246,7 @@ class Bench:
         if not (run / "run.json").exists():
             return "run", budget, None
         had = read_json(self.budgets_path).get(stage, state["max_minutes"])
-        spent = self.seconds.get(stage)
+        spent = self.spent(stage, state)
         spent = spent / 60 if spent is not None else (had or 0.0)
         left, step = budget - spent, (state["longest_step"] or 0.0) / 60 + 1
         done = state["status"] == "finished" and state["export"]

@@ -163,9 +163,17 @@ def write_pack(tasks_dir: Path, out: Path) -> tuple[int, int]:
 
 
 def _lines(path: Path) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed JSON) of each line of the gzip'd pack, bounded in line and total size."""
+    """(line number, parsed JSON) of each line of the gzip'd pack, bounded in line and total size. The whole stream is
+    checked first (gzip's CRC is only read at its end): a corrupted pack is named as such, not by the line that the
+    corruption happens to garble."""
     total = 0
     try:
+        with gzip.open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                total += len(chunk)
+                if total > MAX_PACK + 1:
+                    break  # the line loop names it
+        total = 0
         with gzip.open(path, "rb") as f:
             for number, line in enumerate(iter(lambda: f.readline(MAX_LINE + 1), b""), 1):
                 total += len(line)

@@ -184,15 +184,18 @@ def _planner(tmp_path: Path, minutes: float, spent_minutes: float | None, budget
     if budgets is not None:
         (tmp_path / "budgets.json").write_text(json.dumps(budgets))
     seconds = {} if spent_minutes is None else {"sft": spent_minutes * 60}
-    return SimpleNamespace(args=SimpleNamespace(minutes=minutes, eval_reserve=3.0, reuse_runs={}),
-                           budgets_path=tmp_path / "budgets.json", seconds=seconds)
+    bench = SimpleNamespace(args=SimpleNamespace(minutes=minutes, eval_reserve=3.0, reuse_runs={}),
+                            budgets_path=tmp_path / "budgets.json", open_path=tmp_path / "running.json",
+                            seconds=seconds)
+    bench.spent = lambda stage, state: learning.Bench.spent(bench, stage, state)
+    return bench
 
 
 def test_a_stages_budget_counts_its_earlier_runs_and_a_step_must_fit(tmp_path):
     run = tmp_path / "sft"
     plan = learning.Bench.plan
     stopped = {"status": "finished", "export": True, "stopped": "max_minutes", "max_minutes": 117.0,
-               "longest_step": 807.0}
+               "longest_step": 807.0, "updated": None, "recorded_seconds": None}
     assert plan(_planner(tmp_path, 120, None), "sft", run, {}) == ("run", 117.0, None)  # a new stage: all of it
     run.mkdir()
     (run / "run.json").write_text("{}")
@@ -212,6 +215,15 @@ def test_a_stages_budget_counts_its_earlier_runs_and_a_step_must_fit(tmp_path):
     assert plan(_planner(tmp_path, 120, 50.0, {"sft": 117.0}), "sft", run, killed) == ("run", 67.0, None)
     action, _, note = plan(_planner(tmp_path, 120, 119.0, {"sft": 117.0}), "sft", run, killed)
     assert action == "spent" and "raise --minutes" in note
+    # a run that died with the benchmark (a session ended) counts up to its last step: from the benchmark's mark,
+    # or, for a run begun before marks were kept, from its own record; never its whole budget
+    died = {**killed, "updated": 1000.0 + 40 * 60, "recorded_seconds": 39 * 60.0}
+    bench = _planner(tmp_path / "died", 360, None, {"sft": 357.0})
+    assert plan(bench, "sft", run, died) == ("run", 357.0 - 39, None)
+    (tmp_path / "died" / "running.json").write_text(json.dumps({"sft": 1000.0}))
+    assert plan(bench, "sft", run, died) == ("run", 357.0 - 40, None)
+    bench.seconds = {"sft": 100 * 60.0}  # an earlier run here took 100 minutes, then a resume died after 40 more
+    assert plan(bench, "sft", run, died) == ("run", 357.0 - 140, None)
 
 
 def _bench(config: Path, out: Path, *extra: str) -> tuple[int, dict, str]:
