@@ -67,15 +67,23 @@ def open_engine(model: str, *, tasks_dir: Path | None = None, task_ids: list[str
     `tasks_dir`, all of the task set's when None). `tokenizer` names the tokenizer of id-only engines (openai:,
     replay:); `lora` attaches a trainer's adapter to a local engine's model; `status` hears what loading is doing
     (downloads, conversions). With `loop`, the episodes' turn budget is fitted to a replay engine
-    (`fit_turn_budget`). With `pushes` (a training run), servers that cannot take weight pushes are refused now. The
-    caller closes the engine."""
+    (`fit_turn_budget`), and a replay with a `tokenizer` encodes its messages as a policy writes them under the loop's
+    `tags` (so its rollouts can be SFT demonstrations). With `pushes` (a training run), servers that cannot take
+    weight pushes are refused now. The caller closes the engine."""
     if model == GOLD:
         from shipyard.models.resolve import load_tokenizer
         from shipyard.rollout.gold import gold_engine
 
         if tasks_dir is None:
             raise UsageError(f"{GOLD} replays the gold patches of a task set: give the tasks directory")
-        engine = gold_engine(tasks_dir, task_ids, load_tokenizer(tokenizer) if tokenizer else None)
+        tok = load_tokenizer(tokenizer) if tokenizer else None
+        encode = None
+        if tok is not None and loop is not None:  # the replies as the policy would write them under the run's wire
+            from shipyard.harness.tools import default_tools
+            from shipyard.harness.wire import ChatFormat
+
+            encode = ChatFormat(tok, default_tools(), tags=loop.tags).completion_ids
+        engine = gold_engine(tasks_dir, task_ids, tok, encode=encode)
     else:
         from shipyard.models.resolve import make_engine
 

@@ -69,6 +69,19 @@ def test_gold_engine_needs_the_task_set_and_refuses_a_task_without_gold_patch(ta
         open_engine(GOLD, tasks_dir=copy)
     engine = open_engine(GOLD, tasks_dir=copy, task_ids=ids[1:])  # only the tasks being run need a gold patch
     assert engine.name == GOLD and sorted(engine.scripts) == sorted(ids[1:])
+    # with a tokenizer and a loop, the replies are the ids a policy writes under the loop's wire: under spelled tags
+    # never the `<tool_call>` token the bundled Qwen cannot write (else `shipyard sft` refuses them as demonstrations)
+    from shipyard.harness.loop import LoopConfig
+    from shipyard.harness.tools import default_tools
+    from shipyard.harness.wire import ChatFormat
+
+    reply = 'Reading it.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>\n'
+    for tags in ("spelled", "token"):
+        engine = open_engine(GOLD, tasks_dir=copy, task_ids=ids[1:], tokenizer="qwen2.5-coder-0.5b",
+                             loop=LoopConfig(tags=tags))
+        chat = ChatFormat(engine.tokenizer, default_tools(), tags=tags)
+        assert engine.encode(reply) == chat.completion_ids(reply)
+        assert chat.tag_ids().isdisjoint(engine.encode(reply)) is (tags == "spelled")
 
 
 def test_replay_turn_budget_is_raised_to_replay_the_longest_message_whole():
