@@ -22,6 +22,11 @@ name (`ADAPTER_NAME`, `load_inplace`: the server's copy is replaced whole), on a
 and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` (`vllm_server`). From the first push on, requests name that adapter as
 their model; before it they sample the base, which is what a fresh adapter (B = 0) computes.
 
+**An NCCL push** (`[vllm] transfer = "nccl"`: GPU servers started with `--weight-transfer-config`, a trainer on a GPU;
+full weights only) replaces steps 1 and 3: the tensors are checked without being written, and broadcast from the
+trainer's GPU into the workers through vLLM's weight-transfer routes (`shipyard.models.nccl`), then a tied head is
+tied again (`shipyard_retie`). The engine joins the server's transfer group when it connects.
+
 Requests in flight during a push continue under the new weights (in-flight weight updates, as in PipelineRL: Piché
 et al. 2025); their tokens carry the version that drew each (`Completion.token_versions`), exactly, from vLLM's
 spans. **Prefix caching across versions is impossible**: every request is salted with the version current when it
@@ -50,19 +55,24 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from shipyard.errors import UsageError
 from shipyard.httpguard import bearer
 from shipyard.models.engine import Completion, GenerationRequest, VersionConflict
 from shipyard.models.errors import InfraError, ServerUnreachable
+from shipyard.models.nccl import NcclGroup, TransferWedged, prepare
 from shipyard.models.openai import RequestRejected, ServerError
 from shipyard.models.weightdir import WeightDir
+
+T = TypeVar("T")
 
 CANCEL_POLL = 0.2  # seconds between checks of a request's `cancelled`
 SALT = "shipyard-v"
@@ -94,7 +104,7 @@ def client_for(base_url: str, timeout: float, api_key: str | None = None) -> htt
 class VLLMEngine:
     def __init__(self, base_url: str, tokenizer: PreTrainedTokenizerBase, weights: WeightDir, *,
                  timeout: float = 600.0, max_concurrency: int = 64, api_key: str | None = None,
-                 initial_version: int = 0):
+                 initial_version: int = 0, nccl_workers: int = 0):
         self.base_url = base_url
         self.tokenizer = tokenizer
         self.weights = weights
@@ -107,11 +117,14 @@ class VLLMEngine:
         self.last_push: PushStats | None = None
         self.labelled = initial_version  # the newest version the server was told to label tokens with
         self.adapter = False  # a LoRA run's adapter is loaded: requests name it
+        self.nccl: NcclGroup | None = None  # full-weight pushes broadcast from the trainer's GPU (`nccl_workers` > 0)
         try:
             self.model = self._served_model()
             self.name = f"vllm:{base_url}#{self.model}"
             self._check_routes()
             self._set_version(initial_version)
+            if nccl_workers:
+                self._open_nccl(nccl_workers, timeout)
         except BaseException:
             self.close()
             raise
@@ -156,6 +169,21 @@ class VLLMEngine:
         if probe.status_code in (403, 404):
             raise NotAWeightServer(f"the vLLM server at {self.base_url} does not serve /inference/v1/generate "
                                    f"({probe.status_code}): start it with --enable-scale-out (vLLM >= 0.32)")
+
+    def _open_nccl(self, workers: int, timeout: float) -> None:
+        """Join the server's weight-transfer group (`shipyard.models.nccl`), once the server says it has one: its
+        rendezvous would wait forever for a server that cannot join."""
+        if self.weights.lora is not None:
+            raise UsageError("vllm.transfer = \"nccl\" pushes full weights; a LoRA run pushes its adapter (megabytes) "
+                             "through the weights directory: set vllm.transfer = \"disk\"")
+        asked, backends = self._ask_workers("shipyard_transfer")
+        if backends != ["nccl"] * workers:
+            raise NotAWeightServer(f"the vLLM server at {self.base_url} cannot receive NCCL weight pushes on "
+                                   f"{workers} worker(s) (its workers' transfer backends: {asked.text[:200]}): "
+                                   "start it with --weight-transfer-config '{\"backend\": \"nccl\"}' and this "
+                                   "shipyard's worker extension, with as many GPUs as vllm.gpus_per_server")
+        self.nccl = NcclGroup(lambda path, body: self._post(path, json=body), workers, self.base_url, timeout)
+        self.nccl.open()
 
     def _ask_workers(self, method: str) -> tuple[httpx.Response, object]:
         """A start-up question to the worker extension (`POST /collective_rpc`): the response, and its `results` (one
@@ -287,36 +315,60 @@ class VLLMEngine:
         if self.broken:
             raise ServerError(self.broken)
         t0 = time.monotonic()
-        path = self.weights.write(version, tensors)
-        t1 = time.monotonic()
-        self.load(version, path)
-        self.last_push = PushStats(version, self.weights.last_bytes, t1 - t0, time.monotonic() - t1)
+        if self.nccl is not None:
+            plan = prepare(tensors, self.weights.spec)
+            t1 = time.monotonic()
+            sent = self._swap(version, lambda: self.nccl.send(plan))
+        else:
+            path = self.weights.write(version, tensors)
+            t1 = time.monotonic()
+            self.load(version, path)
+            sent = self.weights.last_bytes
+        self.last_push = PushStats(version, sent, t1 - t0, time.monotonic() - t1)
 
     def load(self, version: int, path) -> None:
         """Steps 2–5 of a push: the server loads the version written in `path` (a full checkpoint or an adapter, as
         the weight directory writes them) and labels tokens with `version`. An `InfraError` leaves the engine broken."""
+        if self.weights.lora is not None:
+            self._swap(version, lambda: self._post("/v1/load_lora_adapter", json={
+                "lora_name": ADAPTER_NAME, "lora_path": str(path), "load_inplace": True}))
+        else:
+            self._swap(version, lambda: self._reload(path))
+
+    def _swap(self, version: int, put: Callable[[], T]) -> T:
+        """The server paused, `put()` giving it the weights of `version`, tokens labelled with it, the prefix cache
+        reset, resumed (steps 2–5); what `put` returned. An `InfraError` leaves the engine broken."""
         try:
             self._post("/pause", params={"mode": "keep"})
             try:
-                if self.weights.lora is not None:
-                    self._post("/v1/load_lora_adapter", json={"lora_name": ADAPTER_NAME, "lora_path": str(path),
-                                                              "load_inplace": True})
-                else:
-                    self._reload(path)
+                out = put()
+                if self.nccl is not None:
+                    self._retie()
                 self._set_version(version)
                 self._post("/reset_prefix_cache")
                 self.policy_version = version  # before resuming: requests from now on are salted with it
                 self.adapter = self.weights.lora is not None
             finally:
                 self._post("/resume")
+        except TransferWedged as e:  # ends the run (`shipyard.models.nccl`)
+            self.broken = str(e)
+            raise
         except (InfraError, RequestRejected) as e:  # a 4xx here is no request's fault: the server's state is unknown
             self.broken = (f"the vLLM server at {self.base_url} failed while loading weights version {version} "
                            f"({e}); its weights are unknown, so it takes no more requests")
             raise ServerError(self.broken) from e
+        return out
 
     def _reload(self, path) -> None:
         """Step 3 of a full push: every worker reloads the checkpoint in `path` (`vllm_worker.shipyard_reload`)."""
-        reload = self._post("/collective_rpc", json={"method": "shipyard_reload", "args": [str(path)]})
+        self._workers_did("shipyard_reload", str(path))
+
+    def _retie(self) -> None:
+        """After an NCCL push: a tied head tied to the received embedding again (`vllm_worker.shipyard_retie`)."""
+        self._workers_did("shipyard_retie")
+
+    def _workers_did(self, method: str, *args: str) -> None:
+        reload = self._post("/collective_rpc", json={"method": method, "args": list(args)})
         try:
             results = reload.json()["results"]
         except (ValueError, KeyError, TypeError):
@@ -325,6 +377,8 @@ class VLLMEngine:
             raise ServerError(f"the workers' reload answered {reload.text[:500]}")
 
     def close(self) -> None:
+        if self.nccl is not None:
+            self.nccl.close()
         self.batches.shutdown(wait=False, cancel_futures=True)
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()

@@ -63,7 +63,7 @@ import torch
 
 from shipyard.errors import UsageError
 from shipyard.models.engine import Completion, Engine, GenerationRequest
-from shipyard.models.errors import InfraError
+from shipyard.models.errors import InfraError, ServerUnreachable
 from shipyard.models.lora import LoraConfig
 from shipyard.models.router import EngineRouter
 from shipyard.models.vllm import VLLMEngine, client_for
@@ -102,6 +102,9 @@ class VLLMConfig:
     # and writes its pushes to `weights_dir`, which the servers must read at the same path.
     urls: tuple[str, ...] = ()
     weights_dir: Path | None = None  # default RUN/vllm/weights
+    # How full weights reach the servers: "disk" (a checkpoint in weights_dir each push, any server) or "nccl" (a
+    # broadcast from the trainer's GPU: GPU servers, a trainer on a GPU; `shipyard.models.nccl`)
+    transfer: str = "disk"
 
     def __post_init__(self) -> None:
         if self.servers < 1 or self.gpus_per_server < 1:
@@ -112,6 +115,16 @@ class VLLMConfig:
                              f"{self.gpus_per_server} need {self.servers * self.gpus_per_server}")
         if not self.kv_cache_gib > 0 or not self.start_timeout > 0 or self.max_model_len < 0:
             raise ValueError("vllm.kv_cache_gib and vllm.start_timeout must be > 0, vllm.max_model_len >= 0")
+        if self.transfer not in ("disk", "nccl"):
+            raise ValueError(f"vllm.transfer = {self.transfer!r}: \"disk\" or \"nccl\"")
+        if self.transfer == "nccl" and not (self.gpus or self.urls):
+            raise ValueError("vllm.transfer = \"nccl\" broadcasts to servers on GPUs: list them in vllm.gpus (or give "
+                             "vllm.urls of GPU servers), or use vllm.transfer = \"disk\" for CPU servers")
+
+    @property
+    def nccl_workers(self) -> int:
+        """The GPUs of each server that a push broadcasts to; 0 for a disk push."""
+        return self.gpus_per_server if self.transfer == "nccl" else 0
 
 
 class ServerStartError(InfraError, UsageError):
@@ -166,6 +179,8 @@ class VLLMServers:
         if self.lora is not None:
             rank = min(r for r in LORA_RANKS if r >= self.lora.rank)
             cmd += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(rank)]
+        if cfg.transfer == "nccl":
+            cmd += ["--weight-transfer-config", '{"backend": "nccl"}']
         if cfg.gpus:
             cmd += ["--tensor-parallel-size", str(cfg.gpus_per_server)]
         else:  # whole prompts only: on the CPU a seeded request's chunked prefill kills the engine (module docstring)
@@ -290,14 +305,18 @@ class ManagedServer:
                  status=lambda _: None):
         self.servers, self.index, self.tokenizer, self.weights = servers, index, tokenizer, weights
         self.max_restarts, self.status = max_restarts, status
-        self.engine = VLLMEngine(servers.urls[index], tokenizer, weights)
+        self.engine = VLLMEngine(servers.urls[index], tokenizer, weights, nccl_workers=servers.config.nccl_workers)
         self.name = self.engine.name
         self.restarts = 0
+        self.pushed = 0  # the newest version pushed through this server
+        # An NCCL run's server restarted with its initial weights: the version it missed; it takes no requests until
+        # a push reaches it (no copy of the weights is kept to load from)
+        self.awaiting: int | None = None
         self._lock = threading.RLock()  # a push holds it, and may restart the server under it
 
     @property
     def policy_version(self) -> int:
-        return self.engine.policy_version
+        return self.engine.policy_version if self.awaiting is None else self.awaiting
 
     @property
     def last_push(self):
@@ -305,6 +324,9 @@ class ManagedServer:
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         engine = self.engine
+        if self.awaiting is not None:
+            raise ServerUnreachable(f"vLLM server {self.index} was restarted with its initial weights; it serves again "
+                                    f"once a push newer than version {self.awaiting} reaches it")
         try:
             return engine.generate(requests)
         except InfraError:
@@ -318,13 +340,13 @@ class ManagedServer:
             engine = self.engine
             try:
                 engine.update_weights(version, tensors)
-                return
             except InfraError:
                 self._recover(engine, wait=True)
                 if self.engine is engine:
                     raise
-            if self.engine.policy_version < version:
-                self.engine.update_weights(version, tensors)
+                if self.engine.policy_version < version:
+                    self.engine.update_weights(version, tensors)
+            self.pushed, self.awaiting = version, None
 
     def _recover(self, failed: VLLMEngine, wait: bool) -> None:
         if not self._lock.acquire(blocking=wait):
@@ -346,9 +368,12 @@ class ManagedServer:
             failed.close()
             engine = None
             try:
-                engine = VLLMEngine(self.servers.restart(self.index), self.tokenizer, self.weights)
+                engine = VLLMEngine(self.servers.restart(self.index), self.tokenizer, self.weights,
+                                    nccl_workers=self.servers.config.nccl_workers)
                 if self.weights.latest is not None:
                     engine.load(self.weights.latest, self.weights.path(self.weights.latest))
+                elif self.pushed and engine.nccl is not None:
+                    self.awaiting = self.pushed
             except BaseException:
                 if engine is not None:
                     engine.close()
@@ -369,6 +394,12 @@ def managed_engine(config: VLLMConfig, model_dir: Path, directory: Path, tokeniz
     stop when the block ends, however it ends. With `lora` enabled, pushes are adapters of `model_dir`. With
     `config.urls`, servers someone else runs (module docstring)."""
     spec = manifest(model_dir)  # before minutes of start-up: a directory without safetensors is refused now
+    if config.transfer == "nccl" and lora is not None and lora.enabled:
+        raise UsageError("vllm.transfer = \"nccl\" pushes full weights; a LoRA run pushes its adapter (megabytes) "
+                         "through the weights directory: set vllm.transfer = \"disk\"")
+    if config.transfer == "nccl" and not torch.cuda.is_available():
+        raise UsageError("vllm.transfer = \"nccl\" broadcasts the weights from the trainer's GPU, and this process "
+                         "sees none: run the trainer on GPUs, or set vllm.transfer = \"disk\"")
     if config.urls:
         with _connected(config, model_dir, directory, tokenizer, spec, lora) as engine:
             yield engine
@@ -389,7 +420,8 @@ def _connected(config: VLLMConfig, model_dir: Path, directory: Path, tokenizer, 
     weights = WeightDir(root, spec, lora, base=str(model_dir))
 
     def connect(url: str) -> VLLMEngine:
-        engine = VLLMEngine(url, tokenizer, weights, api_key=os.environ.get("VLLM_API_KEY"))
+        engine = VLLMEngine(url, tokenizer, weights, api_key=os.environ.get("VLLM_API_KEY"),
+                            nccl_workers=config.nccl_workers)
         try:
             if engine.model not in (str(model_dir), str(Path(model_dir).resolve())):
                 raise UsageError(f"the vLLM server at {url} serves {engine.model!r}, not [vllm] model "

@@ -22,9 +22,15 @@ class ShipyardWorker:
     def shipyard_reload(self, weights_path: str) -> str:
         """Reload the checkpoint directory `weights_path` in place; "untied", "retied", or — never raised here, where
         an exception would take the engine process down — "error: …" for a tied head this method cannot find."""
+        self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
+        return self.shipyard_retie()
+
+    def shipyard_retie(self) -> str:
+        """Tie a tied head to the embedding again after a reload, and let its layer prepare its kernel once more (the
+        module docstring; also after an NCCL push, whose layerwise reload replaces the embedding's tensor): "untied",
+        "retied", or "error: …"."""
         from vllm.config import set_current_vllm_config
 
-        self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
         if not self.vllm_config.model_config.hf_config.tie_word_embeddings:
             return "untied"
         model = self.model_runner.get_model()
@@ -40,6 +46,12 @@ class ShipyardWorker:
     def shipyard_ready(self) -> str:
         """What a client calls first: the answer says this extension is loaded in every worker."""
         return "ready"
+
+    def shipyard_transfer(self) -> str:
+        """The weight-transfer backend the server was started with (`--weight-transfer-config`), "" for none: asked
+        before an NCCL group is opened, whose rendezvous would otherwise wait for a peer that never comes."""
+        config = self.vllm_config.weight_transfer_config
+        return str(config.backend) if config is not None else ""
 
     def shipyard_lora_rank(self) -> int:
         """The largest adapter rank this server takes (`--max-lora-rank`); 0 when it was started without

@@ -121,6 +121,23 @@ def _same(t: torch.Tensor) -> tuple | None:
 def checked(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor]:
     """The push as the checkpoint stores it (module docstring): every tensor of `spec`, in its dtype, contiguous on
     the CPU; `PushRejected` naming the first problem otherwise."""
+    out: dict[str, torch.Tensor] = {}
+    memory: set[int] = set()  # of the tensors in `out`: safetensors refuses to save one memory under two names
+    for name, t, want in matched(tensors, spec):
+        value = t.detach().to("cpu", want.dtype).contiguous()
+        if value.numel() and value.untyped_storage().data_ptr() in memory:
+            value = value.clone()
+        memory.add(value.untyped_storage().data_ptr())
+        finite(name, value)
+        out[name] = value
+    return out
+
+
+def matched(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, TensorSpec]
+            ) -> list[tuple[str, torch.Tensor, TensorSpec]]:
+    """(name, pushed tensor, what the checkpoint stores) for every tensor of `spec`, in its order, once the names and
+    shapes are the checkpoint's and every tensor is a floating-point one with values; `PushRejected` otherwise. The
+    values are not read (`finite` after the cast)."""
     stored = {_same(tensors[n]) for n in tensors if n in spec} - {None}
     tied = {n for n in tensors if n not in spec and _same(tensors[n]) in stored}  # a tied head's second name
     unknown = sorted(n for n in tensors if n not in spec and n not in tied)
@@ -129,8 +146,6 @@ def checked(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, TensorSpec])
         raise PushRejected(f"the push does not match the served checkpoint: {len(missing)} of its tensors missing "
                            f"{missing[:4]}, {len(unknown)} unknown {unknown[:4]}; push the whole model's state dict "
                            "(Trainer.engine_weights) of the model the servers serve")
-    out: dict[str, torch.Tensor] = {}
-    memory: set[int] = set()  # of the tensors in `out`: safetensors refuses to save one memory under two names
     for name, want in spec.items():
         t = tensors[name]
         if tuple(t.shape) != want.shape:
@@ -140,16 +155,10 @@ def checked(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, TensorSpec])
             raise PushRejected(f"pushed tensor {name} is {t.dtype}, not a floating-point weight")
         if t.is_meta:
             raise PushRejected(f"pushed tensor {name} is on the meta device: it has no values")
-        value = t.detach().to("cpu", want.dtype).contiguous()
-        if value.numel() and value.untyped_storage().data_ptr() in memory:
-            value = value.clone()
-        memory.add(value.untyped_storage().data_ptr())
-        _finite(name, value)
-        out[name] = value
-    return out
+    return [(name, tensors[name], want) for name, want in spec.items()]
 
 
-def _finite(name: str, value: torch.Tensor) -> None:
+def finite(name: str, value: torch.Tensor) -> None:
     if not torch.isfinite(value).all():
         raise PushRejected(f"pushed tensor {name} holds non-finite values (NaN or inf, after the cast to "
                            f"{value.dtype}); the servers keep their weights")
@@ -177,7 +186,7 @@ def checked_adapter(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, Tens
             raise PushRejected(f"pushed tensor {name} is {tuple(t.shape)} {t.dtype}; rank {lora.rank} over the "
                                f"served layer's {base.shape} needs {want} floating-point values")
         value = t.detach().to("cpu", base.dtype).contiguous().clone()
-        _finite(name, value)
+        finite(name, value)
         layers.setdefault(layer, set()).add(part[0])
         out[PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")] = value
     half = sorted(layer for layer, parts in layers.items() if parts != {"A", "B"})

@@ -172,6 +172,16 @@ def check_engine(config: RLConfig) -> None:
         raise ConfigError("with [ray], each of ray.engines engine actors starts one vLLM server on its node, on the "
                           "GPUs Ray gives it (ray.engine_gpus; none: the CPU): leave vllm.servers at 1, vllm.gpus and "
                           "vllm.urls empty, and set ray.engines")
+    if config.engine.kind == "vllm" and config.vllm.transfer == "nccl":
+        if config.trainer.lora.enabled:
+            raise ConfigError("vllm.transfer = \"nccl\" pushes full weights; a LoRA run pushes its adapter (megabytes) "
+                              "through the weights directory: set vllm.transfer = \"disk\"")
+        if config.run.device != "cuda":
+            raise ConfigError("vllm.transfer = \"nccl\" broadcasts from the trainer's rank 0 on cuda:0: set run.device "
+                              "= \"cuda\", or vllm.transfer = \"disk\"")
+        if 0 in config.vllm.gpus:
+            raise ConfigError("vllm.transfer = \"nccl\": vllm.gpus holds GPU 0, the trainer's rank 0, which broadcasts "
+                              "the weights; NCCL takes no two ranks of a group on one GPU: give the servers other GPUs")
     if config.engine.kind == "vllm":
         vllm_settings(config)
 

@@ -81,7 +81,8 @@ def plan(config: RLConfig) -> Plan:
                      f"{vllm.kv_cache_gib:g} GiB of KV cache each)")
         out.lines.append(f"engine: {vllm.servers} vLLM server(s) of {vllm.model or config.model.name}, started by the "
                          f"run from {vllm.python} on private Unix sockets, context {vllm.max_model_len} tokens; "
-                         f"{placement}; logs and pushed weights in {run.dir / 'vllm'}")
+                         f"{placement}; " + ("pushes broadcast over NCCL from cuda:0; logs" if vllm.transfer == "nccl"
+                                             else "logs and pushed weights") + f" in {run.dir / 'vllm'}")
         if vllm.gpus and gpus <= max(vllm.gpus):
             out.missing_here.append(f"the vLLM servers use GPUs up to {max(vllm.gpus)}; this machine has {gpus}")
         if vllm.gpus and run.device == "cuda" and set(vllm.gpus) & set(range(run.world_size)):

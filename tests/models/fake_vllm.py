@@ -40,12 +40,13 @@ class FakeVLLM:
         self.healthy = True
         self.extra: dict = {}  # answered by GET /fake/info
         self.lora_rank = 0  # --max-lora-rank, as the worker extension reports it (0: started without --enable-lora)
+        self.transfer = ""  # --weight-transfer-config's backend, as the worker extension reports it
         self.app = self._build()
 
     def reset(self) -> None:
         self.misbehave.clear()
         self.calls.clear()
-        self.version, self.paused, self.healthy, self.lora_rank = "0", False, True, 0
+        self.version, self.paused, self.healthy, self.lora_rank, self.transfer = "0", False, True, 0, ""
         self.aborted.clear()
         self.running.clear()
 
@@ -141,6 +142,8 @@ class FakeVLLM:
                     return {"results": ["ready"]}
                 if body.get("method") == "shipyard_lora_rank":
                     return {"results": [str(fake.lora_rank)]}  # vLLM's route answers a scalar as a string
+                if body.get("method") == "shipyard_transfer":
+                    return {"results": [fake.transfer]}
                 if body.get("method") != "shipyard_reload":
                     return JSONResponse({"error": f"no method {body.get('method')}"}, status_code=500)
                 ok = (Path(body["args"][0]) / "model.safetensors").is_file()

@@ -354,6 +354,20 @@ def test_a_lora_run_is_refused_a_server_that_cannot_take_its_adapters(fake, serv
         VLLMEngine(server[1], TOKENIZER, weights)
 
 
+@pytest.mark.parametrize("backend, refused", [("", "--weight-transfer-config"), ("ipc", "--weight-transfer-config"),
+                                             ("nccl", "sees none")])
+def test_an_nccl_run_is_refused_a_server_that_cannot_receive_broadcasts_before_any_rendezvous(fake, connect, backend,
+                                                                                          refused):
+    """An NCCL rendezvous waits for every rank: the server is asked for its transfer backend before one is begun.
+    (With one, this machine's lack of a GPU is what refuses it; `test_vllm_nccl.py` pushes where GPUs are.)"""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU would open the group")
+    fake.transfer = backend
+    with pytest.raises(UserError, match=refused):
+        connect(nccl_workers=1)
+    assert "/init_weight_transfer_engine" not in [path for path, _ in fake.calls]
+
+
 def test_nothing_listening_is_unreachable(connect):
     with pytest.raises(ServerUnreachable, match="cannot reach"):
         connect(f"http://127.0.0.1:{free_port()}")

@@ -88,6 +88,23 @@ def test_servers_on_ray_are_one_per_engine_actor_and_anything_else_is_refused_be
             check_engine(replace(on_ray, vllm=replace(on_ray.vllm, **wrong)))
 
 
+def test_nccl_pushes_are_refused_before_the_run_starts_where_they_cannot_work():
+    from shipyard.models.lora import LoraConfig
+    from shipyard.rl.build import check_engine
+    from shipyard.rl.config import EngineConfig
+
+    base = RLConfig()
+    nccl = replace(base, engine=EngineConfig(kind="vllm", device="cuda"), run=replace(base.run, device="cuda"),
+                   vllm=replace(base.vllm, gpus=(4, 5), servers=2, transfer="nccl"))
+    check_engine(nccl)
+    wrong = {"LoRA run pushes its adapter": replace(nccl, trainer=replace(nccl.trainer, lora=LoraConfig(enabled=True))),
+             "set run.device": replace(nccl, run=replace(nccl.run, device="cpu")),
+             "holds GPU 0": replace(nccl, vllm=replace(nccl.vllm, gpus=(0, 5)))}
+    for why, config in wrong.items():
+        with pytest.raises(ConfigError, match=why):
+            check_engine(config)
+
+
 def test_a_run_killed_outright_takes_its_servers_with_it(tmp_path):
     """The process that started the servers is SIGKILLed (as the OOM killer did to a run): its server gets SIGTERM
     from the kernel (`DIE_WITH_PARENT`) instead of outliving it. The server is tests/models/fake_vllm.py behind a
