@@ -22,13 +22,13 @@ for all arms: what differs between arms is the weights, nothing else.
 **Budgets.** Each training stage gets `--minutes` of wall time in all: `shipyard train` and `shipyard sft` stop
 themselves after the step that reaches the budget less `--eval-reserve` (`run.max_minutes`) and checkpoint; a stage
 still running at the budget is killed, reported as such, and fails the measurement. The wall time of a stage's
-earlier runs in OUT (`stages.json`) counts against its budget — a run that died with the benchmark (a session ended)
-up to its last recorded step (`running.json` marks a run while it runs) — and a run is started only when what is
-left holds another of its longest steps (`Bench.plan`). So a stage that stopped itself at its budget is reused by the same
-command and continued from its checkpoint by a larger `--minutes` (`budgets.json` keeps the budget each stage last
-ran under), and a killed stage is resumed with what is left, or refused until `--minutes` grows. A stage that started
-from an export written again since (its parent trained again) is stale: refused before it is reused or resumed.
-Evaluations run to their end.
+earlier runs in OUT (`stages.json`) counts against its budget — a run that died with the benchmark (a session
+ended) up to its last recorded step (`running.json` marks a run while it runs) — and a run is started only when
+what is left holds another of its longest steps (`Bench.plan`). So a stage that stopped itself at its budget is
+reused by the same command and continued from its checkpoint by a larger `--minutes` (`budgets.json` keeps the
+budget each stage last ran under), and a killed stage is resumed with what is left, or refused until `--minutes`
+grows. A stage that started from an export written again since (its parent trained again) is stale: refused before
+it is reused or resumed. Evaluations run to their end.
 
 **Cost.** The RL stages run with `--run.evaluate false`: the benchmark evaluates every arm itself, the same way, so
 the runs' own before/after evaluations would be the same work twice.

@@ -23,19 +23,32 @@ broadcast per server from the trainer's GPU.
 
 **A push** (`NcclGroup.send`), between the engine's pause and resume (`shipyard.models.vllm`):
 
-1. `prepare`: the tensors are checked against the served checkpoint (`weightdir.matched`: names, shapes; values
-   finite after the cast to the served dtype) before any server is touched;
+1. the tensors were checked against the served checkpoint and kept on the CPU in its dtypes, once per version for
+   every server (`WeightDir.hold`), before any server is touched;
 2. `/start_weight_update` (vLLM begins its layerwise reload), then `/update_weights` with the tensors' names, dtypes
-   and shapes, posted on a thread (the workers answer once they have received everything) while the trainer
-   broadcasts each tensor in that order from its GPU on a stream of its own — one by one (`packed` false: nothing
-   about vLLM's packing has to agree);
-3. the broadcasts are waited for by polling a CUDA event while watching the route's answer, within `timeout`; then
-   `/finish_weight_update`.
+   and shapes, while the trainer broadcasts each tensor in that order from its GPU, on a stream of its own, one by
+   one (`packed` false: nothing about vLLM's packing has to agree);
+3. `/finish_weight_update`.
 
-A transfer that fails half way (the server answered an error, or the timeout passed) leaves NCCL kernels of the
-trainer's process waiting for peers that will not come, and PyTorch offers no way to abort them. So it raises
-`TransferWedged`, which ends the run saying what to do — start it again: it resumes from its last checkpoint —
-rather than an `InfraError` the loop would retry beside a stuck stream.
+**Nothing waits unbounded.** Every call that can block until a peer acts — the rendezvous, the copies and
+broadcasts (a copy from pageable memory waits for the broadcast before it), the routes, which vLLM answers only once
+its workers are done — runs on a daemon thread, and the caller watches them all against `timeout`:
+
+- both sides done: the push landed;
+- the server failed after the trainer's side completed: its state is unknown, an `InfraError` (the engine is broken
+  and the server restarted, `vllm_server.ManagedServer`, from the kept copy);
+- the trainer's side still waits (the server answered an error, died, or the timeout passed), or it failed: NCCL
+  kernels of the trainer's process wait for peers that will not come, and PyTorch offers no way to abort them. So
+  it is `TransferWedged`, which ends the run saying what to do — start it again: it resumes from its last
+  checkpoint — rather than an `InfraError` the loop would retry beside a stuck stream;
+- a rendezvous that fails or times out is a start-up error that says what to check.
+
+A group is never destroyed: PyTorch's communicator handle frees nothing (its destructor skips `ncclCommDestroy`),
+so each group a restarted server leaves behind holds its buffers until the run ends; there are at most
+`max_restarts` per server.
+
+The collective library is a seam (`Collectives`): `TorchNccl` is NCCL through `torch.cuda.nccl`, and the tests run
+the same control flow on the CPU with a loopback whose peer is a fake vLLM server (tests/models/fake_vllm.py).
 """
 
 from __future__ import annotations
@@ -45,21 +58,68 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from typing import Any, Protocol
 
 import torch
 
 from shipyard.errors import UserError
 from shipyard.models.errors import InfraError
-from shipyard.models.openai import RequestRejected
-from shipyard.models.weightdir import TensorSpec, finite, matched
+from shipyard.models.openai import RequestRejected, ServerError
+from shipyard.models.weightdir import TensorSpec
 
 POLL = 0.01  # seconds between checks of a transfer's progress
+CLOSE_WAIT = 10.0  # seconds a closing run waits for a server to shut its end of the group down
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}  # vLLM: getattr(torch)
 
 
 class TransferWedged(UserError, RuntimeError):
     """An NCCL transfer that failed half way: the trainer's GPU holds kernels waiting for peers (module docstring)."""
+
+
+class Collectives(Protocol):
+    """The trainer's end of a collective library (module docstring)."""
+
+    def unique_id(self) -> bytes: ...
+
+    def join(self, world: int, unique_id: bytes) -> Any:
+        """As rank 0 of `world`: the communicator, once every rank joined and the warm-up all-reduce is done."""
+
+    def broadcast(self, comm: Any, tensor: torch.Tensor) -> None:
+        """Send `tensor` (on the CPU, in the dtype to send) from rank 0; may block until the peers receive."""
+
+    def synchronize(self, comm: Any) -> None:
+        """Until every broadcast sent on `comm` is complete."""
+
+
+class TorchNccl:
+    """NCCL through `torch.cuda.nccl`, on the current CUDA device, on a stream of its own (module docstring)."""
+
+    def __init__(self, where: str):
+        if not torch.cuda.is_available():
+            raise UserError(f"vllm.transfer = \"nccl\" broadcasts the weights from the trainer's GPU, and this process "
+                            f"sees none (for {where}): run the trainer on GPUs, or set vllm.transfer = \"disk\"")
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.stream = torch.cuda.Stream(self.device)
+
+    def unique_id(self) -> bytes:
+        return torch.cuda.nccl.unique_id()
+
+    def join(self, world: int, unique_id: bytes) -> Any:
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            comm = torch.cuda.nccl.init_rank(world, unique_id, 0)
+            warm = torch.zeros(1, device=self.device)  # vLLM's warm-up: one float32, summed
+            torch.cuda.nccl.all_reduce([warm], streams=[self.stream], comms=[comm])
+            self.stream.synchronize()
+        return comm
+
+    def broadcast(self, comm: Any, tensor: torch.Tensor) -> None:
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            value = tensor.to(self.device)  # allocated on this stream: reused only after the broadcast, in its order
+            torch.cuda.nccl.broadcast([value], root=0, streams=[self.stream], comms=[comm])
+
+    def synchronize(self, comm: Any) -> None:
+        self.stream.synchronize()
 
 
 def init_payload(unique_id: bytes, workers: int) -> dict:
@@ -69,24 +129,33 @@ def init_payload(unique_id: bytes, workers: int) -> dict:
                           "nccl_unique_id_b64": base64.b64encode(unique_id).decode("ascii")}}
 
 
-def update_payload(plan: list[tuple[str, torch.Tensor, TensorSpec]]) -> dict:
+def update_payload(tensors: Mapping[str, torch.Tensor]) -> dict:
     """The body of `/update_weights`: what the workers receive, in the order it is broadcast (vLLM's
     `NCCLWeightTransferUpdateInfo`)."""
-    return {"update_info": {"names": [name for name, _, _ in plan],
-                            "dtype_names": [DTYPE_NAMES[want.dtype] for _, _, want in plan],
-                            "shapes": [list(want.shape) for _, _, want in plan]}}
+    return {"update_info": {"names": list(tensors), "dtype_names": [DTYPE_NAMES[t.dtype] for t in tensors.values()],
+                            "shapes": [list(t.shape) for t in tensors.values()]}}
 
 
-def prepare(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, TensorSpec]
-            ) -> list[tuple[str, torch.Tensor, TensorSpec]]:
-    """What a push sends, checked before any server is touched (module docstring, step 1); `PushRejected` otherwise."""
-    plan = matched(tensors, spec)
-    for name, t, want in plan:
-        if want.dtype not in DTYPE_NAMES:
-            raise UserError(f"the served checkpoint stores {name} as {want.dtype}: an NCCL push sends bfloat16, "
-                            "float16 or float32; use vllm.transfer = \"disk\"")
-        finite(name, t.detach().to(want.dtype))
-    return plan
+def unsendable(spec: Mapping[str, TensorSpec]) -> str | None:
+    """Why a checkpoint cannot be pushed over NCCL (a dtype vLLM's receiver does not name), or None."""
+    bad = [f"{name} ({want.dtype})" for name, want in spec.items() if want.dtype not in DTYPE_NAMES]
+    return f"the served checkpoint stores {', '.join(bad[:3])}: an NCCL push sends bfloat16, float16 or float32" \
+        if bad else None
+
+
+def background(work: Callable[[], Any]) -> Future:
+    """`work()` on a daemon thread: a call that may block forever never keeps the process from exiting."""
+    future: Future = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(work())
+            except BaseException as e:  # handed to whoever waits on the future
+                future.set_exception(e)
+
+    threading.Thread(target=run, name="shipyard-nccl", daemon=True).start()
+    return future
 
 
 class NcclGroup:
@@ -94,90 +163,72 @@ class NcclGroup:
     on an answer other than 200 (the engine's `_post`)."""
 
     def __init__(self, post: Callable[[str, dict | None], object], workers: int, where: str, timeout: float = 600.0,
-                 device: torch.device | None = None):
-        if not torch.cuda.is_available():
-            raise UserError(f"vllm.transfer = \"nccl\" broadcasts the weights from the trainer's GPU, and this process "
-                            f"sees none (for {where}): run the trainer on GPUs, or set vllm.transfer = \"disk\"")
+                 collectives: Collectives | None = None):
         self.post, self.workers, self.where, self.timeout = post, workers, where, timeout
-        self.device = device or torch.device("cuda", torch.cuda.current_device())
-        self.comm = None
-        self.stream: torch.cuda.Stream | None = None
+        self.lib = collectives or TorchNccl(where)
+        self.comm: Any = None
         self.broken: str | None = None
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shipyard-nccl")
 
     def open(self) -> None:
         """Join the server's workers in a new group (module docstring, rendezvous)."""
-        unique_id = torch.cuda.nccl.unique_id()
-        self.stream = torch.cuda.Stream(self.device)
-        answer = self._thread.submit(self.post, "/init_weight_transfer_engine", init_payload(unique_id, self.workers))
-        made: dict = {}
+        unique_id = self.lib.unique_id()
+        answer = background(lambda: self.post("/init_weight_transfer_engine", init_payload(unique_id, self.workers)))
+        joined = background(lambda: self.lib.join(self.workers + 1, unique_id))
+        if not self._settled(answer, joined) or joined.exception() or answer.exception():
+            why = next((f"{type(e).__name__}: {e}" for e in (answer.exception() if answer.done() else None,
+                                                            joined.exception() if joined.done() else None) if e),
+                       f"no rendezvous within {self.timeout:g} s")
+            self.broken = f"no weight-transfer group was formed with the vLLM server at {self.where}"
+            raise UserError(f"could not join the weight-transfer group of the vLLM server at {self.where} ({why}): "
+                            "its log says more; the trainer and the server must reach each other (NCCL_SOCKET_IFNAME) "
+                            "and run compatible NCCL versions; or set vllm.transfer = \"disk\"")
+        self.comm = joined.result()
 
-        def init() -> None:  # blocks until every rank joined: on a daemon thread, so a server that never does is a
-            with torch.cuda.device(self.device):  # timeout here, not a process that cannot exit
-                made["comm"] = torch.cuda.nccl.init_rank(self.workers + 1, unique_id, 0)
-
-        joining = threading.Thread(target=init, name="shipyard-nccl-init", daemon=True)
-        joining.start()
-        deadline = time.monotonic() + self.timeout
-        while joining.is_alive() and time.monotonic() < deadline:
-            if answer.done() and answer.exception() is not None:
-                break
-            joining.join(POLL)
-        if "comm" not in made:
-            self._wedged("joining its weight-transfer group", answer, "the group was not formed")
-        self.comm = made["comm"]
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            warm = torch.zeros(1, device=self.device)  # vLLM's warm-up: one float32, summed
-            torch.cuda.nccl.all_reduce([warm], streams=[self.stream], comms=[self.comm])
-        self._wait(answer, "joining its weight-transfer group")
-
-    def send(self, plan: list[tuple[str, torch.Tensor, TensorSpec]]) -> int:
-        """Broadcast `plan` (from `prepare`) to the server's workers (module docstring, steps 2–3); the bytes sent."""
+    def send(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Broadcast `tensors` (CPU, in the served dtypes: `WeightDir.hold`) to the server's workers (module
+        docstring, steps 2–3); the bytes sent."""
         if self.broken:
             raise TransferWedged(self.broken)
         self.post("/start_weight_update", None)
-        answer = self._thread.submit(self.post, "/update_weights", update_payload(plan))
-        sent = 0
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            for _, t, want in plan:
-                if answer.done():  # the route failed before its workers joined: no broadcast will be received
-                    break
-                # allocated on the transfer's stream: freed in its order once broadcast
-                value = t.detach().to(self.device, want.dtype, non_blocking=False).contiguous()
-                torch.cuda.nccl.broadcast([value], root=0, streams=[self.stream], comms=[self.comm])
+
+        def stream() -> int:
+            sent = 0
+            for value in tensors.values():
+                self.lib.broadcast(self.comm, value)
                 sent += value.numel() * value.element_size()
-                del value
-        self._wait(answer, "receiving the weights")
+            self.lib.synchronize(self.comm)
+            return sent
+
+        answer = background(lambda: self.post("/update_weights", update_payload(tensors)))
+        sent = background(stream)
+        settled = self._settled(answer, sent)
+        if settled and sent.exception() is None and answer.exception() is not None:
+            raise ServerError(f"the vLLM server at {self.where} failed after receiving the weights "
+                              f"({answer.exception()})")  # the trainer's side is whole: an infrastructure failure
+        if not settled or sent.exception() is not None:
+            cause = (answer.exception() if answer.done() else None) or (sent.exception() if sent.done() else None)
+            why = f"{type(cause).__name__}: {cause}" if cause else f"nothing completed within {self.timeout:g} s"
+            self.broken = (f"the NCCL weight transfer to the vLLM server at {self.where} failed half way ({why}); the "
+                           "trainer's GPU holds collectives no peer will complete: start the run again (it resumes "
+                           "from its last checkpoint), or set vllm.transfer = \"disk\"")
+            raise TransferWedged(self.broken)
         self.post("/finish_weight_update", None)
-        return sent
+        return sent.result()
 
-    def _wait(self, answer: Future, doing: str) -> None:
-        """Until the server answered and the trainer's collectives on the transfer stream are done, within
-        `timeout`; `TransferWedged` when either fails (module docstring)."""
-        done = torch.cuda.Event()
-        done.record(self.stream)
+    def _settled(self, answer: Future, work: Future) -> bool:
+        """Wait until both are done, or one failed, or `timeout` passed: whether both are done."""
         deadline = time.monotonic() + self.timeout
-        while not (answer.done() and done.query()):
-            if (answer.done() and answer.exception() is not None) or time.monotonic() > deadline:
-                break
+        while not (answer.done() and work.done()):
+            failed = any(f.done() and f.exception() is not None for f in (answer, work))
+            if failed or time.monotonic() > deadline:
+                return False
             time.sleep(POLL)
-        else:
-            return
-        self._wedged(doing, answer, "the trainer's collectives did not complete")
-
-    def _wedged(self, doing: str, answer: Future, otherwise: str) -> None:
-        limit = f"within {self.timeout:g} s"
-        why = (f"it answered {answer.exception()}" if answer.done() and answer.exception() is not None else
-               f"no answer {limit}" if not answer.done() else f"{otherwise} {limit}")
-        self.broken = (f"the NCCL weight transfer to the vLLM server at {self.where} failed while {doing} ({why}); the "
-                       "trainer's GPU holds collectives no peer will complete: start the run again (it resumes from "
-                       "its last checkpoint), or set vllm.transfer = \"disk\"")
-        raise TransferWedged(self.broken)
+        return True
 
     def close(self) -> None:
-        """Leave the group (the server's end is shut down when it answers; a dead server has none)."""
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        """Shut the server's end down (module docstring: the trainer's end is never destroyed)."""
         if self.comm is not None and not self.broken:
-            with contextlib.suppress(InfraError, RequestRejected):  # a server gone has no group to shut down
-                self.post("/shutdown_weight_transfer_engine", None)
+            done = background(lambda: self.post("/shutdown_weight_transfer_engine", None))
+            with contextlib.suppress(InfraError, RequestRejected, TimeoutError):  # a server gone has none to shut down
+                done.result(timeout=CLOSE_WAIT)
         self.comm = None

@@ -52,6 +52,7 @@ private network (docs/training.md, "GPU node").
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import uuid
@@ -68,7 +69,7 @@ from shipyard.errors import UsageError
 from shipyard.httpguard import bearer
 from shipyard.models.engine import Completion, GenerationRequest, VersionConflict
 from shipyard.models.errors import InfraError, ServerUnreachable
-from shipyard.models.nccl import NcclGroup, TransferWedged, prepare
+from shipyard.models.nccl import Collectives, NcclGroup, TransferWedged, unsendable
 from shipyard.models.openai import RequestRejected, ServerError
 from shipyard.models.weightdir import WeightDir
 
@@ -78,6 +79,7 @@ CANCEL_POLL = 0.2  # seconds between checks of a request's `cancelled`
 SALT = "shipyard-v"
 MAX_TOKEN_ID = 1 << 31  # token ids are int32 in vLLM and the trainer (the tokenizer's decode overflows beyond)
 ADAPTER_NAME = "shipyard-policy"  # the served adapter of a LoRA run
+RESUME_AFTER_WEDGE = 10.0  # seconds a resume is tried after a wedged NCCL transfer
 LOGPROB_SLACK = 1e-4  # a log-softmax's rounding above 0; a logprob above it is no log-probability
 
 
@@ -104,7 +106,7 @@ def client_for(base_url: str, timeout: float, api_key: str | None = None) -> htt
 class VLLMEngine:
     def __init__(self, base_url: str, tokenizer: PreTrainedTokenizerBase, weights: WeightDir, *,
                  timeout: float = 600.0, max_concurrency: int = 64, api_key: str | None = None,
-                 initial_version: int = 0, nccl_workers: int = 0):
+                 initial_version: int = 0, nccl_workers: int = 0, collectives: Collectives | None = None):
         self.base_url = base_url
         self.tokenizer = tokenizer
         self.weights = weights
@@ -124,7 +126,7 @@ class VLLMEngine:
             self._check_routes()
             self._set_version(initial_version)
             if nccl_workers:
-                self._open_nccl(nccl_workers, timeout)
+                self._open_nccl(nccl_workers, timeout, collectives)
         except BaseException:
             self.close()
             raise
@@ -170,19 +172,22 @@ class VLLMEngine:
             raise NotAWeightServer(f"the vLLM server at {self.base_url} does not serve /inference/v1/generate "
                                    f"({probe.status_code}): start it with --enable-scale-out (vLLM >= 0.32)")
 
-    def _open_nccl(self, workers: int, timeout: float) -> None:
+    def _open_nccl(self, workers: int, timeout: float, collectives: Collectives | None) -> None:
         """Join the server's weight-transfer group (`shipyard.models.nccl`), once the server says it has one: its
-        rendezvous would wait forever for a server that cannot join."""
+        rendezvous would wait for a server that cannot join."""
         if self.weights.lora is not None:
             raise UsageError("vllm.transfer = \"nccl\" pushes full weights; a LoRA run pushes its adapter (megabytes) "
                              "through the weights directory: set vllm.transfer = \"disk\"")
+        if why := unsendable(self.weights.spec):
+            raise UsageError(f"{why}; set vllm.transfer = \"disk\"")
         asked, backends = self._ask_workers("shipyard_transfer")
         if backends != ["nccl"] * workers:
             raise NotAWeightServer(f"the vLLM server at {self.base_url} cannot receive NCCL weight pushes on "
                                    f"{workers} worker(s) (its workers' transfer backends: {asked.text[:200]}): "
                                    "start it with --weight-transfer-config '{\"backend\": \"nccl\"}' and this "
                                    "shipyard's worker extension, with as many GPUs as vllm.gpus_per_server")
-        self.nccl = NcclGroup(lambda path, body: self._post(path, json=body), workers, self.base_url, timeout)
+        self.nccl = NcclGroup(lambda path, body: self._post(path, json=body), workers, self.base_url, timeout,
+                              collectives)
         self.nccl.open()
 
     def _ask_workers(self, method: str) -> tuple[httpx.Response, object]:
@@ -316,9 +321,9 @@ class VLLMEngine:
             raise ServerError(self.broken)
         t0 = time.monotonic()
         if self.nccl is not None:
-            plan = prepare(tensors, self.weights.spec)
+            held = self.weights.hold(version, tensors)
             t1 = time.monotonic()
-            sent = self._swap(version, lambda: self.nccl.send(plan))
+            sent = self._swap(version, lambda: self.nccl.send(held))
         else:
             path = self.weights.write(version, tensors)
             t1 = time.monotonic()
@@ -348,8 +353,16 @@ class VLLMEngine:
                 self._post("/reset_prefix_cache")
                 self.policy_version = version  # before resuming: requests from now on are salted with it
                 self.adapter = self.weights.lora is not None
-            finally:
+            except TransferWedged:
+                # vLLM answers its control calls in order, so a server stuck in the transfer answers no resume:
+                # tried briefly, and the run ends with the transfer's error, not the resume's
+                with contextlib.suppress(InfraError, RequestRejected):
+                    self._post("/resume", timeout=RESUME_AFTER_WEDGE)
+                raise
+            except BaseException:
                 self._post("/resume")
+                raise
+            self._post("/resume")
         except TransferWedged as e:  # ends the run (`shipyard.models.nccl`)
             self.broken = str(e)
             raise

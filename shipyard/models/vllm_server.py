@@ -63,7 +63,7 @@ import torch
 
 from shipyard.errors import UsageError
 from shipyard.models.engine import Completion, Engine, GenerationRequest
-from shipyard.models.errors import InfraError, ServerUnreachable
+from shipyard.models.errors import InfraError
 from shipyard.models.lora import LoraConfig
 from shipyard.models.router import EngineRouter
 from shipyard.models.vllm import VLLMEngine, client_for
@@ -308,15 +308,11 @@ class ManagedServer:
         self.engine = VLLMEngine(servers.urls[index], tokenizer, weights, nccl_workers=servers.config.nccl_workers)
         self.name = self.engine.name
         self.restarts = 0
-        self.pushed = 0  # the newest version pushed through this server
-        # An NCCL run's server restarted with its initial weights: the version it missed; it takes no requests until
-        # a push reaches it (no copy of the weights is kept to load from)
-        self.awaiting: int | None = None
         self._lock = threading.RLock()  # a push holds it, and may restart the server under it
 
     @property
     def policy_version(self) -> int:
-        return self.engine.policy_version if self.awaiting is None else self.awaiting
+        return self.engine.policy_version
 
     @property
     def last_push(self):
@@ -324,9 +320,6 @@ class ManagedServer:
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         engine = self.engine
-        if self.awaiting is not None:
-            raise ServerUnreachable(f"vLLM server {self.index} was restarted with its initial weights; it serves again "
-                                    f"once a push newer than version {self.awaiting} reaches it")
         try:
             return engine.generate(requests)
         except InfraError:
@@ -346,7 +339,6 @@ class ManagedServer:
                     raise
                 if self.engine.policy_version < version:
                     self.engine.update_weights(version, tensors)
-            self.pushed, self.awaiting = version, None
 
     def _recover(self, failed: VLLMEngine, wait: bool) -> None:
         if not self._lock.acquire(blocking=wait):
@@ -372,8 +364,8 @@ class ManagedServer:
                                     nccl_workers=self.servers.config.nccl_workers)
                 if self.weights.latest is not None:
                     engine.load(self.weights.latest, self.weights.path(self.weights.latest))
-                elif self.pushed and engine.nccl is not None:
-                    self.awaiting = self.pushed
+                elif self.weights.held is not None:  # an NCCL run: the copy kept of the newest push
+                    engine.update_weights(*self.weights.held)
             except BaseException:
                 if engine is not None:
                     engine.close()

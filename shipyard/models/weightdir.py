@@ -224,9 +224,26 @@ class WeightDir:
         self._lock = threading.Lock()
         self.latest: int | None = None
         self.last_bytes = 0
+        self.held: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, weights) of an NCCL push: `hold`
 
     def path(self, version: int) -> Path:
         return self.root / f"v{version}"
+
+    def hold(self, version: int, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`version` checked as `write` checks it and kept in memory instead of written (an NCCL push,
+        `shipyard.models.nccl`): on the CPU, in the checkpoint's dtypes and order — one copy for every server, and
+        for a server restarted before the next push. The version before it is released."""
+        with self._lock:
+            if self.held is not None and self.held[0] == version:
+                return self.held[1]
+            if self.held is not None and version < self.held[0]:
+                raise VersionConflict(f"weights version {version} is older than version {self.held[0]}, already "
+                                      "pushed to the servers")
+            self.held = None  # released before the new copy is made: one copy of the weights at a time
+            weights = checked(tensors, self.spec)
+            self.held = (version, weights)
+            self.last_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+            return weights
 
     def write(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Path:
         """The directory holding `version` (written now, or already): `PushRejected` before anything is written when
