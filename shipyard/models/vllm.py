@@ -134,6 +134,12 @@ class VLLMEngine:
 
     # -- start-up -------------------------------------------------------------------------------------------------
 
+    def _check_sound(self) -> None:
+        """A broken engine refuses work: `ServerError` (a managed server is restarted), or `TransferWedged` after an
+        NCCL transfer that failed half way (the run must end: `shipyard.models.nccl`)."""
+        if self.broken:
+            raise (TransferWedged if self.nccl is not None and self.nccl.broken else ServerError)(self.broken)
+
     def _served_model(self) -> str:
         try:
             resp = self.client.get("/v1/models", timeout=10)
@@ -237,8 +243,7 @@ class VLLMEngine:
         return resp
 
     def _one(self, req: GenerationRequest) -> Completion:
-        if self.broken:
-            raise ServerError(self.broken)
+        self._check_sound()
         sp = req.sampling
         started = self.policy_version
         request_id = f"shipyard-{uuid.uuid4().hex}"
@@ -300,8 +305,7 @@ class VLLMEngine:
                           f"its {n} tokens once each")
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
-        if self.broken:
-            raise ServerError(self.broken)
+        self._check_sound()
         if len(requests) == 1:
             return [self._one(requests[0])]
         return list(self.batches.map(self._one, requests))
@@ -317,8 +321,7 @@ class VLLMEngine:
         when the push does not fit or goes backwards; an `InfraError` after that leaves this engine broken."""
         if version <= self.policy_version:
             raise VersionConflict(f"weights version {version} is not above the served version {self.policy_version}")
-        if self.broken:
-            raise ServerError(self.broken)
+        self._check_sound()
         t0 = time.monotonic()
         if self.nccl is not None:
             held = self.weights.hold(version, tensors)

@@ -173,6 +173,10 @@ def check_engine(config: RLConfig) -> None:
                           "GPUs Ray gives it (ray.engine_gpus; none: the CPU): leave vllm.servers at 1, vllm.gpus and "
                           "vllm.urls empty, and set ray.engines")
     if config.engine.kind == "vllm" and config.vllm.transfer == "nccl":
+        if config.ray is not None:
+            raise ConfigError("vllm.transfer = \"nccl\" broadcasts from the trainer's GPU into servers it starts on "
+                              "this machine (vllm.gpus) or that you run (vllm.urls); with [ray] the engine actors "
+                              "start the servers: set vllm.transfer = \"disk\"")
         if config.trainer.lora.enabled:
             raise ConfigError("vllm.transfer = \"nccl\" pushes full weights; a LoRA run pushes its adapter (megabytes) "
                               "through the weights directory: set vllm.transfer = \"disk\"")

@@ -41,12 +41,14 @@ class FakeVLLM:
         self.extra: dict = {}  # answered by GET /fake/info
         self.lora_rank = 0  # --max-lora-rank, as the worker extension reports it (0: started without --enable-lora)
         self.transfer = ""  # --weight-transfer-config's backend, as the worker extension reports it
+        self.peer = None  # the workers' end of an NCCL push (tests/models/fake_nccl.TransferPeer); None: no transfer
         self.app = self._build()
 
     def reset(self) -> None:
         self.misbehave.clear()
         self.calls.clear()
         self.version, self.paused, self.healthy, self.lora_rank, self.transfer = "0", False, True, 0, ""
+        self.peer = None
         self.aborted.clear()
         self.running.clear()
 
@@ -144,6 +146,8 @@ class FakeVLLM:
                     return {"results": [str(fake.lora_rank)]}  # vLLM's route answers a scalar as a string
                 if body.get("method") == "shipyard_transfer":
                     return {"results": [fake.transfer]}
+                if body.get("method") == "shipyard_retie":
+                    return {"results": ["untied"]}
                 if body.get("method") != "shipyard_reload":
                     return JSONResponse({"error": f"no method {body.get('method')}"}, status_code=500)
                 ok = (Path(body["args"][0]) / "model.safetensors").is_file()
@@ -166,6 +170,26 @@ class FakeVLLM:
                 return {}
 
             return await answer("/update_weight_version", body, normal)
+
+        def transfer_route(path: str, work: Callable[[object, dict], object] | None):
+            """A weight-transfer route: `work(peer, body)` on a thread (it may wait for the trainer), then {}."""
+            @app.post(path)
+            async def route(request: Request):
+                body = await request.json() if await request.body() else {}
+
+                async def normal():
+                    if fake.peer is None:
+                        return JSONResponse({"error": "weight transfer is not configured"}, status_code=500)
+                    if work is not None:
+                        await asyncio.to_thread(work, fake.peer, body)
+                    return {}
+
+                return await answer(path, body, normal)
+
+        transfer_route("/init_weight_transfer_engine", lambda peer, body: peer.init(body))
+        transfer_route("/update_weights", lambda peer, body: peer.receive(body))
+        for path in ("/start_weight_update", "/finish_weight_update", "/shutdown_weight_transfer_engine"):
+            transfer_route(path, None)
 
         @app.post("/reset_prefix_cache")
         async def reset_prefix_cache():

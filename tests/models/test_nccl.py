@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from shipyard.errors import UsageError, UserError
+from shipyard.models.engine import VersionConflict
 from shipyard.models.lora import LoraConfig
-from shipyard.models.nccl import NcclGroup, init_payload, prepare, update_payload
+from shipyard.models.nccl import NcclGroup, init_payload, unsendable, update_payload
 from shipyard.models.vllm_server import VLLMConfig, VLLMServers, managed_engine
-from shipyard.models.weightdir import PushRejected, TensorSpec
+from shipyard.models.weightdir import PushRejected, TensorSpec, WeightDir
 
 SPEC = {"model.embed_tokens.weight": TensorSpec((8, 4), torch.bfloat16),
         "model.norm.weight": TensorSpec((4,), torch.float16)}
@@ -31,14 +32,23 @@ def _tensors(**changes):
     return {**tensors, **changes}
 
 
-def test_a_push_is_checked_whole_before_any_server_is_touched():
-    plan = prepare(_tensors(), SPEC)
-    assert [name for name, _, _ in plan] == list(SPEC)  # broadcast in the order the workers are told
-    body = update_payload(plan)["update_info"]
-    assert body == {"names": list(SPEC), "dtype_names": ["bfloat16", "float16"], "shapes": [[8, 4], [4]]}
+def _held(tmp_path, version, tensors):
+    return WeightDir(tmp_path / "w", SPEC).hold(version, tensors)
+
+
+def test_a_push_is_checked_whole_and_held_once_per_version_before_any_server_is_touched(tmp_path):
+    weights = WeightDir(tmp_path / "w", SPEC)
+    held = weights.hold(3, _tensors())
+    assert list(held) == list(SPEC) and [t.dtype for t in held.values()] == [torch.bfloat16, torch.float16]
+    assert weights.hold(3, _tensors()) is held  # every server's push, and a restarted server's, from one copy
+    assert weights.held == (3, held) and not list((tmp_path / "w").iterdir())  # nothing written
+    with pytest.raises(VersionConflict):
+        weights.hold(2, _tensors())
+    assert update_payload(held)["update_info"] == {"names": list(SPEC), "dtype_names": ["bfloat16", "float16"],
+                                                   "shapes": [[8, 4], [4]]}
     tied = _tensors()
     tied["lm_head.weight"] = tied["model.embed_tokens.weight"]  # a tied head's second name: not sent
-    assert [name for name, _, _ in prepare(tied, SPEC)] == list(SPEC)
+    assert list(_held(tmp_path, 1, tied)) == list(SPEC)
     bad = {"missing": {k: v for k, v in _tensors().items() if k != "model.norm.weight"},
            "shape": _tensors(**{"model.norm.weight": torch.ones(5)}),
            "floating-point": _tensors(**{"model.norm.weight": torch.ones(4, dtype=torch.int64)}),
@@ -46,15 +56,14 @@ def test_a_push_is_checked_whole_before_any_server_is_touched():
            "unknown": _tensors(**{"extra": torch.ones(1)})}
     for why, tensors in bad.items():
         with pytest.raises(PushRejected, match=why):
-            prepare(tensors, SPEC)
+            _held(tmp_path, 1, tensors)
     # finite in float32, infinite once cast to the served float16: refused as the server would receive it
     with pytest.raises(PushRejected, match="non-finite"):
-        prepare(_tensors(**{"model.norm.weight": torch.full((4,), 1e6)}), SPEC)
-    with pytest.raises(UserError, match="transfer = \"disk\""):
-        prepare({"x": torch.ones(2)}, {"x": TensorSpec((2,), torch.float64)})
+        _held(tmp_path, 1, _tensors(**{"model.norm.weight": torch.full((4,), 1e6)}))
+    assert unsendable(SPEC) is None and "float64" in unsendable({"x": TensorSpec((2,), torch.float64)})
 
 
-def test_the_route_bodies_are_what_vllm_parses():
+def test_the_route_bodies_are_what_vllm_parses(tmp_path):
     """The init and update bodies built by vLLM's own dataclasses, in vLLM's venv: the unique id decodes to NCCL's
     128 bytes, the trainer is rank 0 and the workers follow it."""
     from vllm_venv import PYTHON
@@ -64,8 +73,8 @@ def test_the_route_bodies_are_what_vllm_parses():
             raise RuntimeError(f"$SHIPYARD_REQUIRE_VLLM is set but {PYTHON} is not vLLM's venv python")
         pytest.skip(f"no vLLM venv at {PYTHON}")
     unique_id = bytes(range(128))
-    bodies = {"init": init_payload(unique_id, 2)["init_info"], "update": update_payload(prepare(_tensors(), SPEC))
-              ["update_info"]}
+    bodies = {"init": init_payload(unique_id, 2)["init_info"],
+              "update": update_payload(WeightDir(tmp_path / "w", SPEC).hold(1, _tensors()))["update_info"]}
     script = ("import json, sys\n"
               "from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo as I, "
               "NCCLWeightTransferUpdateInfo as U\n"
@@ -107,4 +116,4 @@ def test_servers_for_nccl_pushes_are_started_for_them_and_impossible_settings_ar
                                                                           tmp_path / "run", None):
             pass
         with pytest.raises(UserError, match="sees none"):
-            NcclGroup(lambda path, body: None, 1, "unix:/nowhere")
+            NcclGroup(lambda path, body: None, 1, "unix:/nowhere")  # its default library: NCCL on the GPU

@@ -360,12 +360,86 @@ def test_an_nccl_run_is_refused_a_server_that_cannot_receive_broadcasts_before_a
                                                                                           refused):
     """An NCCL rendezvous waits for every rank: the server is asked for its transfer backend before one is begun.
     (With one, this machine's lack of a GPU is what refuses it; `test_vllm_nccl.py` pushes where GPUs are.)"""
-    if torch.cuda.is_available():
+    if backend == "nccl" and torch.cuda.is_available():
         pytest.skip("a GPU would open the group")
     fake.transfer = backend
     with pytest.raises(UserError, match=refused):
         connect(nccl_workers=1)
     assert "/init_weight_transfer_engine" not in [path for path, _ in fake.calls]
+
+
+def nccl_engine(fake, connect, timeout: float = 5.0) -> VLLMEngine:
+    """An engine that pushes over a loopback NCCL group to the fake's workers (tests/models/fake_nccl.py)."""
+    from fake_nccl import LoopbackNccl, TransferPeer
+
+    fake.transfer, fake.peer = "nccl", TransferPeer()
+    return connect(nccl_workers=1, collectives=LoopbackNccl(), timeout=timeout)
+
+
+def test_an_nccl_push_is_broadcast_in_the_announced_order_between_pause_and_resume(fake, connect, model_dir):
+    engine = nccl_engine(fake, connect)
+    assert fake.paths()[-1] == "/init_weight_transfer_engine"
+    fake.calls.clear()
+    weights = push(1)
+    engine.update_weights(1, weights)
+    expected = checked(weights, manifest(model_dir))  # the served dtypes, the tied head once, in the checkpoint's order
+    assert list(fake.peer.received) == list(expected)
+    assert all(torch.equal(fake.peer.received[k], v) for k, v in expected.items())
+    assert fake.paths() == ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                            "/collective_rpc", "/update_weight_version", "/reset_prefix_cache", "/resume"]
+    assert fake.calls[4][1]["method"] == "shipyard_retie" and fake.version == "1"
+    assert sample(engine).policy_version == 1
+    assert engine.last_push.bytes == sum(t.numel() * t.element_size() for t in expected.values())
+    assert not (engine.weights.root / "v1").exists()  # nothing written: the push is held in memory, once
+    assert engine.weights.held[0] == 1 and engine.weights.hold(1, push(2)) is engine.weights.held[1]
+
+
+async def _dies_after(fake, n: int | None, body):
+    """The workers receive `n` tensors (None: all), then the server fails."""
+    await asyncio.to_thread(fake.peer.receive, body, n)
+    return Response(json.dumps({"error": "engine core died"}), status_code=500)
+
+
+@pytest.mark.parametrize("case", ["refused before receiving", "died half way"])
+def test_an_nccl_transfer_that_fails_half_way_ends_the_run_at_once_and_says_why(fake, connect, case):
+    """The trainer's broadcasts wait for a peer that will not come: no retry, no restart — `TransferWedged`, at once
+    (not after the timeout), and not hidden by the resume that follows (vLLM answers no resume while stuck)."""
+    from shipyard.models.nccl import TransferWedged
+
+    engine = nccl_engine(fake, connect, timeout=60)
+    fake.misbehave["/update_weights"] = (reply({"detail": "bad update_info"}, status=400) if case.startswith("refused")
+                                         else lambda body: _dies_after(fake, 2, body))
+    with pytest.raises(TransferWedged, match="failed half way .*start the run again"):
+        engine.update_weights(1, push(1))
+    assert "/resume" in fake.paths() and "/finish_weight_update" not in fake.paths()
+    with pytest.raises(TransferWedged, match="failed half way"):
+        sample(engine)  # no sample from weights half loaded, and no restart (an InfraError) beside a stuck GPU
+    with pytest.raises(TransferWedged):
+        engine.update_weights(2, push(2))
+
+
+def test_a_server_that_fails_after_receiving_everything_is_an_infra_error(fake, connect):
+    """The trainer's side completed (its GPU is clean): the server's fault, which a managed server recovers from by a
+    restart and the kept copy of the push."""
+    engine = nccl_engine(fake, connect)
+    fake.misbehave["/update_weights"] = lambda body: _dies_after(fake, None, body)
+    with pytest.raises(ServerError, match="failed after receiving the weights"):
+        engine.update_weights(1, push(1))
+    assert engine.broken and engine.weights.held[0] == 1  # what a restarted server is given
+
+
+@pytest.mark.parametrize("case", ["answers an error", "never answers"])
+def test_a_server_that_cannot_join_the_group_is_a_start_up_error_saying_what_to_check(fake, connect, case):
+    async def never(_body):
+        await fake.hang()
+
+    from fake_nccl import TransferPeer
+
+    fake.peer = TransferPeer()
+    fake.misbehave["/init_weight_transfer_engine"] = (reply({"error": "NCCL error: unhandled system error"},
+                                                            status=500) if case == "answers an error" else never)
+    with pytest.raises(UserError, match="could not join the weight-transfer group .*NCCL_SOCKET_IFNAME"):
+        nccl_engine(fake, connect, timeout=1.0) if case == "never answers" else nccl_engine(fake, connect)
 
 
 def test_nothing_listening_is_unreachable(connect):

@@ -92,6 +92,7 @@ def test_nccl_pushes_are_refused_before_the_run_starts_where_they_cannot_work():
     from shipyard.models.lora import LoraConfig
     from shipyard.rl.build import check_engine
     from shipyard.rl.config import EngineConfig
+    from shipyard.rollout.ray_transport import RayConfig
 
     base = RLConfig()
     nccl = replace(base, engine=EngineConfig(kind="vllm", device="cuda"), run=replace(base.run, device="cuda"),
@@ -99,7 +100,8 @@ def test_nccl_pushes_are_refused_before_the_run_starts_where_they_cannot_work():
     check_engine(nccl)
     wrong = {"LoRA run pushes its adapter": replace(nccl, trainer=replace(nccl.trainer, lora=LoraConfig(enabled=True))),
              "set run.device": replace(nccl, run=replace(nccl.run, device="cpu")),
-             "holds GPU 0": replace(nccl, vllm=replace(nccl.vllm, gpus=(0, 5)))}
+             "holds GPU 0": replace(nccl, vllm=replace(nccl.vllm, gpus=(0, 5))),
+             "with \\[ray\\]": replace(nccl, ray=RayConfig(engines=2, env_servers=0))}
     for why, config in wrong.items():
         with pytest.raises(ConfigError, match=why):
             check_engine(config)
