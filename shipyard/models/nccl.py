@@ -66,15 +66,21 @@ import torch
 from shipyard.errors import UserError
 from shipyard.models.errors import InfraError
 from shipyard.models.openai import RequestRejected, ServerError
-from shipyard.models.weightdir import TensorSpec
 
 POLL = 0.01  # seconds between checks of a transfer's progress
 CLOSE_WAIT = 10.0  # seconds a closing run waits for a server to shut its end of the group down
+GRACE = 2.0  # seconds one side of a transfer gets to finish once the other failed
+ANSWER_SLACK = 30.0  # seconds past the watch's timeout a watched route's HTTP timeout runs
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}  # vLLM: getattr(torch)
 
 
 class TransferWedged(UserError, RuntimeError):
     """An NCCL transfer that failed half way: the trainer's GPU holds kernels waiting for peers (module docstring)."""
+
+
+class GroupNotFormed(InfraError, UserError):
+    """A rendezvous that failed: at start-up a mistake to fix (the message says what to check); for a server
+    restarted mid-run, an infrastructure failure like its restart failing."""
 
 
 class Collectives(Protocol):
@@ -136,13 +142,6 @@ def update_payload(tensors: Mapping[str, torch.Tensor]) -> dict:
                             "shapes": [list(t.shape) for t in tensors.values()]}}
 
 
-def unsendable(spec: Mapping[str, TensorSpec]) -> str | None:
-    """Why a checkpoint cannot be pushed over NCCL (a dtype vLLM's receiver does not name), or None."""
-    bad = [f"{name} ({want.dtype})" for name, want in spec.items() if want.dtype not in DTYPE_NAMES]
-    return f"the served checkpoint stores {', '.join(bad[:3])}: an NCCL push sends bfloat16, float16 or float32" \
-        if bad else None
-
-
 def background(work: Callable[[], Any]) -> Future:
     """`work()` on a daemon thread: a call that may block forever never keeps the process from exiting."""
     future: Future = Future()
@@ -159,37 +158,41 @@ def background(work: Callable[[], Any]) -> Future:
 
 
 class NcclGroup:
-    """The trainer's end of one server's weight-transfer group. `post(path, body)` posts to the server and raises
-    on an answer other than 200 (the engine's `_post`)."""
+    """The trainer's end of one server's weight-transfer group. `post(path, body, timeout)` posts to the server
+    (timeout None: the client's) and raises on an answer other than 200 (the engine's `_post`)."""
 
-    def __init__(self, post: Callable[[str, dict | None], object], workers: int, where: str, timeout: float = 600.0,
-                 collectives: Collectives | None = None):
-        self.post, self.workers, self.where, self.timeout = post, workers, where, timeout
-        self.lib = collectives or TorchNccl(where)
+    def __init__(self, post: Callable[[str, dict | None, float | None], object], workers: int, where: str,
+                 collectives: Collectives, timeout: float = 600.0):
+        self.post, self.workers, self.where, self.lib, self.timeout = post, workers, where, collectives, timeout
         self.comm: Any = None
         self.broken: str | None = None
+
+    def _watched(self, path: str, body: dict) -> Future:
+        """A route vLLM answers only once its workers are done: on a daemon thread, with an HTTP timeout past the
+        watch's, so the watch (not the client) decides what a slow answer means."""
+        return background(lambda: self.post(path, body, self.timeout + ANSWER_SLACK))
 
     def open(self) -> None:
         """Join the server's workers in a new group (module docstring, rendezvous)."""
         unique_id = self.lib.unique_id()
-        answer = background(lambda: self.post("/init_weight_transfer_engine", init_payload(unique_id, self.workers)))
+        answer = self._watched("/init_weight_transfer_engine", init_payload(unique_id, self.workers))
         joined = background(lambda: self.lib.join(self.workers + 1, unique_id))
-        if not self._settled(answer, joined) or joined.exception() or answer.exception():
-            why = next((f"{type(e).__name__}: {e}" for e in (answer.exception() if answer.done() else None,
-                                                            joined.exception() if joined.done() else None) if e),
-                       f"no rendezvous within {self.timeout:g} s")
-            self.broken = f"no weight-transfer group was formed with the vLLM server at {self.where}"
-            raise UserError(f"could not join the weight-transfer group of the vLLM server at {self.where} ({why}): "
-                            "its log says more; the trainer and the server must reach each other (NCCL_SOCKET_IFNAME) "
-                            "and run compatible NCCL versions; or set vllm.transfer = \"disk\"")
-        self.comm = joined.result()
+        self._settle(answer, joined)
+        if joined.done() and joined.exception() is None and answer.done() and answer.exception() is None:
+            self.comm = joined.result()
+            return
+        failed = [f.exception() for f in (answer, joined) if f.done() and f.exception() is not None]
+        why = f"{type(failed[0]).__name__}: {failed[0]}" if failed else f"no rendezvous within {self.timeout:g} s"
+        raise GroupNotFormed(f"could not join the weight-transfer group of the vLLM server at {self.where} ({why}): "
+                             "its log says more; the trainer and the server must reach each other "
+                             "(NCCL_SOCKET_IFNAME) and run compatible NCCL versions; or set vllm.transfer = \"disk\"")
 
     def send(self, tensors: Mapping[str, torch.Tensor]) -> int:
         """Broadcast `tensors` (CPU, in the served dtypes: `WeightDir.hold`) to the server's workers (module
         docstring, steps 2–3); the bytes sent."""
         if self.broken:
             raise TransferWedged(self.broken)
-        self.post("/start_weight_update", None)
+        self.post("/start_weight_update", None, None)
 
         def stream() -> int:
             sent = 0
@@ -199,36 +202,35 @@ class NcclGroup:
             self.lib.synchronize(self.comm)
             return sent
 
-        answer = background(lambda: self.post("/update_weights", update_payload(tensors)))
+        answer = self._watched("/update_weights", update_payload(tensors))
         sent = background(stream)
-        settled = self._settled(answer, sent)
-        if settled and sent.exception() is None and answer.exception() is not None:
-            raise ServerError(f"the vLLM server at {self.where} failed after receiving the weights "
-                              f"({answer.exception()})")  # the trainer's side is whole: an infrastructure failure
-        if not settled or sent.exception() is not None:
-            cause = (answer.exception() if answer.done() else None) or (sent.exception() if sent.done() else None)
+        self._settle(answer, sent)
+        if not (sent.done() and sent.exception() is None):  # the trainer's side waits on (or failed): wedged
+            cause = next((f.exception() for f in (answer, sent) if f.done() and f.exception() is not None), None)
             why = f"{type(cause).__name__}: {cause}" if cause else f"nothing completed within {self.timeout:g} s"
             self.broken = (f"the NCCL weight transfer to the vLLM server at {self.where} failed half way ({why}); the "
                            "trainer's GPU holds collectives no peer will complete: start the run again (it resumes "
                            "from its last checkpoint), or set vllm.transfer = \"disk\"")
             raise TransferWedged(self.broken)
-        self.post("/finish_weight_update", None)
+        if not answer.done() or answer.exception() is not None:  # the trainer's side is whole: the server's failure
+            why = answer.exception() if answer.done() else f"no answer within {self.timeout:g} s"
+            raise ServerError(f"the vLLM server at {self.where} failed after receiving the weights ({why})")
+        self.post("/finish_weight_update", None, None)
         return sent.result()
 
-    def _settled(self, answer: Future, work: Future) -> bool:
-        """Wait until both are done, or one failed, or `timeout` passed: whether both are done."""
+    def _settle(self, answer: Future, work: Future) -> None:
+        """Wait until both are done, or `timeout` passed; once either failed, the other gets `GRACE` seconds more
+        (a server's error can arrive just before the trainer's side records that it completed)."""
         deadline = time.monotonic() + self.timeout
-        while not (answer.done() and work.done()):
-            failed = any(f.done() and f.exception() is not None for f in (answer, work))
-            if failed or time.monotonic() > deadline:
-                return False
+        while not (answer.done() and work.done()) and time.monotonic() < deadline:
+            if any(f.done() and f.exception() is not None for f in (answer, work)):
+                deadline = min(deadline, time.monotonic() + GRACE)
             time.sleep(POLL)
-        return True
 
     def close(self) -> None:
         """Shut the server's end down (module docstring: the trainer's end is never destroyed)."""
         if self.comm is not None and not self.broken:
-            done = background(lambda: self.post("/shutdown_weight_transfer_engine", None))
+            done = background(lambda: self.post("/shutdown_weight_transfer_engine", None, CLOSE_WAIT))
             with contextlib.suppress(InfraError, RequestRejected, TimeoutError):  # a server gone has none to shut down
-                done.result(timeout=CLOSE_WAIT)
+                done.result(timeout=CLOSE_WAIT + 1)
         self.comm = None

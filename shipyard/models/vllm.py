@@ -69,7 +69,7 @@ from shipyard.errors import UsageError
 from shipyard.httpguard import bearer
 from shipyard.models.engine import Completion, GenerationRequest, VersionConflict
 from shipyard.models.errors import InfraError, ServerUnreachable
-from shipyard.models.nccl import Collectives, NcclGroup, TransferWedged, unsendable
+from shipyard.models.nccl import Collectives, NcclGroup, TorchNccl, TransferWedged
 from shipyard.models.openai import RequestRejected, ServerError
 from shipyard.models.weightdir import WeightDir
 
@@ -184,16 +184,16 @@ class VLLMEngine:
         if self.weights.lora is not None:
             raise UsageError("vllm.transfer = \"nccl\" pushes full weights; a LoRA run pushes its adapter (megabytes) "
                              "through the weights directory: set vllm.transfer = \"disk\"")
-        if why := unsendable(self.weights.spec):
-            raise UsageError(f"{why}; set vllm.transfer = \"disk\"")
         asked, backends = self._ask_workers("shipyard_transfer")
         if backends != ["nccl"] * workers:
             raise NotAWeightServer(f"the vLLM server at {self.base_url} cannot receive NCCL weight pushes on "
                                    f"{workers} worker(s) (its workers' transfer backends: {asked.text[:200]}): "
                                    "start it with --weight-transfer-config '{\"backend\": \"nccl\"}' and this "
                                    "shipyard's worker extension, with as many GPUs as vllm.gpus_per_server")
-        self.nccl = NcclGroup(lambda path, body: self._post(path, json=body), workers, self.base_url, timeout,
-                              collectives)
+        def post(path: str, body: dict | None, wait: float | None) -> httpx.Response:
+            return self._post(path, json=body, **({"timeout": wait} if wait else {}))
+
+        self.nccl = NcclGroup(post, workers, self.base_url, collectives or TorchNccl(self.base_url), timeout)
         self.nccl.open()
 
     def _ask_workers(self, method: str) -> tuple[httpx.Response, object]:
@@ -356,14 +356,11 @@ class VLLMEngine:
                 self._post("/reset_prefix_cache")
                 self.policy_version = version  # before resuming: requests from now on are salted with it
                 self.adapter = self.weights.lora is not None
-            except TransferWedged:
-                # vLLM answers its control calls in order, so a server stuck in the transfer answers no resume:
-                # tried briefly, and the run ends with the transfer's error, not the resume's
+            except BaseException as e:
+                # tried, and the push's own error raised, not the resume's: vLLM answers its control calls in order,
+                # so a server stuck in a transfer answers no resume (briefly tried then: the run ends)
                 with contextlib.suppress(InfraError, RequestRejected):
-                    self._post("/resume", timeout=RESUME_AFTER_WEDGE)
-                raise
-            except BaseException:
-                self._post("/resume")
+                    self._post("/resume", **({"timeout": RESUME_AFTER_WEDGE} if isinstance(e, TransferWedged) else {}))
                 raise
             self._post("/resume")
         except TransferWedged as e:  # ends the run (`shipyard.models.nccl`)

@@ -65,6 +65,7 @@ from shipyard.errors import UsageError
 from shipyard.models.engine import Completion, Engine, GenerationRequest
 from shipyard.models.errors import InfraError
 from shipyard.models.lora import LoraConfig
+from shipyard.models.nccl import Collectives, TorchNccl, TransferWedged
 from shipyard.models.router import EngineRouter
 from shipyard.models.vllm import VLLMEngine, client_for
 from shipyard.models.weightdir import WeightDir, manifest
@@ -302,10 +303,10 @@ class ManagedServer:
     from the other servers; with none left the run ends with the cause)."""
 
     def __init__(self, servers: VLLMServers, index: int, tokenizer, weights: WeightDir, max_restarts: int = 3,
-                 status=lambda _: None):
+                 status=lambda _: None, collectives: Collectives | None = None):
         self.servers, self.index, self.tokenizer, self.weights = servers, index, tokenizer, weights
-        self.max_restarts, self.status = max_restarts, status
-        self.engine = VLLMEngine(servers.urls[index], tokenizer, weights, nccl_workers=servers.config.nccl_workers)
+        self.max_restarts, self.status, self.collectives = max_restarts, status, collectives
+        self.engine = self._connect(servers.urls[index])
         self.name = self.engine.name
         self.restarts = 0
         self._lock = threading.RLock()  # a push holds it, and may restart the server under it
@@ -326,11 +327,18 @@ class ManagedServer:
             self._recover(engine, wait=False)  # while another thread restarts it: fail now (a router goes elsewhere)
             raise
 
+    def _connect(self, url: str) -> VLLMEngine:
+        return VLLMEngine(url, self.tokenizer, self.weights, nccl_workers=self.servers.config.nccl_workers,
+                          collectives=self.collectives)
+
     def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """The push, never beside a restart (one lock): a restart loads the newest version written, and a push that
-        met the server dead is made again to the restarted one when that version did not reach it."""
+        """The push, never beside a restart (one lock): a restart loads the newest version written (or held), and a
+        push that met the server dead is made again to the restarted one when that version did not reach it. A
+        server that a restart gave this version already (the router pushes server by server) is left as it is."""
         with self._lock:
             engine = self.engine
+            if engine.policy_version >= version and not engine.broken:
+                return
             try:
                 engine.update_weights(version, tensors)
             except InfraError:
@@ -349,6 +357,8 @@ class ManagedServer:
             code = self.servers.procs[self.index].poll()
             if code is None and not failed.broken:
                 return  # alive and sound: the error was the request's (a timeout, a dropped connection)
+            if failed.nccl is not None and failed.nccl.broken:
+                return  # a wedged transfer ends the run (`shipyard.models.nccl`): no new group beside a stuck GPU
             if self.restarts >= self.max_restarts:
                 return
             self.restarts += 1
@@ -360,12 +370,14 @@ class ManagedServer:
             failed.close()
             engine = None
             try:
-                engine = VLLMEngine(self.servers.restart(self.index), self.tokenizer, self.weights,
-                                    nccl_workers=self.servers.config.nccl_workers)
+                engine = self._connect(self.servers.restart(self.index))
                 if self.weights.latest is not None:
                     engine.load(self.weights.latest, self.weights.path(self.weights.latest))
-                elif self.weights.held is not None:  # an NCCL run: the copy kept of the newest push
-                    engine.update_weights(*self.weights.held)
+                elif (held := self.weights.kept()) is not None:  # an NCCL run: the copy kept of the newest push
+                    engine.update_weights(*held)
+            except TransferWedged:
+                self.engine = engine  # wedged: it answers so from now on, and the run ends
+                raise
             except BaseException:
                 if engine is not None:
                     engine.close()
@@ -389,31 +401,29 @@ def managed_engine(config: VLLMConfig, model_dir: Path, directory: Path, tokeniz
     if config.transfer == "nccl" and lora is not None and lora.enabled:
         raise UsageError("vllm.transfer = \"nccl\" pushes full weights; a LoRA run pushes its adapter (megabytes) "
                          "through the weights directory: set vllm.transfer = \"disk\"")
-    if config.transfer == "nccl" and not torch.cuda.is_available():
-        raise UsageError("vllm.transfer = \"nccl\" broadcasts the weights from the trainer's GPU, and this process "
-                         "sees none: run the trainer on GPUs, or set vllm.transfer = \"disk\"")
+    collectives = TorchNccl("the run's vLLM servers") if config.transfer == "nccl" else None  # one for every group
     if config.urls:
-        with _connected(config, model_dir, directory, tokenizer, spec, lora) as engine:
+        with _connected(config, model_dir, directory, tokenizer, spec, lora, collectives) as engine:
             yield engine
         return
     with VLLMServers(config, model_dir, directory, lora) as servers:
         urls = servers.start(status)
         weights = WeightDir(Path(directory) / "weights", spec, lora, base=str(model_dir))
-        with _served([lambda i=i: ManagedServer(servers, i, tokenizer, weights, status=status)
-                      for i in range(len(urls))]) as engine:
+        with _served([lambda i=i: ManagedServer(servers, i, tokenizer, weights, status=status,
+                                                collectives=collectives) for i in range(len(urls))]) as engine:
             yield engine
 
 
 @contextlib.contextmanager
 def _connected(config: VLLMConfig, model_dir: Path, directory: Path, tokenizer, spec,
-               lora: LoraConfig | None) -> Iterator[Engine]:
+               lora: LoraConfig | None, collectives: Collectives | None) -> Iterator[Engine]:
     run = Path(directory).resolve().parent  # RUN/vllm: a run's versions go to a directory of its own under weights_dir
     root = Path(config.weights_dir).resolve() / run.name if config.weights_dir else Path(directory) / "weights"
     weights = WeightDir(root, spec, lora, base=str(model_dir))
 
     def connect(url: str) -> VLLMEngine:
         engine = VLLMEngine(url, tokenizer, weights, api_key=os.environ.get("VLLM_API_KEY"),
-                            nccl_workers=config.nccl_workers)
+                            nccl_workers=config.nccl_workers, collectives=collectives)
         try:
             if engine.model not in (str(model_dir), str(Path(model_dir).resolve())):
                 raise UsageError(f"the vLLM server at {url} serves {engine.model!r}, not [vllm] model "

@@ -232,18 +232,23 @@ class WeightDir:
     def hold(self, version: int, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`version` checked as `write` checks it and kept in memory instead of written (an NCCL push,
         `shipyard.models.nccl`): on the CPU, in the checkpoint's dtypes and order — one copy for every server, and
-        for a server restarted before the next push. The version before it is released."""
+        for a server restarted before the next push. The version before it is released once this one is whole (two
+        copies for the length of a check: a rejected push keeps the one the servers hold)."""
         with self._lock:
             if self.held is not None and self.held[0] == version:
                 return self.held[1]
             if self.held is not None and version < self.held[0]:
                 raise VersionConflict(f"weights version {version} is older than version {self.held[0]}, already "
                                       "pushed to the servers")
-            self.held = None  # released before the new copy is made: one copy of the weights at a time
             weights = checked(tensors, self.spec)
             self.held = (version, weights)
             self.last_bytes = sum(t.numel() * t.element_size() for t in weights.values())
             return weights
+
+    def kept(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest version `hold` kept, once a hold under way is done (a restarted server is given it)."""
+        with self._lock:
+            return self.held
 
     def write(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Path:
         """The directory holding `version` (written now, or already): `PushRejected` before anything is written when

@@ -1,11 +1,12 @@
 """A loopback for NCCL weight pushes (`shipyard.models.nccl`) on the CPU: `LoopbackNccl`, the trainer's end (a
 `Collectives`), and `TransferPeer`, the server's workers behind `FakeVLLM`'s weight-transfer routes (`fake.peer`).
 
-They meet in this process by the unique id the trainer mints, and block where NCCL blocks: a rendezvous waits for
-the peer to join, a broadcast waits while the peer does not receive (one tensor in flight), a synchronize waits
-until the peer took every tensor. Each wait is bounded (`BLOCK`, longer than any test's timeout), so the daemon
-threads an abandoned transfer leaves behind end by themselves. Received tensors are checked against the names,
-dtypes and shapes `/update_weights` announced, in order, as vLLM's receiver allocates them.
+They meet in this process by the unique id the trainer mints, and block where NCCL and vLLM block: a rendezvous
+returns to neither side before both joined (vLLM answers its init route only then), a broadcast waits while the peer
+does not receive (one tensor in flight), a synchronize waits until the peer took every tensor; the fake serializes
+its control calls as vLLM's engine core does. Each wait is bounded (`BLOCK`, longer than any test's timeout), so the
+daemon threads an abandoned transfer leaves behind end by themselves. Received tensors are checked against the
+names, dtypes and shapes `/update_weights` announced, in order, as vLLM's receiver allocates them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ BLOCK = 30.0  # seconds a loopback wait lasts before it fails, as NCCL's own tim
 
 class Group:
     def __init__(self):
-        self.joined = threading.Event()
+        self.joined = threading.Event()  # the peer entered the rendezvous
+        self.trainer_joined = threading.Event()  # the trainer did: a rendezvous returns to neither side before both
         self.tensors: queue.Queue = queue.Queue(maxsize=1)
         self.sent = self.taken = 0
         self.done = threading.Condition()
@@ -41,6 +43,7 @@ class LoopbackNccl:
 
     def join(self, world: int, unique_id: bytes) -> Group:
         group = GROUPS[unique_id]
+        group.trainer_joined.set()
         if not group.joined.wait(BLOCK):
             raise RuntimeError("loopback: the peer never joined")
         return group
@@ -68,6 +71,8 @@ class TransferPeer:
         assert info["rank_offset"] == 1 and info["packed"] is False
         self.group = GROUPS[base64.b64decode(info["nccl_unique_id_b64"], validate=True)]
         self.group.joined.set()
+        if not self.group.trainer_joined.wait(BLOCK):  # vLLM answers the route once the group is formed
+            raise RuntimeError("loopback: the trainer never joined")
 
     def receive(self, body: dict, limit: int | None = None) -> None:
         """Receive the announced tensors (only the first `limit`: a worker that dies half way)."""

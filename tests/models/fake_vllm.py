@@ -42,6 +42,8 @@ class FakeVLLM:
         self.lora_rank = 0  # --max-lora-rank, as the worker extension reports it (0: started without --enable-lora)
         self.transfer = ""  # --weight-transfer-config's backend, as the worker extension reports it
         self.peer = None  # the workers' end of an NCCL push (tests/models/fake_nccl.TransferPeer); None: no transfer
+        self.core = asyncio.Lock()  # vLLM's engine core answers its control calls one at a time: a stuck transfer
+        # holds up the resume after it
         self.app = self._build()
 
     def reset(self) -> None:
@@ -49,6 +51,7 @@ class FakeVLLM:
         self.calls.clear()
         self.version, self.paused, self.healthy, self.lora_rank, self.transfer = "0", False, True, 0, ""
         self.peer = None
+        self.core = asyncio.Lock()  # a handler an earlier test left hanging holds the old one
         self.aborted.clear()
         self.running.clear()
 
@@ -133,7 +136,8 @@ class FakeVLLM:
             def normal():
                 fake.paused = False
                 return {}
-            return await answer("/resume", {}, normal)
+            async with fake.core:
+                return await answer("/resume", {}, normal)
 
         @app.post("/collective_rpc")
         async def collective_rpc(request: Request):
@@ -184,7 +188,8 @@ class FakeVLLM:
                         await asyncio.to_thread(work, fake.peer, body)
                     return {}
 
-                return await answer(path, body, normal)
+                async with fake.core:
+                    return await answer(path, body, normal)
 
         transfer_route("/init_weight_transfer_engine", lambda peer, body: peer.init(body))
         transfer_route("/update_weights", lambda peer, body: peer.receive(body))

@@ -19,7 +19,7 @@ import torch
 from shipyard.errors import UsageError, UserError
 from shipyard.models.engine import VersionConflict
 from shipyard.models.lora import LoraConfig
-from shipyard.models.nccl import NcclGroup, init_payload, unsendable, update_payload
+from shipyard.models.nccl import TorchNccl, init_payload, update_payload
 from shipyard.models.vllm_server import VLLMConfig, VLLMServers, managed_engine
 from shipyard.models.weightdir import PushRejected, TensorSpec, WeightDir
 
@@ -60,7 +60,9 @@ def test_a_push_is_checked_whole_and_held_once_per_version_before_any_server_is_
     # finite in float32, infinite once cast to the served float16: refused as the server would receive it
     with pytest.raises(PushRejected, match="non-finite"):
         _held(tmp_path, 1, _tensors(**{"model.norm.weight": torch.full((4,), 1e6)}))
-    assert unsendable(SPEC) is None and "float64" in unsendable({"x": TensorSpec((2,), torch.float64)})
+    with pytest.raises(PushRejected):
+        weights.hold(4, {**_tensors(), "model.norm.weight": torch.ones(5)})
+    assert weights.kept() == (3, held)  # a rejected push keeps the copy the servers hold
 
 
 def test_the_route_bodies_are_what_vllm_parses(tmp_path):
@@ -112,8 +114,8 @@ def test_servers_for_nccl_pushes_are_started_for_them_and_impossible_settings_ar
             managed_engine(config, tmp_path / "model", tmp_path / "run", None, lora=LoraConfig(enabled=True)):
         pass
     if not torch.cuda.is_available():
-        with pytest.raises(UsageError, match="sees none"), managed_engine(config, tmp_path / "model",
+        with pytest.raises(UserError, match="sees none"), managed_engine(config, tmp_path / "model",
                                                                           tmp_path / "run", None):
             pass
         with pytest.raises(UserError, match="sees none"):
-            NcclGroup(lambda path, body: None, 1, "unix:/nowhere")  # its default library: NCCL on the GPU
+            TorchNccl("unix:/nowhere")

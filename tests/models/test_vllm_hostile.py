@@ -418,6 +418,40 @@ def test_an_nccl_transfer_that_fails_half_way_ends_the_run_at_once_and_says_why(
         engine.update_weights(2, push(2))
 
 
+def test_a_transfer_stuck_on_the_server_is_wedged_within_the_timeout_and_the_stuck_resume_does_not_hide_it(
+        fake, connect, monkeypatch):
+    """The workers stop receiving and the route never answers; vLLM's engine core, busy with it, answers no resume
+    either (the fake's control calls are serialized as vLLM's are). Bounded: the timeout, then a short resume."""
+    import time
+
+    import shipyard.models.vllm as vllm_module
+    from shipyard.models.nccl import TransferWedged
+
+    async def stuck(body):
+        await asyncio.to_thread(fake.peer.receive, body, 1)
+        await fake.hang()
+
+    monkeypatch.setattr(vllm_module, "RESUME_AFTER_WEDGE", 0.5)
+    engine = nccl_engine(fake, connect, timeout=1.0)
+    fake.misbehave["/update_weights"] = stuck
+    t0 = time.monotonic()
+    with pytest.raises(TransferWedged, match="nothing completed within 1 s"):
+        engine.update_weights(1, push(1))
+    assert time.monotonic() - t0 < 1.0 + 0.5 + 5
+
+
+def test_a_server_that_answers_late_after_receiving_everything_is_an_infra_error_not_a_wedge(fake, connect):
+    """The trainer's side completed (its GPU is clean) and the answer is late: the server's failure."""
+    async def late(body):
+        await asyncio.to_thread(fake.peer.receive, body)
+        await fake.hang()
+
+    engine = nccl_engine(fake, connect, timeout=1.0)
+    fake.misbehave["/update_weights"] = late
+    with pytest.raises(ServerError, match="failed after receiving the weights .*no answer within 1 s"):
+        engine.update_weights(1, push(1))
+
+
 def test_a_server_that_fails_after_receiving_everything_is_an_infra_error(fake, connect):
     """The trainer's side completed (its GPU is clean): the server's fault, which a managed server recovers from by a
     restart and the kept copy of the push."""
@@ -440,6 +474,71 @@ def test_a_server_that_cannot_join_the_group_is_a_start_up_error_saying_what_to_
                                                             status=500) if case == "answers an error" else never)
     with pytest.raises(UserError, match="could not join the weight-transfer group .*NCCL_SOCKET_IFNAME"):
         nccl_engine(fake, connect, timeout=1.0) if case == "never answers" else nccl_engine(fake, connect)
+
+
+class _Restartable:
+    """`VLLMServers` as `ManagedServer` sees it, over the in-process fake: a restart gives the fake fresh workers."""
+
+    def __init__(self, fake, url: str, nccl: bool):
+        from fake_nccl import TransferPeer
+
+        self.fake, self.urls, self.logs, self.restarted = fake, [url], ["(log)"], 0
+        self.procs = [type("Alive", (), {"poll": lambda self: None})()]
+        self.config = VLLMConfig(urls=(url,), transfer="nccl" if nccl else "disk")
+        self.peer = TransferPeer
+
+    def restart(self, i: int) -> str:
+        self.restarted += 1
+        self.fake.version = "0"  # its initial weights
+        if self.fake.peer is not None:
+            self.fake.peer = self.peer()
+        return self.urls[i]
+
+
+def _managed(fake, server, model_dir, tmp_path, nccl: bool):
+    from fake_nccl import LoopbackNccl, TransferPeer
+
+    from shipyard.models.vllm_server import ManagedServer
+
+    if nccl:
+        fake.transfer, fake.peer = "nccl", TransferPeer()
+    servers = _Restartable(fake, server[1], nccl)
+    weights = WeightDir(tmp_path / "weights", manifest(model_dir))
+    return ManagedServer(servers, 0, TOKENIZER, weights, collectives=LoopbackNccl() if nccl else None), servers
+
+
+@pytest.mark.parametrize("nccl", [False, True], ids=["disk", "nccl"])
+def test_a_restart_gives_the_newest_push_and_a_push_it_already_gave_is_not_made_again(fake, server, model_dir,
+                                                                                     tmp_path, nccl):
+    """A server found broken is restarted and given the newest version (a file, or the copy an NCCL run holds) before
+    it serves; the router's push of that same version, reaching it after the restart, is no VersionConflict."""
+    managed, servers = _managed(fake, server, model_dir, tmp_path, nccl)
+    managed.update_weights(1, push(1))
+    v2 = push(2)
+    (managed.weights.hold if nccl else managed.weights.write)(2, v2)  # pushed to another server meanwhile
+    managed.engine.broken = "a request found it broken"
+    with pytest.raises(InfraError):
+        managed.generate([GenerationRequest([5], SamplingParams(max_tokens=2))])  # recovers: restart, version 2
+    assert servers.restarted == 1 and managed.policy_version == 2 and fake.version == "2"
+    if nccl:
+        assert torch.equal(fake.peer.received["norm.weight"], v2["norm.weight"])
+    managed.update_weights(2, v2)  # the router reaches it: already there
+    assert sample(managed).policy_version == 2
+    managed.close()
+
+
+def test_no_server_is_restarted_beside_a_wedged_transfer(fake, server, model_dir, tmp_path):
+    from shipyard.models.nccl import TransferWedged
+
+    managed, servers = _managed(fake, server, model_dir, tmp_path, nccl=True)
+    fake.misbehave["/update_weights"] = reply({"detail": "bad"}, status=400)
+    with pytest.raises(TransferWedged):
+        managed.update_weights(1, push(1))
+    managed._recover(managed.engine, wait=True)  # as a request that met the server failing would
+    assert servers.restarted == 0
+    with pytest.raises(TransferWedged):
+        sample(managed)
+    managed.close()
 
 
 def test_nothing_listening_is_unreachable(connect):
