@@ -30,18 +30,23 @@ broadcast per server from the trainer's GPU.
    one (`packed` false: nothing about vLLM's packing has to agree);
 3. `/finish_weight_update`.
 
-**Nothing waits unbounded.** Every call that can block until a peer acts — the rendezvous, the copies and
-broadcasts (a copy from pageable memory waits for the broadcast before it), the routes, which vLLM answers only once
-its workers are done — runs on a daemon thread, and the caller watches them all against `timeout`:
+**Nothing waits unbounded.** What blocks until a peer acts — the rendezvous, the copies and broadcasts (a copy from
+pageable memory waits for the broadcast before it), and the two routes vLLM answers only once its workers are done
+(`/init_weight_transfer_engine`, `/update_weights`) — runs on daemon threads that the caller watches against
+`timeout`; the other routes are plain calls, bounded by the client's timeout. A push is then classified by the
+trainer's side:
 
 - both sides done: the push landed;
-- the server failed after the trainer's side completed: its state is unknown, an `InfraError` (the engine is broken
-  and the server restarted, `vllm_server.ManagedServer`, from the kept copy);
-- the trainer's side still waits (the server answered an error, died, or the timeout passed), or it failed: NCCL
-  kernels of the trainer's process wait for peers that will not come, and PyTorch offers no way to abort them. So
-  it is `TransferWedged`, which ends the run saying what to do — start it again: it resumes from its last
-  checkpoint — rather than an `InfraError` the loop would retry beside a stuck stream;
-- a rendezvous that fails or times out is a start-up error that says what to check.
+- the trainer's side completed and the server failed or did not answer in time: its state is unknown, an
+  `InfraError` (the engine is broken; a managed server is restarted and given the kept copy,
+  `vllm_server.ManagedServer`);
+- the trainer's side still waits (the server answered an error or died; nothing completed in time), or it failed:
+  NCCL kernels of the trainer's process wait for peers that will not come, and PyTorch offers no way to abort them.
+  So it is `TransferWedged`, raised once a resume was tried briefly (a server stuck in the transfer answers none),
+  which ends the run saying what to do — start it again: it resumes from its last checkpoint — rather than an
+  `InfraError` the loop would retry beside a stuck stream; no server is restarted beside it;
+- a rendezvous that fails or times out is `GroupNotFormed`: at start-up an error that says what to check, for a
+  restarted server a failed restart.
 
 A group is never destroyed: PyTorch's communicator handle frees nothing (its destructor skips `ncclCommDestroy`),
 so each group a restarted server leaves behind holds its buffers until the run ends; there are at most

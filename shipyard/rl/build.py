@@ -167,11 +167,6 @@ def trainer_config(config: RLConfig) -> TrainConfig:
 
 def check_engine(config: RLConfig) -> None:
     """Engine settings that do not go together (`ConfigError`)."""
-    if config.ray is not None and config.engine.kind == "vllm" and (config.vllm.urls or config.vllm.servers != 1
-                                                                     or config.vllm.gpus):
-        raise ConfigError("with [ray], each of ray.engines engine actors starts one vLLM server on its node, on the "
-                          "GPUs Ray gives it (ray.engine_gpus; none: the CPU): leave vllm.servers at 1, vllm.gpus and "
-                          "vllm.urls empty, and set ray.engines")
     if config.engine.kind == "vllm" and config.vllm.transfer == "nccl":
         if config.ray is not None:
             raise ConfigError("vllm.transfer = \"nccl\" broadcasts from the trainer's GPU into servers it starts on "
@@ -186,6 +181,11 @@ def check_engine(config: RLConfig) -> None:
         if 0 in config.vllm.gpus:
             raise ConfigError("vllm.transfer = \"nccl\": vllm.gpus holds GPU 0, the trainer's rank 0, which broadcasts "
                               "the weights; NCCL takes no two ranks of a group on one GPU: give the servers other GPUs")
+    if config.ray is not None and config.engine.kind == "vllm" and (config.vllm.urls or config.vllm.servers != 1
+                                                                     or config.vllm.gpus):
+        raise ConfigError("with [ray], each of ray.engines engine actors starts one vLLM server on its node, on the "
+                          "GPUs Ray gives it (ray.engine_gpus; none: the CPU): leave vllm.servers at 1, vllm.gpus and "
+                          "vllm.urls empty, and set ray.engines")
     if config.engine.kind == "vllm":
         vllm_settings(config)
 

@@ -48,7 +48,7 @@ def test_an_nccl_push_makes_the_served_logprobs_the_pushed_models(engine):
         c = greedy(engine)
         assert c.policy_version == version
         assert c.logprobs == pytest.approx(reference_logprobs(pushed, PROMPT, c.token_ids), abs=0.03)
-    assert engine.last_push.bytes > 0 and engine.last_push.write_seconds >= 0
+    assert engine.last_push.bytes > 0
 
 
 def test_a_push_that_does_not_fit_is_refused_before_the_broadcast_and_the_old_version_serves(engine):
