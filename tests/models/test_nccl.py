@@ -1,9 +1,11 @@
 """NCCL weight pushes (`shipyard.models.nccl`, `[vllm] transfer = "nccl"`): what runs without a GPU.
 
 A push itself needs two GPUs (NCCL refuses two ranks on one device) and a CUDA build of vLLM: that test is
-`tests/models/test_vllm_nccl.py`, skipped elsewhere. Here: the push is checked before any server is touched, the
-bodies of the routes are what vLLM 0.32 parses (by vLLM's own dataclasses, in its venv, when it is installed), the
-servers are started for it, and every setting that cannot work is refused before minutes of server start-up.
+`tests/models/test_vllm_nccl.py`, skipped elsewhere. Here: the push is checked and held before any server is
+touched, the bodies of the routes are what vLLM 0.32 parses (by vLLM's own dataclasses, in its venv: marked `vllm`,
+so `.ci/run`'s vLLM stage runs it), the servers are started for it, and every setting that cannot work is refused
+before minutes of server start-up. The control flow of a push is tested against the fake server in
+tests/models/test_vllm_hostile.py.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def test_a_push_is_checked_whole_and_held_once_per_version_before_any_server_is_
     assert weights.kept() == (3, held)  # a rejected push keeps the copy the servers hold
 
 
+@pytest.mark.vllm
 def test_the_route_bodies_are_what_vllm_parses(tmp_path):
     """The init and update bodies built by vLLM's own dataclasses, in vLLM's venv: the unique id decodes to NCCL's
     128 bytes, the trainer is rank 0 and the workers follow it."""
