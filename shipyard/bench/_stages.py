@@ -66,6 +66,12 @@ def read_json(path: Path) -> dict[str, Any]:
         return {}
 
 
+def write_json(path: Path, obj: Any) -> None:
+    """`obj` as indented JSON in `path`, its directory made first (a benchmark's records in OUT)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1) + "\n")
+
+
 def newer(a: Path, b: Path) -> bool:
     """Whether `a` was written after `b` (False when either is missing): an export newer than what was made from
     it means the stage before was trained again, and what follows it is stale."""

@@ -57,7 +57,6 @@ the evaluations' settings; `--sft-args` and `--rl-args` add overrides to the SFT
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
@@ -65,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from shipyard.bench._common import console, finish, table
-from shipyard.bench._stages import ci_text, newer, read_json, read_lines, run_stage, run_state
+from shipyard.bench._stages import ci_text, newer, read_json, read_lines, run_stage, run_state, write_json
 from shipyard.rollout.eval import bootstrap_mean, paired_difference, task_rates
 
 ARMS = ("base", "sft", "sft+rl", "rl", "sft+rl+hints")
@@ -154,8 +153,7 @@ class Bench:
 
     def note_seconds(self, key: str, seconds: float) -> None:
         self.seconds[key] = seconds
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.seconds_path.write_text(json.dumps(self.seconds, indent=1) + "\n")
+        write_json(self.seconds_path, self.seconds)
 
     def opened(self, key: str, since: float | None) -> None:
         """Mark a stage run as begun here at `since` (None: it ended and `stages.json` holds its time). A mark left
@@ -164,8 +162,7 @@ class Bench:
         marks = {k: v for k, v in read_json(self.open_path).items() if k != key}
         if since is not None:
             marks[key] = since
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.open_path.write_text(json.dumps(marks, indent=1) + "\n")
+        write_json(self.open_path, marks)
 
     def spent(self, stage: str, state: dict[str, Any]) -> float | None:
         """Seconds a stage's runs here took, a run this benchmark did not see end included (its time up to the run's
@@ -224,7 +221,7 @@ class Bench:
                                lambda: run_state(run)["steps"], self.config.run.steps if command == "train" else None)
             record = {**self.ran(stage, record, resumed), "deadline_minutes": minutes + a.eval_reserve}
             budgets = {**read_json(self.budgets_path), stage: a.minutes - a.eval_reserve}
-            self.budgets_path.write_text(json.dumps(budgets, indent=1) + "\n")
+            write_json(self.budgets_path, budgets)
             state = run_state(run)
         why = record.get("refused") or self._stage_problem(state, start, record)
         self.runs[stage] = {**record, **{k: state[k] for k in ("status", "stopped", "steps", "grounded")},
@@ -499,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         if doc is not None:
             docs[arm] = doc
     figures = report(bench, docs, args.arms)
-    (args.out / "learning.json").write_text(json.dumps(figures, indent=1) + "\n")
+    write_json(args.out / "learning.json", figures)
     if bench.failures:
         console.print("[bold red]the measurement is incomplete:[/] " + "; ".join(bench.failures), soft_wrap=True)
     finish("learning", figures)

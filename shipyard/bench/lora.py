@@ -35,14 +35,13 @@ the same `--out`; a finished arm there is reused, an unfinished one continues fr
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from shipyard.bench._common import console, finish, table
-from shipyard.bench._stages import ci_text, read_json, read_lines, run_stage, run_state
+from shipyard.bench._stages import ci_text, read_json, read_lines, run_stage, run_state, write_json
 from shipyard.rollout.eval import bootstrap_mean, paired_difference
 
 MIN_LATE = 4  # late steps below which no verdict is given: an interval over fewer says nothing
@@ -187,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             resumed = (run / "run.json").exists()
             made[arm] = cmd[1:]
-            (args.out / "arms.json").parent.mkdir(parents=True, exist_ok=True)
-            (args.out / "arms.json").write_text(json.dumps(made, indent=1) + "\n")
+            write_json(args.out / "arms.json", made)
             # killed past the budget and 15 minutes: a step that started inside the budget is let end
             records[arm] = run_stage(arm, [*cmd, *(["--run.resume", "true"] if resumed else [])],
                                      args.out / f"{arm}.log", args.minutes + 15,
@@ -218,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"arms": figures, "curves": runs, "verdict": said, "lr": config.trainer.optim.lr, "rank": args.rank,
               "scale": args.scale, "steps": args.steps, "config": str(args.config), "tasks": str(tasks),
               "plot": str(png) if runs else None, "runs": records, "failures": failures}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "lora.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out / "lora.json", result)
     if failures:
         console.print("[bold red]the comparison is incomplete:[/] " + "; ".join(failures), soft_wrap=True)
     finish("lora", result)

@@ -76,6 +76,8 @@ POLL = 0.01  # seconds between checks of a transfer's progress
 CLOSE_WAIT = 10.0  # seconds a closing run waits for a server to shut its end of the group down
 GRACE = 2.0  # seconds one side of a transfer gets to finish once the other failed
 ANSWER_SLACK = 30.0  # seconds past the watch's timeout a watched route's HTTP timeout runs
+NOT_FOR_LORA = ("vllm.transfer = \"nccl\" pushes full weights; a LoRA run pushes its adapter (megabytes) through the "
+                "weights directory: set vllm.transfer = \"disk\"")
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}  # vLLM: getattr(torch)
 
 

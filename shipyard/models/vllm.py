@@ -69,7 +69,7 @@ from shipyard.errors import UsageError
 from shipyard.httpguard import bearer
 from shipyard.models.engine import Completion, GenerationRequest, VersionConflict
 from shipyard.models.errors import InfraError, ServerUnreachable
-from shipyard.models.nccl import Collectives, NcclGroup, TorchNccl, TransferWedged
+from shipyard.models.nccl import NOT_FOR_LORA, Collectives, NcclGroup, TorchNccl, TransferWedged
 from shipyard.models.openai import RequestRejected, ServerError
 from shipyard.models.weightdir import WeightDir
 
@@ -182,8 +182,7 @@ class VLLMEngine:
         """Join the server's weight-transfer group (`shipyard.models.nccl`), once the server says it has one: its
         rendezvous would wait for a server that cannot join."""
         if self.weights.lora is not None:
-            raise UsageError("vllm.transfer = \"nccl\" pushes full weights; a LoRA run pushes its adapter (megabytes) "
-                             "through the weights directory: set vllm.transfer = \"disk\"")
+            raise UsageError(NOT_FOR_LORA)
         asked, backends = self._ask_workers("shipyard_transfer")
         if backends != ["nccl"] * workers:
             raise NotAWeightServer(f"the vLLM server at {self.base_url} cannot receive NCCL weight pushes on "
@@ -381,13 +380,14 @@ class VLLMEngine:
         self._workers_did("shipyard_retie")
 
     def _workers_did(self, method: str, *args: str) -> None:
-        reload = self._post("/collective_rpc", json={"method": method, "args": list(args)})
+        """Every worker ran the extension's `method` (`shipyard_reload`, `shipyard_retie`): "retied" or "untied"."""
+        done = self._post("/collective_rpc", json={"method": method, "args": list(args)})
         try:
-            results = reload.json()["results"]
+            results = done.json()["results"]
         except (ValueError, KeyError, TypeError):
             results = None
         if not isinstance(results, list) or not results or any(r not in ("retied", "untied") for r in results):
-            raise ServerError(f"the workers' reload answered {reload.text[:500]}")
+            raise ServerError(f"the workers' {method} answered {done.text[:500]}")
 
     def close(self) -> None:
         if self.nccl is not None:

@@ -65,7 +65,7 @@ from shipyard.errors import UsageError
 from shipyard.models.engine import Completion, Engine, GenerationRequest
 from shipyard.models.errors import InfraError
 from shipyard.models.lora import LoraConfig
-from shipyard.models.nccl import Collectives, TorchNccl, TransferWedged
+from shipyard.models.nccl import NOT_FOR_LORA, Collectives, TorchNccl, TransferWedged
 from shipyard.models.router import EngineRouter
 from shipyard.models.vllm import VLLMEngine, client_for
 from shipyard.models.weightdir import WeightDir, manifest
@@ -399,8 +399,7 @@ def managed_engine(config: VLLMConfig, model_dir: Path, directory: Path, tokeniz
     `config.urls`, servers someone else runs (module docstring)."""
     spec = manifest(model_dir)  # before minutes of start-up: a directory without safetensors is refused now
     if config.transfer == "nccl" and lora is not None and lora.enabled:
-        raise UsageError("vllm.transfer = \"nccl\" pushes full weights; a LoRA run pushes its adapter (megabytes) "
-                         "through the weights directory: set vllm.transfer = \"disk\"")
+        raise UsageError(NOT_FOR_LORA)
     collectives = TorchNccl("the run's vLLM servers") if config.transfer == "nccl" else None  # one for every group
     if config.urls:
         with _connected(config, model_dir, directory, tokenizer, spec, lora, collectives) as engine:

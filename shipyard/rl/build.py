@@ -25,6 +25,7 @@ from pathlib import Path
 from shipyard.errors import UserError
 from shipyard.harness.tools import default_tools
 from shipyard.harness.wire import ChatFormat, tag_token_twins
+from shipyard.models.nccl import NOT_FOR_LORA
 from shipyard.models.resolve import load_tokenizer, model_directory
 from shipyard.models.vllm_server import VLLMConfig
 from shipyard.rl.config import ConfigError, RLConfig, engine_spec, save_config
@@ -173,8 +174,7 @@ def check_engine(config: RLConfig) -> None:
                               "this machine (vllm.gpus) or that you run (vllm.urls); with [ray] the engine actors "
                               "start the servers: set vllm.transfer = \"disk\"")
         if config.trainer.lora.enabled:
-            raise ConfigError("vllm.transfer = \"nccl\" pushes full weights; a LoRA run pushes its adapter (megabytes) "
-                              "through the weights directory: set vllm.transfer = \"disk\"")
+            raise ConfigError(NOT_FOR_LORA)
         if config.run.device != "cuda":
             raise ConfigError("vllm.transfer = \"nccl\" broadcasts from the trainer's rank 0 on cuda:0: set run.device "
                               "= \"cuda\", or vllm.transfer = \"disk\"")
