@@ -14,6 +14,8 @@ import base64
 import json
 import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,12 +99,14 @@ def test_the_route_bodies_are_what_vllm_parses(tmp_path):
 
 
 def test_servers_for_nccl_pushes_are_started_for_them_and_impossible_settings_are_refused_before(tmp_path):
-    config = VLLMConfig(gpus=(4, 5), gpus_per_server=1, servers=2, transfer="nccl", max_model_len=64)
+    any_python = Path(sys.executable)  # the command is only built: no server runs, so vLLM's venv need not exist
+    config = VLLMConfig(python=any_python, gpus=(4, 5), gpus_per_server=1, servers=2, transfer="nccl",
+                        max_model_len=64)
     assert config.nccl_workers == 1 and VLLMConfig(gpus=(4,)).nccl_workers == 0
     cmd = VLLMServers(config, tmp_path, tmp_path / "logs").command(tmp_path / "0.sock")
     flag = cmd.index("--weight-transfer-config")
     assert json.loads(cmd[flag + 1]) == {"backend": "nccl"}
-    assert "--weight-transfer-config" not in VLLMServers(VLLMConfig(max_model_len=64), tmp_path,
+    assert "--weight-transfer-config" not in VLLMServers(VLLMConfig(python=any_python, max_model_len=64), tmp_path,
                                                          tmp_path / "l").command(tmp_path / "0.sock")
     with pytest.raises(ValueError, match="\"disk\" or \"nccl\""):
         VLLMConfig(transfer="ipc")
