@@ -15,8 +15,13 @@ only costs a prefill), so an engine that raises `InfraError` (unreachable, 5xx, 
 is left does the router raise `InfraError` — which the episode turns into stop reason `infra_error`. Other errors
 (a request the engine refuses) are the request's and propagate unchanged.
 
-`update_weights` goes to every engine; `policy_version` is the oldest version among them (what a sample may have
-been drawn with).
+**Weights.** `update_weights` goes to every engine not already at that version, those in cooldown included (one may be
+back). An engine that misses a push (`InfraError`: a server restarting or unreachable for a moment) is marked down
+and, beyond its cooldown, stays out of the rotation while it is *behind*: below the newest version pushed. Each
+sample says which version drew it, so a behind engine would not mislabel one; but its samples would be stale, and the
+scheduler rightly ends a run whose engines do not receive the weights. So the router serves from the engines that
+have them, and the next push brings the straggler back. A push that no engine takes raises `NoEngineLeft`.
+`policy_version` is that newest version: every sample routed after a push returns is drawn with it.
 """
 
 from __future__ import annotations
@@ -52,24 +57,27 @@ class EngineRouter:
         self.inflight = [0] * len(engines)  # requests in flight through this router, per engine
         self.failures: list[str] = [""] * len(engines)  # the last InfraError of each engine
         self._down_until = [0.0] * len(engines)
+        self.version = max(e.policy_version for e in engines)  # the newest pushed; engines below it are behind
         self._sessions: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="shipyard-router")
 
     @property
     def policy_version(self) -> int:
-        return min(e.policy_version for e in self.engines)
+        return self.version
 
     def live(self) -> list[int]:
+        """The engines requests go to: past their cooldown, and at the newest version pushed."""
         now = time.monotonic()
-        return [i for i in range(len(self.engines)) if self._down_until[i] <= now]
+        return [i for i, e in enumerate(self.engines)
+                if self._down_until[i] <= now and e.policy_version >= self.version]
 
     def _pick(self, session: str | None) -> int:
         with self._lock:
             live = self.live()
             if not live:
-                causes = "; ".join(f"{e.name}: {c}" for e, c in zip(self.engines, self.failures, strict=True) if c)
-                raise NoEngineLeft(f"all {len(self.engines)} engines behind {self.name} are down ({causes})")
+                raise NoEngineLeft(f"all {len(self.engines)} engines behind {self.name} are down or behind weights "
+                                   f"version {self.version} ({self._causes()})")
             if session is not None and (i := self._sessions.get(session)) is not None and i in live:
                 self._sessions.move_to_end(session)
             else:
@@ -80,6 +88,10 @@ class EngineRouter:
                         self._sessions.popitem(last=False)
             self.inflight[i] += 1
             return i
+
+    def _causes(self) -> str:
+        return "; ".join(f"{e.name}: {c}" for e, c in zip(self.engines, self.failures, strict=True) if c) or \
+            "no failure recorded"
 
     def _mark_down(self, i: int, error: InfraError) -> None:
         with self._lock:
@@ -115,13 +127,17 @@ class EngineRouter:
         return sum(self.inflight)
 
     def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Every live engine loads the weights (an engine that fails with `InfraError` is marked down: it comes back
-        with old weights, and its samples say so by their version)."""
-        for i in self.live():
-            try:
-                self.engines[i].update_weights(version, tensors)
-            except InfraError as e:
-                self._mark_down(i, e)
+        """Every engine below `version` loads the weights; one that fails with `InfraError` is marked down and
+        serves nothing until a later push reaches it. `NoEngineLeft` when none holds `version` afterwards."""
+        self.version = max(self.version, version)
+        for i, engine in enumerate(self.engines):
+            if engine.policy_version < version:
+                try:
+                    engine.update_weights(version, tensors)
+                except InfraError as e:
+                    self._mark_down(i, e)
+        if all(e.policy_version < version for e in self.engines):
+            raise NoEngineLeft(f"no engine behind {self.name} took weights version {version} ({self._causes()})")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

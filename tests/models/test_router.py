@@ -127,3 +127,51 @@ def test_make_engine_with_several_urls_builds_a_router(tiny):
         assert [len(c.token_ids) for c in out] == [6] * 4
         assert sum(e.stats["prefills"] for e in engines) == 4
         router.close()
+
+
+class DroppedPush(LocalEngine):
+    """A real engine whose weight pushes fail with `InfraError` while `dropping` is set (a server that was
+    restarting, or unreachable for a moment, when the trainer pushed)."""
+
+    dropping = False
+
+    def update_weights(self, version, tensors, complete=False):
+        if self.dropping:
+            raise InfraError(f"{self.name} missed the push of version {version}")
+        super().update_weights(version, tensors, complete)
+
+
+def test_an_engine_that_missed_a_push_serves_nothing_until_a_later_push_reaches_it(tiny):
+    model, tok = tiny
+    engines = []
+    for name in ("a", "b"):
+        clone = type(model)(model.config)
+        clone.load_state_dict(model.state_dict())
+        engines.append(DroppedPush(clone.eval(), tok, name=name))
+    a, b = engines
+    router = EngineRouter(engines, cooldown=0.0)  # back at once by the clock: only its version keeps it out
+    router.generate([GenerationRequest(ids("a session on a"), GREEDY, session="s")])
+    a.dropping = True
+    router.update_weights(1, tiny_model(seed=5)[0].state_dict())
+    assert (a.policy_version, b.policy_version, router.policy_version) == (0, 1, 1)
+    assert "missed the push of version 1" in router.failures[0] and router.live() == [1]
+    # Every request, the session that was on a included, is served by b with the new weights: no sample of the old
+    # policy comes back labelled as if the trainer's version had drawn it, and none is drawn by a behind engine.
+    before = a.stats["prefills"]
+    out = router.generate([GenerationRequest(ids(f"after {i}"), GREEDY, session="s" if i == 0 else f"n{i}")
+                           for i in range(4)])
+    assert {c.policy_version for c in out} == {1} and a.stats["prefills"] == before
+    # The next push reaches a again (it is tried although it failed the last one), and it serves again.
+    a.dropping = False
+    router.update_weights(2, tiny_model(seed=6)[0].state_dict())
+    assert (a.policy_version, b.policy_version) == (2, 2) and router.live() == [0, 1]
+    router.generate([GenerationRequest(ids("new"), GREEDY, session=f"m{i}") for i in range(2)])
+    assert a.stats["prefills"] > before
+    # A push that no engine takes is an error now, not a silent run on old weights that fails steps later.
+    a.dropping = b.dropping = True
+    with pytest.raises(NoEngineLeft, match="no engine .* took weights version 3") as caught:
+        router.update_weights(3, tiny_model(seed=7)[0].state_dict())
+    assert "a missed" in str(caught.value) and "b missed" in str(caught.value)
+    with pytest.raises(NoEngineLeft, match="behind"):
+        router.generate([GenerationRequest(ids("nobody current"), GREEDY)])
+    router.close()
