@@ -60,13 +60,19 @@ def test_sessions_stick_and_new_ones_go_to_the_least_loaded(tiny):
     router.close()
 
 
-def test_update_weights_fans_out(tiny):
+def clones(tiny, kind: type[LocalEngine] = LocalEngine) -> list[LocalEngine]:
+    """Engines "a" and "b", each on its own copy of the tiny model (a push to one must not reach the other)."""
     model, tok = tiny
     engines = []
     for name in ("a", "b"):
         clone = type(model)(model.config)
         clone.load_state_dict(model.state_dict())
-        engines.append(LocalEngine(clone.eval(), tok, name=name))
+        engines.append(kind(clone.eval(), tok, name=name))
+    return engines
+
+
+def test_update_weights_fans_out(tiny):
+    engines = clones(tiny)
     router = EngineRouter(engines)
     new = tiny_model(seed=5)[0].state_dict()
     router.update_weights(4, new)
@@ -142,12 +148,7 @@ class DroppedPush(LocalEngine):
 
 
 def test_an_engine_that_missed_a_push_serves_nothing_until_a_later_push_reaches_it(tiny):
-    model, tok = tiny
-    engines = []
-    for name in ("a", "b"):
-        clone = type(model)(model.config)
-        clone.load_state_dict(model.state_dict())
-        engines.append(DroppedPush(clone.eval(), tok, name=name))
+    engines = clones(tiny, DroppedPush)
     a, b = engines
     router = EngineRouter(engines, cooldown=0.0)  # back at once by the clock: only its version keeps it out
     router.generate([GenerationRequest(ids("a session on a"), GREEDY, session="s")])
