@@ -15,13 +15,16 @@ only costs a prefill), so an engine that raises `InfraError` (unreachable, 5xx, 
 is left does the router raise `InfraError` — which the episode turns into stop reason `infra_error`. Other errors
 (a request the engine refuses) are the request's and propagate unchanged.
 
-**Weights.** `update_weights` goes to every engine not already at that version, those in cooldown included (one may be
-back). An engine that misses a push (`InfraError`: a server restarting or unreachable for a moment) is marked down
-and, beyond its cooldown, stays out of the rotation while it is *behind*: below the newest version pushed. Each
-sample says which version drew it, so a behind engine would not mislabel one; but its samples would be stale, and the
-scheduler rightly ends a run whose engines do not receive the weights. So the router serves from the engines that
-have them, and the next push brings the straggler back. A push that no engine takes raises `NoEngineLeft`.
-`policy_version` is that newest version: every sample routed after a push returns is drawn with it.
+**Weights.** `update_weights` goes to every engine not already at that version, one after another; engines keep
+serving meanwhile (a request in flight, or routed to an engine not yet reached, is drawn with the weights it had and
+labelled so by its tokens' versions). An engine that misses a push — it fails with `InfraError` (a server restarting
+or unreachable for a moment), or it is in cooldown and is skipped, so that a hung server cannot hold the push up for
+the rest — is *behind*: it stays out of the rotation, beyond its cooldown, until its `policy_version` reaches the
+version it missed (a later push, or a restart that loaded the latest weights). Its samples would not be mislabelled,
+but they would be stale, and the scheduler rightly ends a run whose engines do not receive the weights; so the router
+serves from the engines that have them. A push that leaves no engine at its version raises `NoEngineLeft`; any other
+error of an engine's push (a rejected push) propagates at once and leaves the engines not yet reached as they were.
+`policy_version` is the oldest version among the engines in rotation.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ MAX_SESSIONS = 100_000  # sticky assignments remembered (least recently used for
 
 
 class NoEngineLeft(InfraError):
-    """Every engine behind the router is down."""
+    """Every engine behind the router is down or behind the weights, or a push reached none."""
 
 
 class EngineRouter:
@@ -57,27 +60,32 @@ class EngineRouter:
         self.inflight = [0] * len(engines)  # requests in flight through this router, per engine
         self.failures: list[str] = [""] * len(engines)  # the last InfraError of each engine
         self._down_until = [0.0] * len(engines)
-        self.version = max(e.policy_version for e in engines)  # the newest pushed; engines below it are behind
+        self.missed = [0] * len(engines)  # per engine, the newest version pushed that it did not take
         self._sessions: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="shipyard-router")
 
     @property
     def policy_version(self) -> int:
-        return self.version
+        current = [self.engines[i].policy_version for i in self._current()]
+        return min(current) if current else min(e.policy_version for e in self.engines)
+
+    def _current(self) -> list[int]:
+        return [i for i, e in enumerate(self.engines) if e.policy_version >= self.missed[i]]
 
     def live(self) -> list[int]:
-        """The engines requests go to: past their cooldown, and at the newest version pushed."""
+        """The engines requests go to: past their cooldown, and holding every version they were pushed."""
         now = time.monotonic()
-        return [i for i, e in enumerate(self.engines)
-                if self._down_until[i] <= now and e.policy_version >= self.version]
+        return [i for i in self._current() if self._down_until[i] <= now]
 
     def _pick(self, session: str | None) -> int:
         with self._lock:
             live = self.live()
             if not live:
-                raise NoEngineLeft(f"all {len(self.engines)} engines behind {self.name} are down or behind weights "
-                                   f"version {self.version} ({self._causes()})")
+                behind = ", ".join(f"{self.engines[i].name} missed version {self.missed[i]}"
+                                   for i in range(len(self.engines)) if i not in self._current())
+                raise NoEngineLeft(f"all {len(self.engines)} engines behind {self.name} are down or behind the weights "
+                                   f"({self._causes()}{'; ' + behind if behind else ''})")
             if session is not None and (i := self._sessions.get(session)) is not None and i in live:
                 self._sessions.move_to_end(session)
             else:
@@ -127,15 +135,20 @@ class EngineRouter:
         return sum(self.inflight)
 
     def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Every engine below `version` loads the weights; one that fails with `InfraError` is marked down and
-        serves nothing until a later push reaches it. `NoEngineLeft` when none holds `version` afterwards."""
-        self.version = max(self.version, version)
+        """Every engine below `version` loads the weights. One in cooldown is skipped, one that fails with
+        `InfraError` is marked down: both serve nothing until they hold `version`. `NoEngineLeft` when no engine
+        holds it afterwards."""
         for i, engine in enumerate(self.engines):
-            if engine.policy_version < version:
-                try:
-                    engine.update_weights(version, tensors)
-                except InfraError as e:
-                    self._mark_down(i, e)
+            if engine.policy_version >= version:
+                continue
+            if self._down_until[i] > time.monotonic():
+                self.missed[i] = max(self.missed[i], version)
+                continue
+            try:
+                engine.update_weights(version, tensors)
+            except InfraError as e:
+                self.missed[i] = max(self.missed[i], version)  # first: out of the rotation, whatever the cooldown
+                self._mark_down(i, e)
         if all(e.policy_version < version for e in self.engines):
             raise NoEngineLeft(f"no engine behind {self.name} took weights version {version} ({self._causes()})")
 

@@ -137,11 +137,20 @@ def test_make_engine_with_several_urls_builds_a_router(tiny):
 
 class DroppedPush(LocalEngine):
     """A real engine whose weight pushes fail with `InfraError` while `dropping` is set (a server that was
-    restarting, or unreachable for a moment, when the trainer pushed)."""
+    restarting, or unreachable for a moment, when the trainer pushed), and wait for `release` while `holding` is set
+    (a slow reload), saying so by `held`. `pushes` counts the pushes it was asked for."""
 
-    dropping = False
+    dropping = holding = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.held, self.release, self.pushes = threading.Event(), threading.Event(), 0
 
     def update_weights(self, version, tensors, complete=False):
+        self.pushes += 1
+        if self.holding:
+            self.held.set()
+            assert self.release.wait(30)
         if self.dropping:
             raise InfraError(f"{self.name} missed the push of version {version}")
         super().update_weights(version, tensors, complete)
@@ -175,4 +184,36 @@ def test_an_engine_that_missed_a_push_serves_nothing_until_a_later_push_reaches_
     assert "a missed" in str(caught.value) and "b missed" in str(caught.value)
     with pytest.raises(NoEngineLeft, match="behind"):
         router.generate([GenerationRequest(ids("nobody current"), GREEDY)])
+    router.close()
+
+
+def test_engines_serve_while_a_push_goes_round_and_one_in_cooldown_does_not_hold_it_up(tiny):
+    a, b = engines = clones(tiny, DroppedPush)
+    router = EngineRouter(engines, cooldown=3600)
+    a.holding = True
+    push = threading.Thread(target=router.update_weights, args=(1, tiny_model(seed=5)[0].state_dict()))
+    push.start()
+    try:
+        assert a.held.wait(30)  # a is loading version 1, b has not been reached: both still serve version 0
+        out = router.generate([GenerationRequest(ids(f"mid-push {i}"), GREEDY, session=f"p{i}") for i in range(2)])
+        assert [c.policy_version for c in out] == [0, 0]
+    finally:
+        a.release.set()
+        push.join(30)
+    assert (a.policy_version, b.policy_version) == (1, 1)
+    # b fails a push and is down for an hour: the next push skips it (a hung server would hold up the rest), and it
+    # stays out of the rotation for as long as it lacks the weights.
+    a.holding, b.dropping = False, True
+    router.update_weights(2, tiny_model(seed=6)[0].state_dict())
+    b.dropping = False
+    router.update_weights(3, tiny_model(seed=7)[0].state_dict())
+    assert (a.pushes, b.pushes) == (3, 2) and router.missed == [0, 3] and router.live() == [0]
+    assert router.policy_version == 3
+    router._down_until[1] = 0.0  # its cooldown over: still behind, so still out
+    assert router.live() == [0]
+    # A push refused for a reason of its own (not the infrastructure's) propagates at once and leaves the engines as
+    # they were: they go on serving the version they hold.
+    with pytest.raises(KeyError, match="does not have"):
+        router.update_weights(4, {"not.a.weight": torch.zeros(1)})
+    assert router.live() == [0] and router.generate([GenerationRequest(ids("still"), GREEDY)])[0].policy_version == 3
     router.close()
