@@ -70,8 +70,12 @@ class EngineRouter:
         current = [self.engines[i].policy_version for i in self._current()]
         return min(current) if current else min(e.policy_version for e in self.engines)
 
+    def _behind(self, i: int) -> bool:
+        """Whether engine `i` lacks a version it was pushed (it missed it, and nothing has loaded it since)."""
+        return self.engines[i].policy_version < self.missed[i]
+
     def _current(self) -> list[int]:
-        return [i for i, e in enumerate(self.engines) if e.policy_version >= self.missed[i]]
+        return [i for i in range(len(self.engines)) if not self._behind(i)]
 
     def live(self) -> list[int]:
         """The engines requests go to: past their cooldown, and holding every version they were pushed."""
@@ -83,7 +87,7 @@ class EngineRouter:
             live = self.live()
             if not live:
                 behind = ", ".join(f"{self.engines[i].name} missed version {self.missed[i]}"
-                                   for i in range(len(self.engines)) if i not in self._current())
+                                   for i in range(len(self.engines)) if self._behind(i))
                 raise NoEngineLeft(f"all {len(self.engines)} engines behind {self.name} are down or behind the weights "
                                    f"({self._causes()}{'; ' + behind if behind else ''})")
             if session is not None and (i := self._sessions.get(session)) is not None and i in live:
