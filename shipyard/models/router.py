@@ -60,7 +60,9 @@ class EngineRouter:
         self.inflight = [0] * len(engines)  # requests in flight through this router, per engine
         self.failures: list[str] = [""] * len(engines)  # the last InfraError of each engine
         self._down_until = [0.0] * len(engines)
-        self.missed = [0] * len(engines)  # per engine, the newest version pushed that it did not take
+        # per engine, the newest version pushed that it did not take; None until it misses one (an engine's initial
+        # version is its own business: a replay engine's is -1)
+        self.missed: list[int | None] = [None] * len(engines)
         self._sessions: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="shipyard-router")
@@ -72,7 +74,10 @@ class EngineRouter:
 
     def _behind(self, i: int) -> bool:
         """Whether engine `i` lacks a version it was pushed (it missed it, and nothing has loaded it since)."""
-        return self.engines[i].policy_version < self.missed[i]
+        return self.missed[i] is not None and self.engines[i].policy_version < self.missed[i]
+
+    def _miss(self, i: int, version: int) -> None:
+        self.missed[i] = version if self.missed[i] is None else max(self.missed[i], version)
 
     def _current(self) -> list[int]:
         return [i for i in range(len(self.engines)) if not self._behind(i)]
@@ -146,12 +151,12 @@ class EngineRouter:
             if engine.policy_version >= version:
                 continue
             if self._down_until[i] > time.monotonic():
-                self.missed[i] = max(self.missed[i], version)
+                self._miss(i, version)
                 continue
             try:
                 engine.update_weights(version, tensors)
             except InfraError as e:
-                self.missed[i] = max(self.missed[i], version)  # first: out of the rotation, whatever the cooldown
+                self._miss(i, version)  # first: out of the rotation, whatever the cooldown
                 self._mark_down(i, e)
         if all(e.policy_version < version for e in self.engines):
             raise NoEngineLeft(f"no engine behind {self.name} took weights version {version} ({self._causes()})")

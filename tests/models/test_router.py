@@ -14,6 +14,7 @@ from shipyard.models.engine import GenerationRequest, SamplingParams
 from shipyard.models.errors import InfraError
 from shipyard.models.local import LocalEngine
 from shipyard.models.openai import ServerError
+from shipyard.models.replay import ReplayEngine
 from shipyard.models.resolve import TINY, make_engine, tiny_model
 from shipyard.models.router import EngineRouter, NoEngineLeft
 from shipyard.models.server import ServeConfig, create_app
@@ -187,6 +188,15 @@ def test_an_engine_that_missed_a_push_serves_nothing_until_a_later_push_reaches_
     router.close()
 
 
+def test_engines_whose_first_version_is_below_zero_are_not_behind_before_a_push():
+    """A replay engine has no weights (`policy_version` -1): it has missed no push, so it serves."""
+    engines = [ReplayEngine(["hi"], name=n) for n in ("a", "b")]
+    router = EngineRouter(engines)
+    assert router.live() == [0, 1] and router.policy_version == -1
+    assert router.generate([GenerationRequest([1, 2], GREEDY, session="s")])[0].text == "hi"
+    router.close()
+
+
 def test_engines_serve_while_a_push_goes_round_and_one_in_cooldown_does_not_hold_it_up(tiny):
     a, b = engines = clones(tiny, DroppedPush)
     router = EngineRouter(engines, cooldown=3600)
@@ -207,7 +217,7 @@ def test_engines_serve_while_a_push_goes_round_and_one_in_cooldown_does_not_hold
     router.update_weights(2, tiny_model(seed=6)[0].state_dict())
     b.dropping = False
     router.update_weights(3, tiny_model(seed=7)[0].state_dict())
-    assert (a.pushes, b.pushes) == (3, 2) and router.missed == [0, 3] and router.live() == [0]
+    assert (a.pushes, b.pushes) == (3, 2) and router.missed == [None, 3] and router.live() == [0]
     assert router.policy_version == 3
     router._down_until[1] = 0.0  # its cooldown over: still behind, so still out
     assert router.live() == [0]
