@@ -7,7 +7,11 @@ cold start before RL, as in SWE-Gym, arXiv 2412.21139, and SWE-smith, arXiv 2504
 *demonstration* — it does what a good agent does, in the order one would, and says nothing an agent could not know:
 
 1. **Look**: read each file the patch changes (`read_file`, around each region it changes when the file is long), in
-   one turn of parallel calls; some tasks also `grep` the tests for the symbol, or run the failing tests first.
+   one turn of parallel calls; some tasks also `grep` the tests for the symbol, or run the failing tests first. A
+   long file is first searched — `grep "(def|class) (NAME|…)\b"` for the bodies to write, `grep "^(async def|def|class)
+   "` for the module's outline where a deleted definition goes back — and each window is read from a line that search
+   printed. The statement names a file and a symbol, never a line: windows read at lines no earlier call showed taught
+   a fine-tuned model to guess offsets (an SFT policy opened `parse/__init__.py` at line 98 for a stub at line 944).
 2. **Edit**: one `search_replace` per changed region (`difflib` over the file's lines, each region's old text grown
    by context lines until it occurs once in the file as it is when the call runs — checked by replaying the edits on
    the host, which must end at the gold contents, each step passing the tool's syntax gate). A file no sequence of
@@ -272,6 +276,9 @@ LOOK_FAILING = ("Let me run the failing tests first to see how they fail.",
                 "First I'll run the tests that fail, to see what they expect.")
 EDIT = ("Now I'll implement {what}.", "I have what I need; implementing {what}.", "Writing {what} now.",
         "I can write {what} from the docstring and the code around it. Editing.")
+LOCATE = ("{where} is long: let me find where things are in it first.", "First I'll find my way around {where}.",
+          "Let me search {where} first.")
+LOOK_AT = ("Reading around the match.", "Let me read it there.", "Now the code at that line.")
 CHECK = ("Let me run the tests that were failing.", "Now the failing tests again.", "Checking with the tests.")
 DONE = ("I implemented {what} in {where}; the tests that were failing now pass.",
         "Done: implemented {what} in {where}, and its tests pass.",
@@ -282,6 +289,9 @@ READ_WHOLE = 150  # a file of up to this many lines is read whole; a longer one 
 READ_AROUND = 12  # lines shown before and after each changed region
 READ_UP = 60  # lines looked back from a region for the `def` or `class` that holds it, whose signature is read too
 DEFINITION = re.compile(r"\s*(?:async\s+def|def|class)\s")
+TOP_LEVEL = re.compile(r"(?:async\s+def|def|class)\s")
+OUTLINE = r"^(async def|def|class) "  # the grep that lists a module's own definitions, with their lines
+DEFINED = re.compile(r"\s*(?:async\s+)?(?:def|class)\s+(\w+)")  # the name a definition line defines
 
 
 def _read_args(path: str, a: list[str], b: list[str], spans: list[tuple[int, int, int, int]],
@@ -295,7 +305,9 @@ def _read_args(path: str, a: list[str], b: list[str], spans: list[tuple[int, int
     ranges = list(quoted)
     for span in spans:
         k, m, _, _ = _changed(a, b, span)
-        top = next((i for i in range(k, max(k - READ_UP, -1), -1) if DEFINITION.match(a[i])), None) if m > k else None
+        # a change: from the definition holding it; an insertion: from the module-level definition above it
+        held = DEFINITION if m > k else TOP_LEVEL
+        top = next((i for i in range(min(k, len(a) - 1), max(k - READ_UP, -1), -1) if held.match(a[i])), None)
         ranges.append((max(top if top is not None else k - READ_AROUND, 0), min(m + READ_AROUND, len(a))))
     windows: list[tuple[int, int]] = []
     for lo, hi in sorted(ranges):
@@ -304,6 +316,25 @@ def _read_args(path: str, a: list[str], b: list[str], spans: list[tuple[int, int
         else:
             windows.append((lo, hi))
     return [{"path": path, "offset": lo + 1, "limit": hi - lo} for lo, hi in windows]
+
+
+def _locate(path: str, a: list[str], reads: list[dict[str, Any]], deleted: set[str] | None) -> dict[str, Any] | None:
+    """The `grep` that finds, in a long `path` (lines `a`), where its `reads` windows start — so every window's offset
+    is a line the agent was shown. The definitions the windows start at by name, when they are all the `deleted`
+    symbols the statement names (a body to write); the module's outline (`OUTLINE`) when a window is where a deleted
+    definition goes back (it is nowhere to be found by name). None when the file is read whole."""
+    names: list[str] = []
+    for read in reads:
+        if "offset" not in read:
+            return None
+        lo = read["offset"] - 1
+        found = next((m.group(1) for line in a[lo:lo + read["limit"]] if (m := DEFINED.match(line))), None)
+        if found is not None and found not in names:
+            names.append(found)
+    if not names or (deleted is not None and not set(names) <= deleted):
+        return {"pattern": OUTLINE, "path": path}
+    return {"pattern": f"(def|class) {names[0] if len(names) == 1 else '(' + '|'.join(names) + ')'}\\b",
+            "path": path}
 
 
 def gold_messages(task_dir: Path, task: Task | None = None,
@@ -337,7 +368,15 @@ def gold_messages(task_dir: Path, task: Task | None = None,
             look.append(("grep", {"pattern": re.escape(name), "path": tests[0]}))
         if task is not None and rng.random() < 0.25:
             turns.append(_turn(rng.choice(LOOK_FAILING), run_tests, spelled))
-        turns.append(_turn(rng.choice(LOOK).format(where=where, what=what), look, spelled))
+        deleted = {d.qualname.rsplit(".", 1)[-1] for d in task.deleted} if task is not None else None
+        locate = [("grep", args) for p in existing
+                  if (args := _locate(p, _lines(originals[p]), plans[p][0], deleted))]
+        if locate:
+            long = ", ".join(f"`{args['path']}`" for _, args in locate)
+            turns.append(_turn(rng.choice(LOCATE).format(where=long, what=what), locate, spelled))
+            turns.append(_turn(rng.choice(LOOK_AT), look, spelled))
+        else:
+            turns.append(_turn(rng.choice(LOOK).format(where=where, what=what), look, spelled))
     calls: list[tuple[str, dict[str, Any]]] = []
     for path, content in final.items():
         if content is None:

@@ -383,6 +383,47 @@ def test_a_long_file_is_read_at_each_changed_definition_a_short_one_whole():
     assert read_plan("def f():\n    pass\n", "def f():\n    return 1\n")[0] == [{"path": "m.py"}]
 
 
+def test_a_long_file_is_searched_first_and_read_at_the_lines_the_search_shows(tmp_path):
+    """The statement names a file and a symbol, never a line: a demonstration that read a window at a line nothing had
+    shown taught the SFT policy to guess offsets. So a long file is grepped for the definitions first (with the
+    harness's rg), and every window starts at a line that search printed."""
+    from shipyard.harness.parse import ToolCallParser
+    from shipyard.harness.tools import default_tools
+    from shipyard.harness.tools.base import installed_binary
+    from shipyard.rollout.gold import READ_WHOLE, gold_messages
+
+    pad = "".join(f"def pad{i}():\n    return {i}\n\n\n" for i in range(READ_WHOLE // 4 + 1))
+    old = f"{pad}class A:\n    def run(self):\n        raise NotImplementedError\n\n\n{pad}async def go(x):\n" \
+          "    raise NotImplementedError\n"
+    new = old.replace("        raise NotImplementedError\n", "        return 1\n").replace(
+        "    raise NotImplementedError\n", "    return x\n")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "m.py").write_text(old)
+    (tmp_path / "b" / "m.py").write_text(new)
+    diff = subprocess.run(["git", "diff", "--no-index", "a/m.py", "b/m.py"], cwd=tmp_path, capture_output=True,
+                          text=True).stdout.replace("a/a/m.py", "a/m.py").replace("b/b/m.py", "b/m.py")
+    task_dir = fake_task(tmp_path, {"m.py": old}, diff)
+    parser = ToolCallParser(default_tools())
+    calls = [[(c.name, c.arguments) for c in parser.parse(m).calls] for m in gold_messages(task_dir)]
+    [(tool, search)] = calls[0]
+    assert tool == "grep" and search == {"pattern": r"(def|class) (run|go)\b", "path": "m.py"}
+    shown = subprocess.run([installed_binary("rg"), "--line-number", "--no-heading", search["pattern"], "m.py"],
+                           cwd=task_dir / "snapshot", capture_output=True, text=True, check=True).stdout
+    hits = {int(line.split(":", 1)[0]) for line in shown.splitlines()}
+    reads = [args for name, args in calls[1] if name == "read_file"]
+    assert len(reads) == 2 and {r["offset"] for r in reads} <= hits, (reads, shown)
+    assert calls[2][0][0] == "search_replace"
+    # A definition that went back whole (a T3 task): nothing holds its name, so the module's outline is searched and
+    # the window starts at the module-level definition it goes back before.
+    from shipyard.rollout.gold import OUTLINE, _lines, _locate
+
+    before = old.replace("class A:", "def lone():\n    return 0\n\n\nclass A:")
+    windows, _ = read_plan(before, before.replace("class A:", "def back():\n    return 1\n\n\nclass A:"))
+    assert _locate("m.py", _lines(before), windows, {"back"}) == {"pattern": OUTLINE, "path": "m.py"}
+    assert [_lines(before)[w["offset"] - 1] for w in windows] == ["class A:\n"]
+
+
 def test_every_line_an_edit_quotes_was_read_first():
     """Two classes with the same method: the edit of the second quotes `class B:` above its `def`, so the read shows
     it too (a demonstration must not quote lines its agent never saw). Lines are counted as read_file counts them:
