@@ -315,6 +315,8 @@ def _read_args(path: str, a: list[str], b: list[str], spans: list[tuple[int, int
             windows[-1] = (windows[-1][0], max(hi, windows[-1][1]))
         else:
             windows.append((lo, hi))
+    if windows and windows[0][0] <= READ_AROUND:  # near the top (imports): the file's head, which needs no search
+        windows[0] = (0, windows[0][1])
     return [{"path": path, "offset": lo + 1, "limit": hi - lo} for lo, hi in windows]
 
 
