@@ -276,7 +276,7 @@ LOOK_FAILING = ("Let me run the failing tests first to see how they fail.",
                 "First I'll run the tests that fail, to see what they expect.")
 EDIT = ("Now I'll implement {what}.", "I have what I need; implementing {what}.", "Writing {what} now.",
         "I can write {what} from the docstring and the code around it. Editing.")
-LOCATE = ("{where} is long: let me find where things are in it first.", "First I'll find my way around {where}.",
+LOCATE = ("Let me find my way around {where} first.", "First I'll find my way around {where}.",
           "Let me search {where} first.")
 LOOK_AT = ("Reading around the match.", "Let me read it there.", "Now the code at that line.")
 CHECK = ("Let me run the tests that were failing.", "Now the failing tests again.", "Checking with the tests.")
@@ -290,7 +290,8 @@ READ_AROUND = 12  # lines shown before and after each changed region
 READ_UP = 60  # lines looked back from a region for the `def` or `class` that holds it, whose signature is read too
 DEFINITION = re.compile(r"\s*(?:async\s+def|def|class)\s")
 TOP_LEVEL = re.compile(r"(?:async\s+def|def|class)\s")
-OUTLINE = r"^(async def|def|class) "  # the grep that lists a module's own definitions, with their lines
+OUTLINE = r"^(async\s+def|def|class)\s|^\w+\s*="  # the grep that lists a module's definitions and names, with lines
+READ_HEAD = 120  # a window with no searched line above it starts at the file's head when that is this close
 DEFINED = re.compile(r"\s*(?:async\s+)?(?:def|class)\s+(\w+)")  # the name a definition line defines
 
 
@@ -320,23 +321,41 @@ def _read_args(path: str, a: list[str], b: list[str], spans: list[tuple[int, int
     return [{"path": path, "offset": lo + 1, "limit": hi - lo} for lo, hi in windows]
 
 
-def _locate(path: str, a: list[str], reads: list[dict[str, Any]], deleted: set[str] | None) -> dict[str, Any] | None:
-    """The `grep` that finds, in a long `path` (lines `a`), where its `reads` windows start — so every window's offset
-    is a line the agent was shown. The definitions the windows start at by name, when they are all the `deleted`
-    symbols the statement names (a body to write); the module's outline (`OUTLINE`) when a window is where a deleted
-    definition goes back (it is nowhere to be found by name). None when the file is read whole."""
+def _locate(path: str, a: list[str], reads: list[dict[str, Any]],
+            deleted: list[str] | None) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The `grep` that finds, in a long `path` (lines `a`), where its `reads` windows start, and the windows moved up
+    to start at a line it prints — so no offset is one the agent was not shown. By name when each window's first
+    definition is a symbol the statement names (`deleted`: qualnames; a method's class is named too, for an edit
+    that quotes the class line); else the module's outline (`OUTLINE`: a deleted definition goes back where nothing
+    holds its name). A window with no printed line above it starts at the file's head, which needs no search, when
+    that is at most `READ_HEAD` lines up. (None, `reads`) when the file is read whole."""
+    if any("offset" not in read for read in reads):
+        return None, reads
     names: list[str] = []
     for read in reads:
-        if "offset" not in read:
-            return None
         lo = read["offset"] - 1
         found = next((m.group(1) for line in a[lo:lo + read["limit"]] if (m := DEFINED.match(line))), None)
         if found is not None and found not in names:
             names.append(found)
-    if not names or (deleted is not None and not set(names) <= deleted):
-        return {"pattern": OUTLINE, "path": path}
-    return {"pattern": f"(def|class) {names[0] if len(names) == 1 else '(' + '|'.join(names) + ')'}\\b",
-            "path": path}
+    parts = [[q for q in qualname.split(".") if q.isidentifier()] for qualname in deleted or []]
+    if names and deleted is not None and all(any(n == p[-1] for p in parts if p) for n in names):
+        names += [q for p in parts if p and p[-1] in names for q in p[:-1] if q not in names]
+    if not names or (deleted is not None and not all(any(n in p for p in parts) for n in names)):
+        pattern = OUTLINE
+    else:
+        pattern = rf"(def|class)\s+{names[0] if len(names) == 1 else '(' + '|'.join(names) + ')'}\b"
+    shown = re.compile(pattern)  # the same matches in Python's re as in rg, for these patterns
+    windows: list[tuple[int, int]] = []
+    for read in reads:
+        lo, hi = read["offset"] - 1, read["offset"] - 1 + read["limit"]
+        top = next((i for i in range(lo, -1, -1) if shown.search(a[i])), None)
+        lo = top if top is not None else (0 if lo <= READ_HEAD else lo)
+        if windows and lo <= windows[-1][1]:
+            windows[-1] = (windows[-1][0], max(hi, windows[-1][1]))
+        else:
+            windows.append((lo, hi))
+    return {"pattern": pattern, "path": path}, [{"path": path, "offset": lo + 1, "limit": hi - lo}
+                                                for lo, hi in windows]
 
 
 def gold_messages(task_dir: Path, task: Task | None = None,
@@ -363,6 +382,13 @@ def gold_messages(task_dir: Path, task: Task | None = None,
         plans[p] = _read_args(p, a, b, spans, [(lo, hi) for _, _, lo, hi in steps or []]), steps
     turns: list[str] = []
     if existing:
+        deleted = [d.qualname for d in task.deleted] if task is not None else None
+        locate = []
+        for p in existing:  # a long file is searched first, and read from the lines the search prints
+            search, reads = _locate(p, _lines(originals[p]), plans[p][0], deleted)
+            plans[p] = reads, plans[p][1]
+            if search is not None:
+                locate.append(("grep", search))
         look = [("read_file", args) for p in existing for args in plans[p][0]]
         if task is not None and task.deleted and rng.random() < 0.3:
             name = task.deleted[0].qualname.rsplit(".", 1)[-1]
@@ -370,9 +396,6 @@ def gold_messages(task_dir: Path, task: Task | None = None,
             look.append(("grep", {"pattern": re.escape(name), "path": tests[0]}))
         if task is not None and rng.random() < 0.25:
             turns.append(_turn(rng.choice(LOOK_FAILING), run_tests, spelled))
-        deleted = {d.qualname.rsplit(".", 1)[-1] for d in task.deleted} if task is not None else None
-        locate = [("grep", args) for p in existing
-                  if (args := _locate(p, _lines(originals[p]), plans[p][0], deleted))]
         if locate:
             long = ", ".join(f"`{args['path']}`" for _, args in locate)
             turns.append(_turn(rng.choice(LOCATE).format(where=long, what=what), locate, spelled))

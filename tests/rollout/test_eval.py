@@ -407,7 +407,7 @@ def test_a_long_file_is_searched_first_and_read_at_the_lines_the_search_shows(tm
     parser = ToolCallParser(default_tools())
     calls = [[(c.name, c.arguments) for c in parser.parse(m).calls] for m in gold_messages(task_dir)]
     [(tool, search)] = calls[0]
-    assert tool == "grep" and search == {"pattern": r"(def|class) (run|go)\b", "path": "m.py"}
+    assert tool == "grep" and search == {"pattern": r"(def|class)\s+(run|go)\b", "path": "m.py"}
     shown = subprocess.run([installed_binary("rg"), "--line-number", "--no-heading", search["pattern"], "m.py"],
                            cwd=task_dir / "snapshot", capture_output=True, text=True, check=True).stdout
     hits = {int(line.split(":", 1)[0]) for line in shown.splitlines()}
@@ -420,8 +420,21 @@ def test_a_long_file_is_searched_first_and_read_at_the_lines_the_search_shows(tm
 
     before = old.replace("class A:", "def lone():\n    return 0\n\n\nclass A:")
     windows, _ = read_plan(before, before.replace("class A:", "def back():\n    return 1\n\n\nclass A:"))
-    assert _locate("m.py", _lines(before), windows, {"back"}) == {"pattern": OUTLINE, "path": "m.py"}
+    search, moved = _locate("m.py", _lines(before), windows, ["back"])
+    assert search == {"pattern": OUTLINE, "path": "m.py"} and moved == windows
     assert [_lines(before)[w["offset"] - 1] for w in windows] == ["class A:\n"]
+    # An edit that quotes a method's class line: the class is searched for too (the statement names it), and the
+    # window starts at it; a window in a module's head with nothing searched above it starts at line 1.
+    lines = _lines(old.replace("class A:\n", "class A:\n    x = 1\n    y = 2\n"))
+    at = lines.index("class A:\n")
+    search, moved = _locate("m.py", lines, [{"path": "m.py", "offset": at + 3, "limit": 6}], ["A.run"])
+    assert search["pattern"] == r"(def|class)\s+(run|A)\b"
+    assert moved == [{"path": "m.py", "offset": at + 1, "limit": 8}]
+    head = ['"""Doc."""\n', "\n", "__all__ = [\n", *[f"    'n{i}',\n" for i in range(40)], "]\n", *lines]
+    search, moved = _locate("m.py", head, [{"path": "m.py", "offset": 30, "limit": 20}], ["back"])
+    assert search["pattern"] == OUTLINE and moved[0]["offset"] == 3  # `__all__ = [` is printed by the outline
+    search, moved = _locate("m.py", head[3:], [{"path": "m.py", "offset": 30, "limit": 20}], ["back"])
+    assert moved == [{"path": "m.py", "offset": 1, "limit": 49}]
 
 
 def test_every_line_an_edit_quotes_was_read_first():
