@@ -295,6 +295,17 @@ READ_HEAD = 120  # a window with no searched line above it starts at the file's 
 DEFINED = re.compile(r"\s*(?:async\s+)?(?:def|class)\s+(\w+)")  # the name a definition line defines
 
 
+def _merge(ranges: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+    """Line ranges `[lo, hi)` in order, those at most `gap` lines apart merged into one window."""
+    windows: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if windows and lo <= windows[-1][1] + gap:
+            windows[-1] = (windows[-1][0], max(hi, windows[-1][1]))
+        else:
+            windows.append((lo, hi))
+    return windows
+
+
 def _read_args(path: str, a: list[str], b: list[str], spans: list[tuple[int, int, int, int]],
                quoted: list[tuple[int, int]]) -> list[dict[str, Any]]:
     """The `read_file` calls that show what the edit of `path` (lines `a` → `b`, in `spans`) needs: the whole file
@@ -310,12 +321,7 @@ def _read_args(path: str, a: list[str], b: list[str], spans: list[tuple[int, int
         held = DEFINITION if m > k else TOP_LEVEL
         top = next((i for i in range(min(k, len(a) - 1), max(k - READ_UP, -1), -1) if held.match(a[i])), None)
         ranges.append((max(top if top is not None else k - READ_AROUND, 0), min(m + READ_AROUND, len(a))))
-    windows: list[tuple[int, int]] = []
-    for lo, hi in sorted(ranges):
-        if windows and lo <= windows[-1][1] + READ_AROUND:
-            windows[-1] = (windows[-1][0], max(hi, windows[-1][1]))
-        else:
-            windows.append((lo, hi))
+    windows = _merge(ranges, READ_AROUND)
     if windows and windows[0][0] <= READ_AROUND:  # near the top (imports): the file's head, which needs no search
         windows[0] = (0, windows[0][1])
     return [{"path": path, "offset": lo + 1, "limit": hi - lo} for lo, hi in windows]
@@ -337,23 +343,20 @@ def _locate(path: str, a: list[str], reads: list[dict[str, Any]],
         found = next((m.group(1) for line in a[lo:lo + read["limit"]] if (m := DEFINED.match(line))), None)
         if found is not None and found not in names:
             names.append(found)
-    parts = [[q for q in qualname.split(".") if q.isidentifier()] for qualname in deleted or []]
-    if names and deleted is not None and all(any(n == p[-1] for p in parts if p) for n in names):
-        names += [q for p in parts if p and p[-1] in names for q in p[:-1] if q not in names]
-    if not names or (deleted is not None and not all(any(n in p for p in parts) for n in names)):
+    parts = [p for qualname in deleted or [] if (p := [q for q in qualname.split(".") if q.isidentifier()])]
+    if names and deleted is not None and set(names) <= {p[-1] for p in parts}:  # each a deleted symbol: its class too
+        names += [q for p in parts if p[-1] in names for q in p[:-1] if q not in names]
+    if not names or (deleted is not None and not set(names) <= {q for p in parts for q in p}):
         pattern = OUTLINE
     else:
         pattern = rf"(def|class)\s+{names[0] if len(names) == 1 else '(' + '|'.join(names) + ')'}\b"
     shown = re.compile(pattern)  # the same matches in Python's re as in rg, for these patterns
-    windows: list[tuple[int, int]] = []
+    moved = []
     for read in reads:
         lo, hi = read["offset"] - 1, read["offset"] - 1 + read["limit"]
         top = next((i for i in range(lo, -1, -1) if shown.search(a[i])), None)
-        lo = top if top is not None else (0 if lo <= READ_HEAD else lo)
-        if windows and lo <= windows[-1][1]:
-            windows[-1] = (windows[-1][0], max(hi, windows[-1][1]))
-        else:
-            windows.append((lo, hi))
+        moved.append((top if top is not None else (0 if lo <= READ_HEAD else lo), hi))
+    windows = _merge(moved, 0)
     return {"pattern": pattern, "path": path}, [{"path": path, "offset": lo + 1, "limit": hi - lo}
                                                 for lo, hi in windows]
 
@@ -375,20 +378,18 @@ def gold_messages(task_dir: Path, task: Task | None = None,
     what = _names(task, changed)
     run_tests = [("run_terminal", {"command": _test_command(task)})] if task is not None else []
     plans: dict[str, tuple[list[dict[str, Any]], list[tuple[str, str, int, int]] | None]] = {}
+    deleted = [d.qualname for d in task.deleted] if task is not None else None
+    locate = []  # a long file is searched first, and read from the lines the search prints
     for p in existing:  # each file's edits, and the reads that show every line they quote
         a, b = _lines(originals[p]), _lines(final[p])
         spans = _spans(a, b)
         steps = _steps(originals[p], final[p], p, a, b, spans)
-        plans[p] = _read_args(p, a, b, spans, [(lo, hi) for _, _, lo, hi in steps or []]), steps
+        search, reads = _locate(p, a, _read_args(p, a, b, spans, [(lo, hi) for _, _, lo, hi in steps or []]), deleted)
+        plans[p] = reads, steps
+        if search is not None:
+            locate.append(("grep", search))
     turns: list[str] = []
     if existing:
-        deleted = [d.qualname for d in task.deleted] if task is not None else None
-        locate = []
-        for p in existing:  # a long file is searched first, and read from the lines the search prints
-            search, reads = _locate(p, _lines(originals[p]), plans[p][0], deleted)
-            plans[p] = reads, plans[p][1]
-            if search is not None:
-                locate.append(("grep", search))
         look = [("read_file", args) for p in existing for args in plans[p][0]]
         if task is not None and task.deleted and rng.random() < 0.3:
             name = task.deleted[0].qualname.rsplit(".", 1)[-1]
