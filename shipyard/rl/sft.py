@@ -173,38 +173,79 @@ def gold_rollouts(config: RLConfig, tasks_dir: Path, task_ids: list[str], chat: 
     """Replay the gold demonstration of every task in `task_ids` through the harness in sandboxes (an eval with the
     `replay:gold` engine), its records appended to `out`; an existing `out` (a resumed run) is read back instead, and
     the replays a stopped run finished (`OUT.partial`, their journal) are kept. Each message is encoded as the policy
-    writes it under the run's wire (`ChatFormat.completion_ids`); replays that were not (an older shipyard wrote
-    spelled tags as their control tokens) are made again."""
-    if out.exists():
-        replays = _last_replays(read_rollouts(out), task_ids)
-        if not any(written_with_tag_tokens(r, chat) for r in replays):
-            return replays
-        status(f"{out} holds replays with the call tags as control tokens, which this run spells: replaying again")
-        out.unlink()
+    writes it under the run's wire (`ChatFormat.completion_ids`). Saved replays (`out`, or the journal) that are not
+    what this run would replay (`stale_replays`) are made again."""
     from shipyard.rollout.environment import LocalEnvironment
     from shipyard.rollout.evalrun import EvalConfig, run_eval, settings_path
 
     engine = gold_engine(tasks_dir, task_ids, tokenizer=chat.tokenizer, encode=chat.completion_ids)
+    if out.exists():
+        replays = _last_replays(read_rollouts(out), task_ids)
+        why = stale_replays(replays, task_ids, engine.scripts, chat)
+        if why is None:
+            return replays
+        status(f"{out}: {why}; replaying again")
+        out.unlink()
     loop = config.episode.loop
     turns = max((len(s) for s in engine.scripts.values()), default=1)  # a replay is played whole: its turns fit
     episode = replace(config.episode, loop=replace(loop, max_new_tokens=max(loop.max_new_tokens, engine.longest() + 8),
                                                    max_turns=max(loop.max_turns, turns)))
-    env = LocalEnvironment()
     partial = out.with_name(out.name + ".partial")  # the replays' journal: a stopped run's finished ones are kept
     eval_config = EvalConfig(samples=1, seed=config.run.seed, concurrency=max(1, config.rollout.max_in_flight or 2))
-    status(f"replaying {len(task_ids)} gold demonstrations in sandboxes")
-    try:
+    env = LocalEnvironment()
+
+    def replay(resume: bool) -> list[Rollout]:
         try:
-            run_eval(engine, env, tasks_dir, task_ids, episode, eval_config, rollouts_path=partial, resume=True)
+            run_eval(engine, env, tasks_dir, task_ids, episode, eval_config, rollouts_path=partial, resume=resume)
         except UsageError:  # replayed with other settings (or before journals had them): replay all again
             partial.unlink(missing_ok=True)
             run_eval(engine, env, tasks_dir, task_ids, episode, eval_config, rollouts_path=partial)
+        return _last_replays(read_rollouts(partial), task_ids)
+
+    status(f"replaying {len(task_ids)} gold demonstrations in sandboxes")
+    try:
+        replays = replay(resume=True)
+        why = stale_replays(replays, task_ids, engine.scripts, chat)
+        if why is not None:  # the journal a stopped run left was of other demonstrations
+            status(f"{partial}: {why}; replaying again")
+            partial.unlink()
+            replays = replay(resume=False)
     finally:
         env.close()
         engine.close()
     partial.rename(out)
     settings_path(partial).unlink(missing_ok=True)
-    return _last_replays(read_rollouts(out), task_ids)
+    return replays
+
+
+def stale_replays(replays: list[Rollout], task_ids: list[str], scripts: dict[str, list[str]],
+                  chat: ChatFormat) -> str | None:
+    """Why saved gold replays are not the ones this run would make for `task_ids` (None: they are): a task without
+    one; call tags written as control tokens under spelled tags (an older shipyard did); or turns that are not the
+    task's script now (a newer shipyard's demonstrations, a re-synthesized task). A replay's turns are its script's
+    messages, the last one possibly cut short (the episode's context ran out, or its calls failed and it ended)."""
+    have = {r.task_id for r in replays}
+    missing = [t for t in task_ids if t not in have]
+    if missing:
+        return f"no replay of {len(missing)} training task(s), e.g. {missing[0]}"
+    tagged = [r.task_id for r in replays if written_with_tag_tokens(r, chat)]
+    if tagged:
+        return f"{len(tagged)} replay(s) hold the call tags as control tokens, which this run spells"
+    other = [r.task_id for r in replays if not _replays_script(r, scripts[r.task_id])]
+    if other:
+        return (f"{len(other)} replay(s) differ from the demonstration this shipyard writes for their task "
+                f"(e.g. {other[0]}: the demonstrations changed, or the task was made again)")
+    return None
+
+
+def _replays_script(replay: Rollout, script: list[str]) -> bool:
+    texts = [t.text for t in replay.trajectory.turns] if replay.trajectory is not None else []
+    if not texts:  # no episode to compare (an infra error): not a demonstration either way (`why_dropped`)
+        return True
+    if len(texts) > len(script):
+        return False
+    # a cut token sequence may end inside a character (decoded as U+FFFD)
+    return texts[:-1] == script[:len(texts) - 1] and script[len(texts) - 1].startswith(texts[-1].rstrip("\ufffd"))
 
 
 def _last_replays(rollouts: list[Rollout], task_ids: list[str]) -> list[Rollout]:

@@ -14,7 +14,9 @@ from servers import needs_sandbox
 from tiny_run import CONFIG
 
 from shipyard.errors import UserError
+from shipyard.harness.tools import default_tools
 from shipyard.harness.trajectory import Trajectory, Turn
+from shipyard.harness.wire import ChatFormat
 from shipyard.rl.config import SFTConfig, load_config
 from shipyard.rollout.record import Rollout
 
@@ -111,8 +113,7 @@ def test_sft_on_gold_replays_trains_the_policy_tokens_and_exports(taskset, tmp_p
 
     from shipyard.rl.sft import sft
 
-    config_path = tmp_path / "tiny.toml"
-    config_path.write_text(CONFIG.format(tasks=taskset[0]) + SFT)
+    config_path = _config_file(tmp_path, taskset[0])
     config = load_config(config_path, ["--run.dir", str(tmp_path / "run")])
     lines = sft(config)
     run = tmp_path / "run"
@@ -176,16 +177,55 @@ def test_a_turn_whose_call_failed_is_context_not_a_target(tmp_path):
     assert exported_step(tmp_path) == 4
 
 
-def test_the_gold_replays_of_a_resumed_run_are_the_last_of_each_training_task(tmp_path):
-    """A resumed replay journal holds a masked replay and, after it, its rerun; replays of tasks no longer trained on
-    (another split) are left out rather than refused as held-out data."""
-    from shipyard.rl.config import RLConfig
-    from shipyard.rl.sft import gold_rollouts
+@needs_sandbox
+def test_a_resumed_run_reuses_its_gold_replays_only_while_they_are_the_demonstrations_it_would_make(taskset,
+                                                                                                  tmp_path):
+    """A resumed replay journal holds a masked replay and, after it, its rerun: the last of each training task is
+    kept, and replays of tasks no longer trained on (another split) are left out rather than refused as held-out
+    data. Saved replays are reused only while they are what this run would replay: a replay of another demonstration
+    script (a newer shipyard's: the 2026-12-07 runs changed how a demonstration reads a long file), or a training
+    task without one, has every task replayed again in sandboxes. A replay whose last turn was cut short (the
+    episode's context ran out) is still its script's."""
+    from shipyard.models.resolve import load_tokenizer
+    from shipyard.rl.sft import gold_rollouts, stale_replays
+    from shipyard.rollout.gold import gold_scripts
+    from shipyard.tasks.taskset import list_tasks
 
-    out = _write(tmp_path / "gold.jsonl", [_rollout("a", reward=None), _rollout("b"), _rollout("a"),
-                                            _rollout("held-out-now")])
-    got = gold_rollouts(RLConfig(), tmp_path, ["a", "b"], _chat("spelled"), out, status=lambda _: None)
-    assert sorted((r.task_id, r.reward) for r in got) == [("a", 1.0), ("b", 1.0)]
+    tasks_dir = taskset[0]
+    config = load_config(_config_file(tmp_path, tasks_dir))
+    chat = ChatFormat(load_tokenizer(config.model.name), default_tools(), tags=config.episode.loop.tags)
+    a, b = list_tasks(tasks_dir)[:2]
+    scripts = gold_scripts(tasks_dir, [a, b], chat.tokenizer)
+
+    def saved(task: str, texts: list[str], reward: float | None = 1.0) -> Rollout:
+        rollout = _rollout(task, reward=reward, turns=len(texts))
+        for turn, text in zip(rollout.trajectory.turns, texts, strict=True):
+            turn.text = text
+        rollout.seed = 7  # a reused replay keeps it; one made again has the eval's seed
+        return rollout
+
+    cut = scripts[b][:-1] + [scripts[b][-1][:10]]
+    out = _write(tmp_path / "gold.jsonl", [saved(a, scripts[a], reward=None), saved(b, cut), saved(a, scripts[a]),
+                                           saved("held-out-now", ["x"])])
+    messages: list[str] = []
+    got = gold_rollouts(config, tasks_dir, [a, b], chat, out, messages.append)
+    assert sorted((r.task_id, r.reward, r.seed) for r in got) == [(a, 1.0, 7), (b, 1.0, 7)] and messages == []
+
+    assert stale_replays([saved(a, scripts[a])], [a, b], scripts, chat) == f"no replay of 1 training task(s), e.g. {b}"
+    changed = scripts[a][:-1] + ["Done."]  # what an older shipyard's demonstration ended with, say
+    _write(out, [saved(a, changed), saved(b, scripts[b])])
+    got = gold_rollouts(config, tasks_dir, [a, b], chat, out, messages.append)
+    assert "1 replay(s) differ from the demonstration this shipyard writes" in messages[0]
+    assert sorted((r.task_id, r.reward) for r in got) == [(a, 1.0), (b, 1.0)]
+    assert all(r.seed != 7 for r in got)  # both replayed again
+    assert all([t.text for t in r.trajectory.turns] == scripts[r.task_id] for r in got)
+    assert stale_replays(got, [a, b], scripts, chat) is None
+
+
+def _config_file(tmp_path: Path, tasks_dir: Path) -> Path:
+    path = tmp_path / "tiny.toml"
+    path.write_text(CONFIG.format(tasks=tasks_dir) + SFT)
+    return path
 
 
 def _chat(tags: str):
