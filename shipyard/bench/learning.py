@@ -357,6 +357,20 @@ def effort(doc: dict[str, Any]) -> dict[str, Any]:
             "turns_per_rollout": mean(scored, "turns")}
 
 
+def behaviour(doc: dict[str, Any]) -> dict[str, Any]:
+    """What an arm's agent did on the held-out tasks (its eval's `overall`): progress on the failing tests short of a
+    pass, the tools it called, and how its episodes ended; nulls for a result file older than these counts."""
+    overall = doc.get("overall", {})
+    f2p = overall.get("fail_to_pass") or {}
+    return {"fail_to_pass_mean": f2p.get("mean"), "fail_to_pass_some": f2p.get("some"),
+            "calls_by_tool": overall.get("calls_by_tool"), "stop_reasons": overall.get("stop_reasons")}
+
+
+def _top(counts: dict[str, int] | None, n: int) -> str | None:
+    return None if counts is None else ", ".join(f"{k} {v}" for k, v in sorted(counts.items(),
+                                                                             key=lambda kv: -kv[1])[:n])
+
+
 def pass_figures(docs: dict[str, dict[str, Any]], resamples: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(pass_at_1 per arm with its interval and its paired difference from base, delta_rl)."""
     rates = {arm: task_rates(doc) for arm, doc in docs.items()}
@@ -423,6 +437,11 @@ def report(bench: Bench, docs: dict[str, dict[str, Any]], arms: list[str]) -> di
                                                  "tokens/rollout", "turns/rollout"],
           [[a, e["solved_tasks"], e["tokens_per_solved"], e["turns_per_solved"], e["tokens_per_rollout"],
             e["turns_per_rollout"]] for a, e in efforts.items()])
+    behaviours = {arm: behaviour(doc) for arm, doc in docs.items()}
+    table("what each arm did (held-out rollouts; fail-to-pass: the task's failing tests made to pass, mean fraction "
+          "and rollouts with some but not all)", ["arm", "fail-to-pass", "some", "calls", "episodes ended"],
+          [[a, b["fail_to_pass_mean"], b["fail_to_pass_some"], _top(b["calls_by_tool"], 5),
+            _top(b["stop_reasons"], 3)] for a, b in behaviours.items()])
     stages = {name: r.get("seconds") for name, r in bench.runs.items()}
     table("stages", ["stage", "minutes", "status", "steps", "note"],
           [[name, r["seconds"] / 60 if r.get("seconds") is not None else None, "ok" if r["ok"] else "FAILED",
@@ -432,7 +451,8 @@ def report(bench: Bench, docs: dict[str, dict[str, Any]], arms: list[str]) -> di
     curves = {s: r["grounded"] for s, r in bench.runs.items() if s in STAGES and STAGES[s][0] == "train"
               and r.get("grounded")}
     plot(pass_at_1, delta_rl, curves, png)
-    return {"pass_at_1": pass_at_1, "delta_rl": delta_rl, "stages": stages, "effort": efforts, "plot": str(png),
+    return {"pass_at_1": pass_at_1, "delta_rl": delta_rl, "stages": stages, "effort": efforts, "behaviour": behaviours,
+            "plot": str(png),
             "arms": arms, "engine": bench.engine, "held_out": bench.held_out, "samples": samples,
             "config": str(bench.args.config),
             "tasks": str(bench.tasks), "runs": bench.runs, "failures": bench.failures}

@@ -67,6 +67,7 @@ MAX_RESULTS_BYTES = 256 << 20
 CAUSE_CHARS = 120
 EXAMPLE_CHARS = 300
 IDENTIFIER = re.compile(r"[A-Za-z_][\w.]*")
+UNKNOWN_TOOL, UNPARSED_CALL = "(not a tool)", "(unparsed)"  # calls_by_tool's keys for calls of no offered tool
 
 
 class EvalFailed(RuntimeError):
@@ -151,6 +152,8 @@ class Summary:
     reward_mean: float | None = None  # the grader's reward, over scored rollouts
     validity: dict[str, Any] = field(default_factory=dict)  # grounded tool-call validity over scored rollouts' calls
     total: dict[str, float] = field(default_factory=dict)  # EFFORT sums over every rollout (parallel width: none)
+    calls_by_tool: dict[str, int] = field(default_factory=dict)  # scored rollouts' calls; UNKNOWN_TOOL: not offered
+    fail_to_pass: dict[str, Any] = field(default_factory=dict)  # progress short of a pass (`_progress`)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -183,10 +186,35 @@ def _count(summary: Summary, rollouts: list[Rollout]) -> None:
                     for k in EFFORT}
     summary.total = {k: sum(e[k] for e in all_effort) for k in EFFORT if k != "parallel_width"}
     summary.reward_mean = sum(r.reward for r in scored) / len(scored) if scored else None
+    summary.calls_by_tool = _calls_by_tool(scored)
+    summary.fail_to_pass = _progress(scored)
     stats = validity(scored)
     summary.validity = {"calls": stats.calls, "grounded": stats.grounded, "placeholder": stats.placeholder,
                         "untagged": stats.untagged, "grounded_fraction": stats.grounded_fraction if stats.calls
                         else None, "problems": dict(sorted(stats.problems.items()))}
+
+
+def _calls_by_tool(rollouts: list[Rollout]) -> dict[str, int]:
+    """Calls by tool name, most called first; a name the episode's tools do not have (the model calling the function
+    it was asked to write, say) counts as UNKNOWN_TOOL and a call with no readable name (invalid JSON) as
+    UNPARSED_CALL, so the keys stay few."""
+    known = _checker().tools
+    counts = Counter(c.name if c.name in known else UNPARSED_CALL if c.name is None else UNKNOWN_TOOL
+                     for r in rollouts if r.trajectory is not None for turn in r.trajectory.turns for c in turn.calls)
+    return dict(counts.most_common())
+
+
+def _progress(rollouts: list[Rollout]) -> dict[str, Any]:
+    """How far scored rollouts got on their task's failing tests, the signal that moves before pass@1 does:
+    `mean`, the mean over rollouts of the fraction of fail-to-pass tests that passed (0 for a patch that was not
+    graded), and `some`, the rollouts that made at least one pass without solving the task."""
+    fractions, some = [], 0
+    for r in rollouts:
+        f2p = (r.verdict or {}).get("fail_to_pass") or {}
+        made, total = f2p.get("passed", 0), f2p.get("total", 0)
+        fractions.append(made / total if total else 0.0)
+        some += made > 0 and not passed(r)
+    return {"mean": sum(fractions) / len(fractions) if fractions else None, "some": some}
 
 
 def summarize_task(rollouts: list[Rollout], ks: Iterable[int]) -> Summary:
@@ -273,6 +301,12 @@ def markdown(doc: Mapping[str, Any]) -> str:
     notes = [f"{overall['tasks']} tasks, {overall['rollouts']} rollouts in {doc['wall_seconds']:.1f} s; effort columns "
              "are means over scored rollouts; grounded: grounded tool calls / calls; infra: rollouts masked (left out "
              "of pass@k) after retries"]
+    f2p, calls = overall.get("fail_to_pass") or {}, overall.get("calls_by_tool") or {}
+    if f2p.get("mean") is not None:
+        notes.append(f"failing tests made to pass: {f2p['mean']:.3f} of each task's, on average; {f2p['some']} "
+                     f"rollouts made some pass without solving their task")
+    if calls:
+        notes.append("calls by tool: " + ", ".join(f"{name} {n}" for name, n in calls.items()))
     if overall["infra"]:
         notes.append("infra causes: " + "; ".join(f"{n}× {c}" for c, n in overall["infra"].items()))
     if overall["tasks_unscored"]:

@@ -59,6 +59,17 @@ def test_effort_counts_solved_rollouts():
     assert nothing["tokens_per_solved"] is None and nothing["solved_tasks"] == 0
 
 
+def test_behaviour_reads_what_the_arm_did_from_its_eval_and_is_null_for_an_older_result_file():
+    overall = {"fail_to_pass": {"mean": 0.25, "some": 3}, "calls_by_tool": {"read_file": 5, "grep": 1},
+               "stop_reasons": {"finished": 2}}
+    assert learning.behaviour({"overall": overall}) == {"fail_to_pass_mean": 0.25, "fail_to_pass_some": 3,
+                                                        "calls_by_tool": {"read_file": 5, "grep": 1},
+                                                        "stop_reasons": {"finished": 2}}
+    older = learning.behaviour({"overall": {"stop_reasons": {"finished": 2}}})
+    assert older["fail_to_pass_mean"] is None and older["calls_by_tool"] is None
+    assert learning._top({"a": 1, "b": 3, "c": 2}, 2) == "b 3, c 2" and learning._top(None, 2) is None
+
+
 def test_an_evaluation_is_reused_only_when_it_evaluated_the_same_thing():
     doc = _doc({"b": 0.0, "a": 0.0}, model="m")
     expected = {"task_ids": ["a", "b"], "samples": 2, "seed": 0, "grade_timeout": 300.0, "max_turns": 2,
@@ -249,6 +260,8 @@ def test_the_bench_trains_and_evaluates_base_sft_and_sft_rl(taskset, tmp_path):
         assert figure["ci95"][0] >= 0.0  # a rate
         assert result["effort"][arm]["scored_rollouts"] == 2  # 1 task × 2 samples, every arm
         assert set(result["effort"][arm]) >= {"tokens_per_solved", "turns_per_solved"}
+        assert 0.0 <= result["behaviour"][arm]["fail_to_pass_mean"] <= 1.0
+        assert sum(result["behaviour"][arm]["stop_reasons"].values()) == 2
     assert result["pass_at_1"]["base"]["vs_base"] == {"mean": 0.0, "ci95": [0.0, 0.0], "tasks": 1}
     assert set(result["delta_rl"]) >= {"mean", "ci95"} and result["delta_rl"]["tasks"] == 1
     assert set(result["stages"]) == {"sft", "sft+rl", "eval base", "eval sft", "eval sft+rl"}

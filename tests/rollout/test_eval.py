@@ -122,6 +122,28 @@ def test_aggregation_masks_infra_failures_and_reduces_n():
     check_scored(doc)  # some rollouts were scored: the run itself succeeded
 
 
+def test_the_summary_counts_calls_by_tool_and_progress_on_the_failing_tests_short_of_a_pass():
+    """What an agent did, beside whether it passed: the first SFT arm solved 0 of 80 held-out rollouts while calling
+    search_replace 228 times and making some failing tests pass in 3 (2026-12-07); pass@1 alone hid all of it."""
+    def graded(index: int, f2p: tuple[int, int] | None, reward: float = 0.0) -> Rollout:
+        r = rollout("t", index, reward)
+        r.verdict = None if f2p is None else {"fail_to_pass": {"passed": f2p[0], "total": f2p[1]}}
+        return r
+
+    rs = [graded(0, (1, 4)), graded(1, (4, 4), reward=1.0), graded(2, (0, 2)), graded(3, None),
+          rollout("t", 4, None, cause="sandbox died")]  # masked: not counted
+    odd = rs[0].trajectory.turns[0].calls
+    odd += [CallRecord(1, "intersect", {"a": 1}, "", "unknown tool", 0.0), CallRecord(2, None, None, "", "bad", 0.0)]
+    doc = results({"t": rs}, [1], config={}, wall_seconds=1.0)
+    overall = doc["overall"]
+    assert overall["fail_to_pass"] == {"mean": pytest.approx((0.25 + 1.0 + 0.0 + 0.0) / 4), "some": 1}
+    assert overall["calls_by_tool"] == {"read_file": 8, "(not a tool)": 1, "(unparsed)": 1}
+    assert next(iter(overall["calls_by_tool"])) == "read_file"  # most called first
+    table = markdown(doc)
+    assert "failing tests made to pass: 0.312 of each task's" in table and "1 rollouts made some pass" in table
+    assert "calls by tool: read_file 8, (not a tool) 1, (unparsed) 1" in table
+
+
 @pytest.mark.parametrize("cause, kind", [
     ("workspace: SandboxFailed: sandbox f03c397edbdc has no exec session: [Errno 17]", "workspace: SandboxFailed"),
     ("tools: EnvServerUnreachable: cannot reach http://127.0.0.1:4242", "tools: EnvServerUnreachable"),
