@@ -78,10 +78,15 @@ class Demonstrations:
     dropped: dict[str, dict[str, int]]  # source → reason → count
     read: dict[str, int]  # source → records read
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, max_new_tokens: int) -> dict[str, Any]:
+        """Counts for RUN/sft/data.json; `over_max_new_tokens`: demonstrations with a turn longer than the episodes'
+        `max_new_tokens`, which the policy learns to write and its episodes then cut."""
         tasks = Counter(r.task_id for r in self.rollouts)
+        longest = [max((len(t.completion_ids) for t in r.trajectory.turns), default=0) for r in self.rollouts]
         return {"demonstrations": len(self.rollouts), "tasks": len(tasks), "read": self.read, "dropped": self.dropped,
-                "tokens": sum(r.trajectory.sampled_tokens for r in self.rollouts if r.trajectory)}
+                "tokens": sum(r.trajectory.sampled_tokens for r in self.rollouts if r.trajectory),
+                "longest_turn": max(longest, default=0),
+                "over_max_new_tokens": sum(n > max_new_tokens for n in longest)}
 
 
 def read_rollouts(path: Path) -> list[Rollout]:
@@ -303,9 +308,13 @@ def _run(config: RLConfig, run: RunDir, tasks_dir: Path, train_ids: list[str], h
             sources[source] = read_rollouts(Path(source))
     data = select(sources, set(train_ids), held, tasks_dir, chat)
     (run.root / "sft").mkdir(exist_ok=True)
-    summary = data.summary()
+    summary = data.summary(loop.max_new_tokens)
     (run.root / "sft" / "data.json").write_text(json.dumps(summary, indent=1) + "\n")
     status(f"{summary['demonstrations']} demonstrations of {summary['tasks']} tasks ({data.dropped} dropped)")
+    if summary["over_max_new_tokens"]:
+        status(f"warning: {summary['over_max_new_tokens']} demonstrations have a turn longer than "
+               f"episode.loop.max_new_tokens = {loop.max_new_tokens} (the longest: {summary['longest_turn']} tokens); "
+               f"the policy learns to write turns its episodes cut. Raise it to at least {summary['longest_turn']}")
     if not data.rollouts:
         raise UserError(f"no demonstration to train on (read {data.read}, dropped {data.dropped}): a demonstration is "
                         f"a rollout of a training task scored 1.0 and not flagged")

@@ -127,6 +127,7 @@ def test_sft_on_gold_replays_trains_the_policy_tokens_and_exports(taskset, tmp_p
                                                          (taskset[0] / "tasks.jsonl").read_text().splitlines())
                                                         - set(held))
     assert all(r["reward"] == 1.0 for r in gold) and data["demonstrations"] == len(gold) == 2
+    assert data["over_max_new_tokens"] == 2 < data["longest_turn"]  # the tiny episodes' turns are 12 tokens: warned
     assert [line["step"] for line in lines] == [1, 2, 3]  # 3 epochs of one batch of 2
     losses = [line["train/sft_loss"] for line in lines]
     assert losses[-1] < losses[0]  # the same demonstrations, three times: their NLL falls
