@@ -176,26 +176,35 @@ def written_with_tag_tokens(rollout: Rollout, chat: ChatFormat) -> bool:
 def gold_rollouts(config: RLConfig, tasks_dir: Path, task_ids: list[str], chat: ChatFormat, out: Path,
                   status: Status) -> list[Rollout]:
     """Replay the gold demonstration of every task in `task_ids` through the harness in sandboxes (an eval with the
-    `replay:gold` engine), its records appended to `out`; an existing `out` (a resumed run) is read back instead, and
-    the replays a stopped run finished (`OUT.partial`, their journal) are kept. Each message is encoded as the policy
-    writes it under the run's wire (`ChatFormat.completion_ids`). Saved replays (`out`, or the journal) that are not
-    what this run would replay (`stale_replays`) are made again."""
+    `replay:gold` engine), its records in `out`, an eval journal (`OUT.partial` while it is written, so a stopped
+    run's finished replays are kept). Each message is encoded as the policy writes it under the run's wire
+    (`ChatFormat.completion_ids`). An existing `out` (a resumed run) is read back: replays an infrastructure failure
+    left without a grade are made again (the journal resumed), and when the saved replays are not what this run would
+    replay (`stale_replays`), all of them are."""
     from shipyard.rollout.environment import LocalEnvironment
     from shipyard.rollout.evalrun import EvalConfig, run_eval, settings_path
 
     engine = gold_engine(tasks_dir, task_ids, tokenizer=chat.tokenizer, encode=chat.completion_ids)
+    partial = out.with_name(out.name + ".partial")  # the replays' journal: a stopped run's finished ones are kept
     if out.exists():
         replays = _last_replays(read_rollouts(out), task_ids)
         why = stale_replays(replays, task_ids, engine.scripts, chat)
-        if why is None:
+        lost = sum(r.masked for r in replays)
+        if why is None and not lost:
             return replays
-        status(f"{out}: {why}; replaying again")
-        out.unlink()
+        if why is None:
+            status(f"{out}: {lost} replay(s) ended without a grade (an infrastructure failure): replaying those")
+            out.rename(partial)
+            if settings_path(out).exists():  # without it (an older shipyard's), the resume replays all
+                settings_path(out).rename(settings_path(partial))
+        else:
+            status(f"{out}: {why}; replaying again")
+            out.unlink()
+            settings_path(out).unlink(missing_ok=True)
     loop = config.episode.loop
     turns = max((len(s) for s in engine.scripts.values()), default=1)  # a replay is played whole: its turns fit
     episode = replace(config.episode, loop=replace(loop, max_new_tokens=max(loop.max_new_tokens, engine.longest() + 8),
                                                    max_turns=max(loop.max_turns, turns)))
-    partial = out.with_name(out.name + ".partial")  # the replays' journal: a stopped run's finished ones are kept
     eval_config = EvalConfig(samples=1, seed=config.run.seed, concurrency=max(1, config.rollout.max_in_flight or 2))
     env = LocalEnvironment()
 
@@ -219,7 +228,7 @@ def gold_rollouts(config: RLConfig, tasks_dir: Path, task_ids: list[str], chat: 
         env.close()
         engine.close()
     partial.rename(out)
-    settings_path(partial).unlink(missing_ok=True)
+    settings_path(partial).rename(settings_path(out))  # kept: a later resume replays what infrastructure lost
     return replays
 
 
@@ -227,8 +236,8 @@ def stale_replays(replays: list[Rollout], task_ids: list[str], scripts: dict[str
                   chat: ChatFormat) -> str | None:
     """Why saved gold replays are not the ones this run would make for `task_ids` (None: they are): a task without
     one; call tags written as control tokens under spelled tags (an older shipyard did); or turns that are not the
-    task's script now (a newer shipyard's demonstrations, a re-synthesized task). A replay's turns are its script's
-    messages, the last one possibly cut short (the episode's context ran out, or its calls failed and it ended)."""
+    task's script as this run encodes it (`_replays_script`: a newer shipyard's demonstrations, a re-synthesized task,
+    another wire)."""
     have = {r.task_id for r in replays}
     missing = [t for t in task_ids if t not in have]
     if missing:
@@ -236,21 +245,32 @@ def stale_replays(replays: list[Rollout], task_ids: list[str], scripts: dict[str
     tagged = [r.task_id for r in replays if written_with_tag_tokens(r, chat)]
     if tagged:
         return f"{len(tagged)} replay(s) hold the call tags as control tokens, which this run spells"
-    other = [r.task_id for r in replays if not _replays_script(r, scripts[r.task_id])]
+    other = [r.task_id for r in replays if not _replays_script(r, scripts[r.task_id], chat)]
     if other:
         return (f"{len(other)} replay(s) differ from the demonstration this shipyard writes for their task "
                 f"(e.g. {other[0]}: the demonstrations changed, or the task was made again)")
     return None
 
 
-def _replays_script(replay: Rollout, script: list[str]) -> bool:
-    texts = [t.text for t in replay.trajectory.turns] if replay.trajectory is not None else []
-    if not texts:  # no episode to compare (an infra error): not a demonstration either way (`why_dropped`)
+def _replays_script(replay: Rollout, script: list[str], chat: ChatFormat) -> bool:
+    """Whether the replay's turns are the script's messages, token for token as the run's wire writes them
+    (`ChatFormat.completion_ids`, then the stop token the replay engine ends a whole message with). Only where the
+    episode stopped it early may it differ: its last turn cut at its token budget (`finish_reason` "length": a prefix
+    of its message), or fewer turns than the script when it did not end on a final answer (its calls failed, its
+    context ran out). A replay without a grade (an infrastructure failure) has nothing to compare: it is made again."""
+    if replay.masked:
         return True
-    if len(texts) > len(script):
+    turns = replay.trajectory.turns if replay.trajectory is not None else []
+    if len(turns) > len(script):
         return False
-    # a cut token sequence may end inside a character (decoded as U+FFFD)
-    return texts[:-1] == script[:len(texts) - 1] and script[len(texts) - 1].startswith(texts[-1].rstrip("\ufffd"))
+    stops = set(chat.stop_token_ids)
+    for i, (turn, message) in enumerate(zip(turns, script, strict=False)):
+        ids, got = chat.completion_ids(message), turn.completion_ids
+        whole = got == ids or (len(got) == len(ids) + 1 and got[:-1] == ids and got[-1] in stops)
+        cut = i == len(turns) - 1 and turn.finish_reason == "length" and ids[:len(got)] == got
+        if not (whole or cut):
+            return False
+    return len(turns) == len(script) or replay.stop_reason != "finished"
 
 
 def _last_replays(rollouts: list[Rollout], task_ids: list[str]) -> list[Rollout]:

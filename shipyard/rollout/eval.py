@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from shipyard.errors import FileFormatError, UsageError
+from shipyard.harness.trajectory import CallRecord
 from shipyard.harness.validity import ValidityChecker, ValidityStats
 from shipyard.rollout.record import Rollout
 
@@ -67,7 +68,9 @@ MAX_RESULTS_BYTES = 256 << 20
 CAUSE_CHARS = 120
 EXAMPLE_CHARS = 300
 IDENTIFIER = re.compile(r"[A-Za-z_][\w.]*")
-UNKNOWN_TOOL, UNPARSED_CALL = "(not a tool)", "(unparsed)"  # calls_by_tool's keys for calls of no offered tool
+# calls_by_tool's keys for calls that ran no tool: a name not offered, JSON that could not be read, a turn that ended
+# inside its call (its token budget ran out)
+UNKNOWN_TOOL, UNPARSED_CALL, CUT_CALL = "(not a tool)", "(unparsed)", "(cut off)"
 
 
 class EvalFailed(RuntimeError):
@@ -195,13 +198,21 @@ def _count(summary: Summary, rollouts: list[Rollout]) -> None:
 
 
 def _calls_by_tool(rollouts: list[Rollout]) -> dict[str, int]:
-    """Calls by tool name, most called first; a name the episode's tools do not have (the model calling the function
-    it was asked to write, say) counts as UNKNOWN_TOOL and a call with no readable name (invalid JSON) as
-    UNPARSED_CALL, so the keys stay few."""
+    """Calls by tool name, most called first. A call that ran no tool is counted by why, so the keys stay few:
+    CUT_CALL (the turn ended inside it), UNPARSED_CALL (no readable name: invalid JSON), UNKNOWN_TOOL (a name the
+    episode did not offer: the model calling the function it was asked to write, say)."""
     known = _checker().tools
-    counts = Counter(c.name if c.name in known else UNPARSED_CALL if c.name is None else UNKNOWN_TOOL
-                     for r in rollouts if r.trajectory is not None for turn in r.trajectory.turns for c in turn.calls)
+    counts = Counter(_call_key(c, known) for r in rollouts if r.trajectory is not None
+                     for turn in r.trajectory.turns for c in turn.calls)
     return dict(counts.most_common())
+
+
+def _call_key(call: CallRecord, known: Mapping[str, Any]) -> str:
+    if call.error_kind == "truncated":
+        return CUT_CALL
+    if call.name is None:
+        return UNPARSED_CALL
+    return UNKNOWN_TOOL if call.error_kind == "unknown_tool" or call.name not in known else call.name
 
 
 def _progress(rollouts: list[Rollout]) -> dict[str, Any]:

@@ -117,7 +117,9 @@ def test_sft_on_gold_replays_trains_the_policy_tokens_and_exports(taskset, tmp_p
     config = load_config(config_path, ["--run.dir", str(tmp_path / "run")])
     lines = sft(config)
     run = tmp_path / "run"
-    assert sorted(p.name for p in (run / "sft").iterdir() if "gold" in p.name) == ["gold.jsonl"]  # journal renamed
+    # the journal renamed, its settings kept beside it (a resume makes again what infrastructure lost)
+    assert sorted(p.name for p in (run / "sft").iterdir() if "gold" in p.name) == ["gold.jsonl",
+                                                                                    "gold.jsonl.settings.json"]
     data = json.loads((run / "sft" / "data.json").read_text())
     held = load_config(run / "config.toml").run.held_out
     assert len(held) == 1
@@ -178,18 +180,63 @@ def test_a_turn_whose_call_failed_is_context_not_a_target(tmp_path):
     assert exported_step(tmp_path) == 4
 
 
+def test_saved_gold_replays_are_this_runs_only_while_each_turn_is_its_scripts_message_as_the_wire_writes_it():
+    """What a resumed run checks before it trains on saved replays (`stale_replays`): token for token, each turn is
+    its script's message as this run's wire encodes it, then the stop token. Only an episode that stopped the replay
+    early may leave it shorter: a last turn cut at its budget (finish "length"), or fewer turns when it did not end on
+    a final answer. A replay of another script (a newer shipyard's demonstrations, 2026-12-07), of another wire, or
+    with the tag tokens under spelled tags is stale, and so is a training task without one."""
+    from shipyard.rl.sft import stale_replays
+
+    spelled, token = _chat("spelled"), _chat("token")
+    call = 'Reading it.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>\n'
+    script = [call, 'Editing: END = "<|endoftext|>" goes back.\n', "Done: `f` is written."]  # a special token's text
+    scripts = {"a": script}
+    stop = spelled.stop_token_ids[-1]
+
+    def saved(ids: list[list[int]], finish: str = "stop", stopped: str = "finished") -> Rollout:
+        rollout = _rollout("a", turns=len(ids))
+        rollout.stop_reason = stopped
+        for turn, got in zip(rollout.trajectory.turns, ids, strict=True):
+            turn.completion_ids, turn.finish_reason = got, "stop"
+        if ids:
+            rollout.trajectory.turns[-1].finish_reason = finish
+        return rollout
+
+    def whole(chat, messages: list[str]) -> list[list[int]]:
+        return [chat.completion_ids(m) + [stop] for m in messages]
+
+    def stale(rollout: Rollout, chat=spelled) -> str | None:
+        return stale_replays([rollout], ["a"], scripts, chat)
+
+    assert stale(saved(whole(spelled, script))) is None
+    cut = whole(spelled, script[:2]) + [spelled.completion_ids(script[2])[:3]]
+    assert stale(saved(cut, finish="length")) is None  # its budget ran out mid-message
+    assert stale(saved(cut)) is not None  # a shorter message that was not cut: another script's
+    assert stale(saved(whole(spelled, [*script[:2], "Done."]))) is not None  # an older script's last message
+    assert stale(saved(whole(spelled, script[:2]), stopped="repeated_failures")) is None  # the episode ended it
+    assert stale(saved(whole(spelled, script[:2]))) is not None  # "finished" early: its script had fewer turns
+    assert stale(saved(whole(spelled, [*script, "More."]))) is not None
+    lost = saved([])
+    lost.reward = None
+    assert stale(lost) is None  # an infrastructure failure: nothing to compare, and the resume makes it again
+    assert "differ from the demonstration" in stale(saved(whole(spelled, script)), chat=token)  # another wire
+    tagged = saved(whole(token, script))
+    assert "call tags as control tokens" in stale(tagged)
+    assert stale_replays([], ["a"], scripts, spelled) == "no replay of 1 training task(s), e.g. a"
+
+
 @needs_sandbox
-def test_a_resumed_run_reuses_its_gold_replays_only_while_they_are_the_demonstrations_it_would_make(taskset,
-                                                                                                  tmp_path):
-    """A resumed replay journal holds a masked replay and, after it, its rerun: the last of each training task is
-    kept, and replays of tasks no longer trained on (another split) are left out rather than refused as held-out
-    data. Saved replays are reused only while they are what this run would replay: a replay of another demonstration
-    script (a newer shipyard's: the 2026-12-07 runs changed how a demonstration reads a long file), or a training
-    task without one, has every task replayed again in sandboxes. A replay whose last turn was cut short (the
-    episode's context ran out) is still its script's."""
+def test_a_resumed_run_replays_only_what_infrastructure_lost_or_everything_when_the_demonstrations_changed(
+        taskset, tmp_path):
+    """Saved replays are an eval journal: on a resume, the replays an infrastructure failure left without a grade are
+    made again and the others kept; the last replay of each training task is used, and replays of tasks no longer
+    trained on (another split) are left out rather than refused as held-out data. When the demonstrations changed,
+    every task is replayed."""
     from shipyard.models.resolve import load_tokenizer
     from shipyard.rl.sft import gold_rollouts, stale_replays
     from shipyard.rollout.gold import gold_scripts
+    from shipyard.rollout.record import read_rollout_lines
     from shipyard.tasks.taskset import list_tasks
 
     tasks_dir = taskset[0]
@@ -197,29 +244,29 @@ def test_a_resumed_run_reuses_its_gold_replays_only_while_they_are_the_demonstra
     chat = ChatFormat(load_tokenizer(config.model.name), default_tools(), tags=config.episode.loop.tags)
     a, b = list_tasks(tasks_dir)[:2]
     scripts = gold_scripts(tasks_dir, [a, b], chat.tokenizer)
+    out, messages = tmp_path / "gold.jsonl", []
+    first = gold_rollouts(config, tasks_dir, [a, b], chat, out, messages.append)
+    assert sorted((r.task_id, r.reward) for r in first) == [(a, 1.0), (b, 1.0)]
+    assert stale_replays(first, [a, b], scripts, chat) is None
 
-    def saved(task: str, texts: list[str], reward: float | None = 1.0) -> Rollout:
-        rollout = _rollout(task, reward=reward, turns=len(texts))
-        for turn, text in zip(rollout.trajectory.turns, texts, strict=True):
-            turn.text = text
-        rollout.seed = 7  # a reused replay keeps it; one made again has the eval's seed
-        return rollout
-
-    cut = scripts[b][:-1] + [scripts[b][-1][:10]]
-    out = _write(tmp_path / "gold.jsonl", [saved(a, scripts[a], reward=None), saved(b, cut), saved(a, scripts[a]),
-                                           saved("held-out-now", ["x"])])
-    messages: list[str] = []
+    records = read_rollout_lines(out)
+    for r in records:
+        r.worker = "kept"  # what a replay made again would not have
+    of_a = next(r for r in records if r.task_id == a)
+    lost = replace(of_a, reward=None, status="infra_error", trajectory=None, worker="lost")
+    other = replace(of_a, task_id="held-out-now", group_id="held-out-now@eval", worker="other")
+    _write(out, [*(r for r in records if r.task_id != a), lost, other])  # a's replay lost to its sandbox
     got = gold_rollouts(config, tasks_dir, [a, b], chat, out, messages.append)
-    assert sorted((r.task_id, r.reward, r.seed) for r in got) == [(a, 1.0, 7), (b, 1.0, 7)] and messages == []
+    assert "1 replay(s) ended without a grade" in messages[-2]  # then "replaying 2 gold demonstrations"
+    assert sorted((r.task_id, r.reward, r.worker == "kept") for r in got) == [(a, 1.0, False), (b, 1.0, True)]
 
-    assert stale_replays([saved(a, scripts[a])], [a, b], scripts, chat) == f"no replay of 1 training task(s), e.g. {b}"
-    changed = scripts[a][:-1] + ["Done."]  # what an older shipyard's demonstration ended with, say
-    _write(out, [saved(a, changed), saved(b, scripts[b])])
+    last = of_a.trajectory.turns[-1]  # an older script's last message, say
+    last.completion_ids = chat.completion_ids("Done.")
+    last.logprobs = [0.0] * len(last.completion_ids)
+    _write(out, [of_a, next(r for r in records if r.task_id == b)])
     got = gold_rollouts(config, tasks_dir, [a, b], chat, out, messages.append)
-    assert "1 replay(s) differ from the demonstration this shipyard writes" in messages[0]
-    assert sorted((r.task_id, r.reward) for r in got) == [(a, 1.0), (b, 1.0)]
-    assert all(r.seed != 7 for r in got)  # both replayed again
-    assert all([t.text for t in r.trajectory.turns] == scripts[r.task_id] for r in got)
+    assert "1 replay(s) differ from the demonstration this shipyard writes" in messages[-2]
+    assert sorted((r.task_id, r.reward, r.worker == "kept") for r in got) == [(a, 1.0, False), (b, 1.0, False)]
     assert stale_replays(got, [a, b], scripts, chat) is None
 
 

@@ -133,15 +133,19 @@ def test_the_summary_counts_calls_by_tool_and_progress_on_the_failing_tests_shor
     rs = [graded(0, (1, 4)), graded(1, (4, 4), reward=1.0), graded(2, (0, 2)), graded(3, None),
           rollout("t", 4, None, cause="sandbox died")]  # masked: not counted
     odd = rs[0].trajectory.turns[0].calls
-    odd += [CallRecord(1, "intersect", {"a": 1}, "", "unknown tool", 0.0), CallRecord(2, None, None, "", "bad", 0.0)]
+    odd += [CallRecord(1, "intersect", {"a": 1}, "", "unknown tool", 0.0, error_kind="unknown_tool"),
+            CallRecord(2, None, None, "", "bad", 0.0, error_kind="malformed"),
+            CallRecord(3, None, None, "", "not closed", 0.0, error_kind="truncated"),
+            CallRecord(4, "codebase_search", {"query": "q"}, "", "unknown tool", 0.0, error_kind="unknown_tool")]
     doc = results({"t": rs}, [1], config={}, wall_seconds=1.0)
     overall = doc["overall"]
     assert overall["fail_to_pass"] == {"mean": pytest.approx((0.25 + 1.0 + 0.0 + 0.0) / 4), "some": 1}
-    assert overall["calls_by_tool"] == {"read_file": 8, "(not a tool)": 1, "(unparsed)": 1}
+    # codebase_search is a tool, but not one this episode offered (it had no searcher)
+    assert overall["calls_by_tool"] == {"read_file": 8, "(not a tool)": 2, "(unparsed)": 1, "(cut off)": 1}
     assert next(iter(overall["calls_by_tool"])) == "read_file"  # most called first
     table = markdown(doc)
     assert "failing tests made to pass: 0.312 of each task's" in table and "1 rollouts made some pass" in table
-    assert "calls by tool: read_file 8, (not a tool) 1, (unparsed) 1" in table
+    assert "calls by tool: read_file 8, (not a tool) 2, (unparsed) 1, (cut off) 1" in table
 
 
 @pytest.mark.parametrize("cause, kind", [
