@@ -440,6 +440,8 @@ def eval_(
     task: list[str] | None = typer.Option(None, "--task", help="Evaluate only this task id (repeatable)."),
     concurrency: int = typer.Option(4, "--concurrency", min=1, help="Episodes at once."),
     max_turns: int = typer.Option(30, "--max-turns", min=1),
+    max_tokens: int = typer.Option(32_768, "--max-tokens", min=1, help="Token budget of an episode: its prompt and "
+                                   "every turn (the context the engine must hold)."),
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", min=1, help="Token budget of one turn."),
     temperature: float = typer.Option(0.7, min=0.0),
     seed: int = typer.Option(0, help="Run seed: sample i of task T draws with a seed derived from (seed, T, i)."),
@@ -470,7 +472,8 @@ def eval_(
             need(tasks is not None and model is not None, "eval needs --tasks DIR and --model M (or --compare A.json "
                  "B.json)")
             need(rollouts_path is not None or not resume, "--resume continues the eval journalled in --rollouts FILE")
-            episode = {"max_turns": max_turns, "max_new_tokens": max_new_tokens, "temperature": temperature,
+            episode = {"max_turns": max_turns, "max_tokens": max_tokens, "max_new_tokens": max_new_tokens,
+                       "temperature": temperature,
                        "grade_timeout": grade_timeout, "untagged_calls": untagged, "tags": tags, "search": search}
             run = {"samples": samples, "ks": k or None, "seed": seed, "concurrency": concurrency,
                    "max_infra_retries": retries, "rollout_time_budget": rollout_timeout}

@@ -65,6 +65,7 @@ from typing import Any
 
 from shipyard.bench._common import console, finish, table
 from shipyard.bench._stages import ci_text, newer, read_json, read_lines, run_stage, run_state, write_json
+from shipyard.errors import UsageError
 from shipyard.rollout.eval import bootstrap_mean, paired_difference, task_rates
 
 ARMS = ("base", "sft", "sft+rl", "rl", "sft+rl+hints")
@@ -73,7 +74,9 @@ NO_EVAL = ["--run.evaluate", "false"]  # the benchmark evaluates every arm itsel
 STAGES: dict[str, tuple[str, str | None, list[str]]] = {
     "sft": ("sft", None, []), "sft+rl": ("train", "sft", NO_EVAL), "rl": ("train", None, NO_EVAL),
     "sft+rl+hints": ("train", "sft", [*NO_EVAL, "--hints.enabled", "true"])}
-LOOP_SETTINGS = ("max_turns", "max_new_tokens", "temperature", "untagged_calls", "tags")
+# the episode settings an evaluation is run with (`eval_command`) and compared on; every other [episode.loop] field
+# must keep its default, which `shipyard eval` uses (`uncarried_settings`)
+LOOP_SETTINGS = ("max_turns", "max_tokens", "max_new_tokens", "temperature", "untagged_calls", "tags")
 
 
 def eval_settings(config, held_out: list[str], samples: int) -> dict[str, Any]:
@@ -83,6 +86,19 @@ def eval_settings(config, held_out: list[str], samples: int) -> dict[str, Any]:
             "grade_timeout": config.episode.grade_timeout, **{k: getattr(loop, k) for k in LOOP_SETTINGS}}
 
 
+def uncarried_settings(config) -> list[str]:
+    """The configuration's [episode.loop] settings that the evaluations could not run with (`shipyard eval` takes
+    LOOP_SETTINGS; the rest at their defaults): an arm evaluated under other episode settings than it trained with
+    would be measured on another task."""
+    from dataclasses import fields
+
+    from shipyard.harness.loop import LoopConfig
+
+    loop, default = config.episode.loop, LoopConfig()
+    return [f"{f.name} = {getattr(loop, f.name)!r}" for f in fields(LoopConfig)
+            if f.name not in (*LOOP_SETTINGS, "seed") and getattr(loop, f.name) != getattr(default, f.name)]
+
+
 def eval_command(config, tasks: Path, model: str, held_out: list[str], samples: int, concurrency: int,
                  out: Path) -> list[str]:
     """`shipyard eval` of `model` (an engine's name: `vllm:DIR` samples on a vLLM server) with the configuration's
@@ -90,7 +106,8 @@ def eval_command(config, tasks: Path, model: str, held_out: list[str], samples: 
     loop = config.episode.loop
     return [sys.executable, "-m", "shipyard.cli", "eval", "--tasks", str(tasks), "--model", model,
             *(x for t in held_out for x in ("--task", t)), "--samples", str(samples), "--seed", str(config.run.seed),
-            "--concurrency", str(concurrency), "--max-turns", str(loop.max_turns), "--max-new-tokens",
+            "--concurrency", str(concurrency), "--max-turns", str(loop.max_turns), "--max-tokens",
+            str(loop.max_tokens), "--max-new-tokens",
             str(loop.max_new_tokens), "--temperature", str(loop.temperature), "--grade-timeout",
             str(config.episode.grade_timeout), "--untagged", loop.untagged_calls, "--tags", loop.tags,
             "--device", config.engine.device, *(["--search"] if config.episode.search else []),
@@ -132,6 +149,10 @@ class Bench:
         self.config = load_config(args.config, ["--run.dir", str(self.out), *overrides])
         self.tasks = task_set(self.config, lambda m: console.print(f"[dim]· {m}[/]"))
         self.held_out = sorted(split(self.config, self.tasks)[1])
+        uncarried = uncarried_settings(self.config)
+        if uncarried:
+            raise UsageError(f"{args.config}: [episode.loop] {', '.join(uncarried)}: the benchmark's evaluations "
+                             f"(`shipyard eval`) run with that field's default; leave it at its default")
         self.expected = eval_settings(self.config, self.held_out, args.samples)
         from shipyard.models.vllm_server import PYTHON_ENV
 

@@ -29,8 +29,8 @@ def _doc(rates: dict[str, float], samples: int = 2, **config) -> dict:
                  "turns": 2 + i} for t, r in rates.items() for i in range(samples)]
     return {"tasks": {t: {"pass_at": {"1": r}} for t, r in rates.items()}, "rollouts": rollouts,
             "config": {"task_ids": list(rates), "samples": samples, "seed": 0, "grade_timeout": 300.0,
-                       "loop": {"max_turns": 2, "max_new_tokens": 12, "temperature": 0.7, "untagged_calls": "reject",
-                                "tags": "token"}, **config}}
+                       "loop": {"max_turns": 2, "max_tokens": 4096, "max_new_tokens": 12, "temperature": 0.7,
+                                "untagged_calls": "reject", "tags": "token"}, **config}}
 
 
 def test_pass_figures_pair_arms_by_task():
@@ -73,13 +73,16 @@ def test_behaviour_reads_what_the_arm_did_from_its_eval_and_is_null_for_an_older
 def test_an_evaluation_is_reused_only_when_it_evaluated_the_same_thing():
     doc = _doc({"b": 0.0, "a": 0.0}, model="m")
     expected = {"task_ids": ["a", "b"], "samples": 2, "seed": 0, "grade_timeout": 300.0, "max_turns": 2,
-                "max_new_tokens": 12, "temperature": 0.7, "untagged_calls": "reject", "tags": "token"}
+                "max_tokens": 4096, "max_new_tokens": 12, "temperature": 0.7, "untagged_calls": "reject",
+                "tags": "token"}
     assert learning.eval_mismatch(doc, expected, "m") is None
     assert learning.eval_mismatch(doc, expected, None) is None  # a results file given with --reuse: any model
     assert "model 'm' (here 'other')" in learning.eval_mismatch(doc, expected, "other")
     assert "samples 2 (here 4)" in learning.eval_mismatch(doc, {**expected, "samples": 4}, "m")
     assert "task_ids" in learning.eval_mismatch(doc, {**expected, "task_ids": ["a"]}, "m")
     assert "max_turns" in learning.eval_mismatch(doc, {**expected, "max_turns": 3}, "m")
+    # the context an episode may fill: the 2026-12-07 evaluations ran at shipyard eval's 32768, training at 8192
+    assert "max_tokens 4096 (here 8192)" in learning.eval_mismatch(doc, {**expected, "max_tokens": 8192}, "m")
 
 
 def test_the_evaluations_take_the_configurations_episode_settings(tmp_path):
@@ -87,24 +90,31 @@ def test_the_evaluations_take_the_configurations_episode_settings(tmp_path):
 
     path = tmp_path / "tiny.toml"
     path.write_text(TINY.format(tasks=tmp_path))
-    config = load_config(path, ["--episode.loop.temperature", "0.3", "--episode.loop.tags", "spelled"])
+    config = load_config(path, ["--episode.loop.temperature", "0.3", "--episode.loop.tags", "spelled",
+                                "--episode.loop.max_tokens", "4096"])
     cmd = learning.eval_command(config, tmp_path, "m", ["x", "y"], 3, 2, tmp_path / "e" / "arm.json")
     flags = dict(itertools.pairwise(cmd))  # each option and what follows it
     assert cmd[3] == "eval" and flags["--model"] == "m"
     assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--task"] == ["x", "y"]
     assert (flags["--samples"], flags["--seed"], flags["--max-turns"], flags["--max-new-tokens"]) == \
         ("3", "1", "2", "12")
+    assert flags["--max-tokens"] == "4096"
     assert (flags["--temperature"], flags["--tags"], flags["--grade-timeout"]) == ("0.3", "spelled", "300.0")
     assert flags["--rollouts"] == str(tmp_path / "e" / "arm.rollouts.jsonl")
     settings = learning.eval_settings(config, ["y", "x"], 3)
     assert settings["task_ids"] == ["x", "y"] and settings["temperature"] == 0.3 and settings["seed"] == 1
+    assert settings["max_tokens"] == 4096 and learning.uncarried_settings(config) == []
+    # a loop setting `shipyard eval` cannot take: the evaluations would run another episode than training's
+    other = load_config(path, ["--episode.loop.wall_time", "60"])
+    assert learning.uncarried_settings(other) == ["wall_time = 60.0"]
 
 
 def test_a_stopped_evaluation_is_resumed_only_when_its_journal_is_this_arms(tmp_path):
     from shipyard.rollout.evalrun import settings_path
 
     expected = {"task_ids": ["x"], "samples": 2, "seed": 0, "grade_timeout": 300.0, "max_turns": 8,
-                "max_new_tokens": 384, "temperature": 1.0, "untagged_calls": "accept", "tags": "token"}
+                "max_tokens": 8192, "max_new_tokens": 384, "temperature": 1.0, "untagged_calls": "accept",
+                "tags": "token"}
     model = tmp_path / "export"
     model.mkdir()
     (model / "config.json").write_text("{}")
