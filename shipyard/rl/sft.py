@@ -79,10 +79,12 @@ class Demonstrations:
     read: dict[str, int]  # source → records read
 
     def summary(self, max_new_tokens: int) -> dict[str, Any]:
-        """Counts for RUN/sft/data.json; `over_max_new_tokens`: demonstrations with a turn longer than the episodes'
-        `max_new_tokens`, which the policy learns to write and its episodes then cut."""
+        """Counts for RUN/sft/data.json; `over_max_new_tokens`: demonstrations with a target turn (no failed call:
+        `demonstration_batch`) longer than the episodes' `max_new_tokens`, which the policy learns to write and its
+        episodes then cut."""
         tasks = Counter(r.task_id for r in self.rollouts)
-        longest = [max((len(t.completion_ids) for t in r.trajectory.turns), default=0) for r in self.rollouts]
+        longest = [max((len(t.completion_ids) for t in r.trajectory.turns if not t.failed_calls), default=0)
+                   for r in self.rollouts]
         return {"demonstrations": len(self.rollouts), "tasks": len(tasks), "read": self.read, "dropped": self.dropped,
                 "tokens": sum(r.trajectory.sampled_tokens for r in self.rollouts if r.trajectory),
                 "longest_turn": max(longest, default=0),

@@ -52,6 +52,21 @@ def test_why_dropped_keeps_only_clean_solved_trajectories():
     assert why_dropped(replace(_rollout("a"), trajectory=None)) == "no_trajectory"
 
 
+def test_the_data_summary_counts_demonstrations_whose_target_turns_the_episodes_would_cut():
+    """A target turn longer than the episodes' max_new_tokens is one the policy learns to write and its episodes then
+    cut (2026-12-07: 32 of 120 gold demonstrations over 384); a turn whose call failed is context, never counted."""
+    from shipyard.harness.trajectory import CallRecord
+    from shipyard.rl.sft import Demonstrations
+
+    long, failed = _rollout("a", turns=2), _rollout("b", turns=2)
+    long.trajectory.turns[1].completion_ids = list(range(10))
+    failed.trajectory.turns[1].completion_ids = list(range(10))
+    failed.trajectory.turns[1].calls = [CallRecord(0, "read_file", {"path": "x"}, "", "no such file", 0.0)]
+    summary = Demonstrations([long, failed], {}, {}).summary(max_new_tokens=5)
+    assert (summary["over_max_new_tokens"], summary["longest_turn"]) == (1, 10)
+    assert Demonstrations([long], {}, {}).summary(max_new_tokens=10)["over_max_new_tokens"] == 0
+
+
 def test_read_rollouts_reads_eval_files_and_run_directories_and_names_a_bad_line(tmp_path):
     from shipyard.errors import FileFormatError, InputNotFound
     from shipyard.rl.sft import read_rollouts
