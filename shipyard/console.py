@@ -13,6 +13,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from shipyard.errors import UserError
 from shipyard.models.bundled import BUNDLED
@@ -32,7 +33,7 @@ def user_errors():
     try:
         yield
     except UserError as e:
-        console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)  # "[vllm] python" is not markup
         raise typer.Exit(2) from None
 
 
@@ -45,7 +46,7 @@ def progress_bar(title: str, fields: str):
 
 
 def status_line(message: str) -> None:
-    console.print(f"[dim]· {message}[/]")
+    console.print(f"[dim]· {escape(message)}[/]")
 
 
 def print_notes(notes) -> None:

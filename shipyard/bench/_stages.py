@@ -80,8 +80,8 @@ def newer(a: Path, b: Path) -> bool:
 
 def run_state(run: Path) -> dict[str, Any]:
     """A training run directory as a benchmark sees it: status (and when it began: `started`, kept across resumes),
-    steps and the longest one's seconds, its recorded split, starting model and `run.max_minutes`, the
-    grounded-validity curve of its steps."""
+    steps and the longest one's seconds, its recorded split, starting model, episode settings (`loop`) and
+    `run.max_minutes`, the grounded-validity curve of its steps."""
     status = read_json(run / "run.json")
     saved = tomllib.loads((run / "config.toml").read_text()) if (run / "config.toml").is_file() else {}
     steps = [m for m in read_lines(run / "metrics.jsonl") if m.get("step", 0) > 0]
@@ -92,6 +92,7 @@ def run_state(run: Path) -> dict[str, Any]:
             "error": status.get("error"), "export": (run / "export" / "config.json").is_file(),
             "held_out": sorted(saved.get("run", {}).get("held_out", [])), "model": saved.get("model", {}).get("name"),
             "steps": len(steps), "grounded": [m.get("tools/grounded_fraction") for m in steps if "tools/calls" in m],
+            "loop": saved.get("episode", {}).get("loop", {}),
             "updated": status.get("updated"),
             "recorded_seconds": status["updated"] - status["started"] if "started" in status else None}
 

@@ -60,6 +60,7 @@ import argparse
 import shlex
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,12 @@ def uncarried_settings(config) -> list[str]:
     loop, default = config.episode.loop, LoopConfig()
     return [f"{f.name} = {getattr(loop, f.name)!r}" for f in fields(LoopConfig)
             if f.name not in (*LOOP_SETTINGS, "seed") and getattr(loop, f.name) != getattr(default, f.name)]
+
+
+def episode_differences(loop: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    """The LOOP_SETTINGS in which a stage's episodes (`loop`: [episode.loop] as its config records it) differ from
+    the evaluations' (`expected`, `eval_settings`)."""
+    return [f"{k} {loop.get(k)!r} (evaluations: {expected[k]!r})" for k in LOOP_SETTINGS if loop.get(k) != expected[k]]
 
 
 def eval_command(config, tasks: Path, model: str, held_out: list[str], samples: int, concurrency: int,
@@ -147,12 +154,21 @@ class Bench:
 
         self.args, self.overrides, self.out = args, overrides, args.out
         self.config = load_config(args.config, ["--run.dir", str(self.out), *overrides])
-        self.tasks = task_set(self.config, lambda m: console.print(f"[dim]· {m}[/]"))
-        self.held_out = sorted(split(self.config, self.tasks)[1])
         uncarried = uncarried_settings(self.config)
         if uncarried:
-            raise UsageError(f"{args.config}: [episode.loop] {', '.join(uncarried)}: the benchmark's evaluations "
-                             f"(`shipyard eval`) run with that field's default; leave it at its default")
+            raise UsageError(f"{args.config} (with this command's overrides): [episode.loop] {', '.join(uncarried)}: "
+                             f"the benchmark's evaluations (`shipyard eval`) run with that field's default; leave "
+                             f"it at its default")
+        expected = eval_settings(self.config, [], args.samples)
+        for flag, extra in (("--sft-args", args.sft_args), ("--rl-args", args.rl_args)):
+            stage = load_config(args.config, ["--run.dir", str(self.out), *overrides, *shlex.split(extra)])
+            differ = episode_differences(asdict(stage.episode.loop), expected) + uncarried_settings(stage)
+            if differ:
+                raise UsageError(f"{flag} changes the stage's episodes ([episode.loop] {', '.join(differ)}): every "
+                                 f"arm is evaluated with the episodes it trained with; give episode settings in the "
+                                 f"configuration or as the benchmark's own overrides")
+        self.tasks = task_set(self.config, lambda m: console.print(f"[dim]· {m}[/]"))
+        self.held_out = sorted(split(self.config, self.tasks)[1])
         self.expected = eval_settings(self.config, self.held_out, args.samples)
         from shipyard.models.vllm_server import PYTHON_ENV
 
@@ -307,6 +323,9 @@ class Bench:
                     f"({len(self.held_out)}): it may have trained on an evaluated task")
         if state["model"] not in (None, start) and Path(state["model"]).resolve() != Path(start).resolve():
             return f"it started from {state['model']}, not {start}"
+        differ = episode_differences(state["loop"], self.expected) if state["loop"] else []
+        if differ:
+            return f"its episodes are not the evaluations' ([episode.loop] {', '.join(differ)})"
         return None
 
     def evaluate(self, arm: str) -> dict[str, Any] | None:

@@ -88,6 +88,11 @@ class LoopConfig:
     tags: Tags = "token"  # the call tags as the tag tokens or spelled in ordinary ones: see shipyard.harness.wire
     overview_entries: int = 60  # files listed in the first user turn (0: none)
 
+    def __post_init__(self) -> None:
+        if min(self.max_turns, self.max_tokens, self.max_new_tokens) < 1:
+            raise ValueError(f"episode.loop max_turns, max_tokens and max_new_tokens must be at least 1, got "
+                             f"{self.max_turns}, {self.max_tokens} and {self.max_new_tokens}")
+
 
 class ToolExecutor:
     """Runs one turn's calls with the results of running them in call order, as concurrently as that allows.

@@ -176,6 +176,13 @@ def test_tags_default_follows_the_final_model(tmp_path):
         load_config(bundled, ["--episode.loop.tags", "auto"])
 
 
+def test_an_episode_with_no_turn_or_token_to_spend_is_refused_when_the_config_is_read():
+    """`--episode.loop.max_tokens 0` was accepted and every episode stopped before its first turn, scored 0."""
+    for key in ("max_turns", "max_tokens", "max_new_tokens"):
+        with pytest.raises(ConfigError, match="must be at least 1"):
+            load_config(CPU, [f"--episode.loop.{key}", "0"])
+
+
 def test_seeds_follow_run_seed_unless_set(tmp_path):
     config = load_config(write(tmp_path, "[run]\nseed = 7\n"), ["--run.seed", "9"])
     assert config.trainer.seed == config.rollout.run_seed == 9

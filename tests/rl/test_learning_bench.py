@@ -109,6 +109,28 @@ def test_the_evaluations_take_the_configurations_episode_settings(tmp_path):
     assert learning.uncarried_settings(other) == ["wall_time = 60.0"]
 
 
+def test_a_stage_whose_episodes_are_not_the_evaluations_is_refused_before_anything_runs(tmp_path):
+    """Every arm is evaluated with the episodes it trained with: a stage argument that changes them is refused at the
+    start, as one line whose `[episode.loop]` survives the console's markup; a stage run under other episodes is
+    not reused."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "shipyard.cli", "bench", "learning", "--", "--config",
+                           str(Path(__file__).parents[2] / "configs" / "learning.toml"), "--out", str(tmp_path / "o"),
+                           "--rl-args", "--episode.loop.max_tokens 1024"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "COLUMNS": "300"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--rl-args changes the stage's episodes ([episode.loop] max_tokens 1024 (evaluations: 8192))" in \
+        " ".join((proc.stdout + proc.stderr).split())
+    assert not (tmp_path / "o").exists()  # refused before the task set was made or anything written
+    expected = {"max_turns": 8, "max_tokens": 8192, "max_new_tokens": 2048, "temperature": 1.0,
+                "untagged_calls": "accept", "tags": "spelled"}
+    assert learning.episode_differences(dict(expected), expected) == []
+    assert learning.episode_differences({**expected, "max_new_tokens": 384}, expected) == [
+        "max_new_tokens 384 (evaluations: 2048)"]
+
+
 def test_a_stopped_evaluation_is_resumed_only_when_its_journal_is_this_arms(tmp_path):
     from shipyard.rollout.evalrun import settings_path
 
