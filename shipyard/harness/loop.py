@@ -269,6 +269,11 @@ class Agent:
         first_calls = FirstCalls()
         while traj.stop_reason is None:
             budget = cfg.max_tokens - len(context)
+            if budget <= 0 and not traj.turns:  # not the model's doing: the task does not fit the episode
+                _infra_error(traj, "prompt", PromptTooLong(
+                    f"the first prompt is {len(context)} tokens, over episode.loop.max_tokens = {cfg.max_tokens}: "
+                    f"raise it, or shorten the statement (or episode.loop.overview_entries)"))
+                break
             if budget <= 0:
                 traj.stop_reason = "max_tokens"
                 break
@@ -359,6 +364,11 @@ def _note_cut(parsed: ParsedTurn, max_tokens: int) -> None:
             call.error += (f"\nYour turn was cut off at the limit of {max_tokens} new tokens per turn "
                            "(max_new_tokens): write shorter calls (edit with search_replace rather than rewriting a "
                            "whole file; split long work over several turns).")
+
+
+class PromptTooLong(InfraError):
+    """An episode's first prompt (system, tools, statement, overview) is over its token budget: it cannot run, and a
+    reward of 0 would score the configuration as the model's failure. Masked with its cause, as infrastructure is."""
 
 
 def _infra_error(traj: Trajectory, stage: str, error: BaseException) -> None:

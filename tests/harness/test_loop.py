@@ -138,6 +138,10 @@ def test_max_tokens_budget(workspace):
     traj = Agent(engine, workspace, LoopConfig(max_tokens=prompt_len + 1000, overview_entries=0)).run("x")
     assert traj.stop_reason == "max_tokens" and 1 < len(traj.turns) < 20
     assert len(traj.token_ids()) >= prompt_len + 1000
+    # a first prompt over the budget is no episode of the model's: masked with its cause, never a 0
+    short = Agent(engine, workspace, LoopConfig(max_tokens=prompt_len - 1, overview_entries=0)).run("x")
+    assert short.stop_reason == "infra_error" and short.turns == []
+    assert short.meta["infra_error"].startswith(f"prompt: PromptTooLong: the first prompt is {prompt_len} tokens")
 
 
 def test_wall_time(workspace):
