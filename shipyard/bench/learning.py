@@ -60,7 +60,7 @@ import argparse
 import shlex
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +91,6 @@ def uncarried_settings(config) -> list[str]:
     """The configuration's [episode.loop] settings that the evaluations could not run with (`shipyard eval` takes
     LOOP_SETTINGS; the rest at their defaults): an arm evaluated under other episode settings than it trained with
     would be measured on another task."""
-    from dataclasses import fields
-
     from shipyard.harness.loop import LoopConfig
 
     loop, default = config.episode.loop, LoopConfig()
@@ -159,10 +157,12 @@ class Bench:
             raise UsageError(f"{args.config} (with this command's overrides): [episode.loop] {', '.join(uncarried)}: "
                              f"the benchmark's evaluations (`shipyard eval`) run with that field's default; leave "
                              f"it at its default")
-        expected = eval_settings(self.config, [], args.samples)
         for flag, extra in (("--sft-args", args.sft_args), ("--rl-args", args.rl_args)):
+            if not extra:
+                continue
             stage = load_config(args.config, ["--run.dir", str(self.out), *overrides, *shlex.split(extra)])
-            differ = episode_differences(asdict(stage.episode.loop), expected) + uncarried_settings(stage)
+            differ = episode_differences(asdict(stage.episode.loop), asdict(self.config.episode.loop)) + \
+                uncarried_settings(stage)
             if differ:
                 raise UsageError(f"{flag} changes the stage's episodes ([episode.loop] {', '.join(differ)}): every "
                                  f"arm is evaluated with the episodes it trained with; give episode settings in the "

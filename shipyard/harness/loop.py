@@ -269,13 +269,13 @@ class Agent:
         first_calls = FirstCalls()
         while traj.stop_reason is None:
             budget = cfg.max_tokens - len(context)
-            if budget <= 0 and not traj.turns:  # not the model's doing: the task does not fit the episode
-                _infra_error(traj, "prompt", PromptTooLong(
-                    f"the first prompt is {len(context)} tokens, over episode.loop.max_tokens = {cfg.max_tokens}: "
-                    f"raise it, or shorten the statement (or episode.loop.overview_entries)"))
-                break
             if budget <= 0:
-                traj.stop_reason = "max_tokens"
+                if traj.turns:
+                    traj.stop_reason = "max_tokens"
+                else:  # not the model's doing: the task does not fit the episode
+                    _infra_error(traj, "prompt", PromptTooLong(
+                        f"the first prompt is {len(context)} tokens, over episode.loop.max_tokens = {cfg.max_tokens}: "
+                        f"raise it, or shorten the statement (or episode.loop.overview_entries)"))
                 break
             if time.monotonic() - start > cfg.wall_time:
                 traj.stop_reason = "wall_time"
