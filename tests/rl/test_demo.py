@@ -114,7 +114,8 @@ def test_demo_with_a_model_that_learns_nothing_prints_its_table_and_fails(taskse
     args = ["--model.name", "random:tiny", "--run.tasks", str(taskset[0]), "--run.dir", str(tmp_path / "run"),
             "--run.steps", "1", "--run.held_out_count", "1", "--run.eval_samples", "1", "--run.checkpoint_every", "1",
             "--rollout.group_size", "2", "--rollout.max_refills", "0", "--episode.loop.max_turns", "1",
-            "--episode.loop.max_new_tokens", "8", "--trainer.micro_batch", "2"]
+            "--episode.loop.max_new_tokens", "8", "--trainer.micro_batch", "2",
+            "--episode.loop.max_tokens", "12288"]  # the byte tokenizer's first prompt is ~7k tokens, the 0.5B's ~1.7k
     proc = subprocess.run([sys.executable, "-m", "shipyard.cli", "demo", *args], capture_output=True, text=True,
                           timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160",
                                             "SHIPYARD_HOME": str(tmp_path / "home")})
