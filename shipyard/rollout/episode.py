@@ -82,8 +82,9 @@ class WireSettings:
 def wire_defaults(model: str) -> WireSettings:
     """The wire settings of `model` when none are given: a bundled model's recorded ones; a policy exported by
     `shipyard train` (a directory whose shipyard.json has a "wire" table) the ones it was trained with — a policy
-    trained on spelled tags must be evaluated and served with them; else 'reject' and 'token'. FileFormatError for a
-    shipyard.json that cannot be read as one."""
+    trained on spelled tags must be evaluated and served with them; else 'reject' and 'token'. A `vllm:MODEL` server
+    samples MODEL, so it gets MODEL's. FileFormatError for a shipyard.json that cannot be read as one."""
+    model = model.removeprefix("vllm:")
     if model in BUNDLED:
         return WireSettings(BUNDLED[model].untagged_calls, BUNDLED[model].tags)
     record = Path(model) / "shipyard.json"

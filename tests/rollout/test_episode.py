@@ -118,6 +118,7 @@ def test_the_tags_follow_the_model_and_a_trained_export_keeps_its_own(tmp_path):
     assert episode_config("qwen2.5-coder-1.5b").loop.tags == "spelled"
     assert episode_config("smollm2-135m").loop.tags == "token"  # no tag token to spell: the same ids either way
     assert episode_config("random:tiny").loop.tags == "token"
+    assert episode_config("vllm:qwen2.5-coder-0.5b").loop.tags == "spelled"  # a vLLM server of the model writes it
     assert episode_config("qwen2.5-coder-0.5b", tags="token").loop.tags == "token"
     with pytest.raises(ValueError, match="tags must be one of"):
         episode_config("random:tiny", tags="auto")
@@ -128,6 +129,7 @@ def test_the_tags_follow_the_model_and_a_trained_export_keeps_its_own(tmp_path):
                                                                             "tags": "spelled"}}))
     assert (episode_config(str(export)).loop.untagged_calls, episode_config(str(export)).loop.tags) == \
         ("accept", "spelled")
+    assert episode_config(f"vllm:{export}").loop.tags == "spelled"
     for broken in ("{", "[]", json.dumps({"wire": {"tags": "emoji"}}), json.dumps({"wire": {"colour": "red"}})):
         (export / "shipyard.json").write_text(broken)
         with pytest.raises(ValueError, match="shipyard.json"):
