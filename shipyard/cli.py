@@ -418,8 +418,14 @@ def grade(
     raise typer.Exit(0 if verdict.reward == 1.0 else 3 if verdict.reward is None else 1)
 
 
-@app.command("eval")
+@app.command("eval", context_settings=EXTRA_ARGS)
 def eval_(
+    ctx: typer.Context,
+    config: Path | None = typer.Option(None, "--config", help="A run's TOML (configs/learning.toml): the episodes run "
+                                       "with its [episode] (the wire settings of --model unless it sets them), "
+                                       "[engine] device, [model] tokenizer, [vllm] servers (for vllm:MODEL) and [run] "
+                                       "seed. Any field may follow as --SECTION.KEY VALUE "
+                                       "(--episode.loop.max_turns 8); without --config, the defaults."),
     tasks: Path | None = typer.Option(None, "--tasks", help="A task-set directory made by `shipyard synth` (held-out "
                                       "tasks)."),
     model: str | None = typer.Option(None, "--model", "-m", help=MODEL_HELP + " replay:gold replays each task's "
@@ -439,46 +445,36 @@ def eval_(
         "Runs no eval."),
     task: list[str] | None = typer.Option(None, "--task", help="Evaluate only this task id (repeatable)."),
     concurrency: int = typer.Option(4, "--concurrency", min=1, help="Episodes at once."),
-    max_turns: int = typer.Option(30, "--max-turns", min=1),
-    max_tokens: int = typer.Option(32_768, "--max-tokens", min=1, help="Token budget of an episode: its prompt and "
-                                   "every turn (the context the engine must hold)."),
-    max_new_tokens: int = typer.Option(1024, "--max-new-tokens", min=1, help="Token budget of one turn."),
-    temperature: float = typer.Option(0.7, min=0.0),
-    seed: int = typer.Option(0, help="Run seed: sample i of task T draws with a seed derived from (seed, T, i)."),
-    grade_timeout: float = typer.Option(900, "--grade-timeout", min=1, help="Seconds a task's test suite may take."),
     rollout_timeout: float | None = typer.Option(None, "--rollout-timeout", min=1, help="Seconds one attempt may "
                                                  "take; past it the rollout is cancelled and masked."),
     retries: int = typer.Option(2, "--retries", min=0, help="Attempts after an infrastructure failure, then masked."),
     env_server: str | None = typer.Option(None, "--env-server", help="Run sandboxes and grading on this environment "
                                           "server (http://HOST:PORT; it must see --tasks at the same path). "
                                           "Default: bubblewrap sandboxes in this process."),
-    device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, …"),
-    tokenizer: str | None = typer.Option(None, help="Tokenizer for openai:/replay: models (default: inferred)."),
-    untagged: str | None = typer.Option(None, help=UNTAGGED_HELP),
-    tags: str | None = typer.Option(None, help=TAGS_HELP),
-    search: bool = typer.Option(False, "--search", help=SEARCH_HELP),
     baseline: bool = typer.Option(False, "--baseline", help="Also record the per-task pass rates as the model's "
                                   "baseline in TASKS/baseline/MODEL.json (curriculum.baseline reads it)."),
 ) -> None:
     """Evaluate a model on held-out tasks without training: pass@1, unbiased pass@k, effort, infra failures and
-    monitor flags per task and overall (a markdown table on stdout; JSON with --out). Exit 0 when the eval ran
-    (pass@1 0 included), 1 when no rollout could be scored (infrastructure), 2 for a usage error."""
+    monitor flags per task and overall (a markdown table on stdout; JSON with --out). The episodes are configured as
+    a training run's: --config FILE and --SECTION.KEY VALUE overrides (docs/training.md, "Configuration"). Exit 0
+    when the eval ran (pass@1 0 included), 1 when no rollout could be scored (infrastructure), 2 for a usage error."""
     with user_errors():
+        misspelt = [a for a in ctx.args if a.startswith("-") and "." not in a.split("=")[0]]
+        need(not misspelt, f"eval has no option {misspelt[0] if misspelt else ''} (`shipyard eval --help` lists its "
+             "options; the episodes' settings are configuration fields: --SECTION.KEY VALUE, e.g. "
+             "--episode.loop.max_turns 8)")
         if compare_files is not None:
-            need(model is None and tasks is None and not baseline, "--compare reads two result files and runs no "
-                 "eval: leave out --model, --tasks and --baseline")
+            need(model is None and tasks is None and not baseline and config is None and not ctx.args,
+                 "--compare reads two result files and runs no eval: leave out --model, --tasks, --baseline, --config "
+                 "and configuration fields")
             doc, table = compare_shown(*compare_files)
         else:
             need(tasks is not None and model is not None, "eval needs --tasks DIR and --model M (or --compare A.json "
                  "B.json)")
             need(rollouts_path is not None or not resume, "--resume continues the eval journalled in --rollouts FILE")
-            episode = {"max_turns": max_turns, "max_tokens": max_tokens, "max_new_tokens": max_new_tokens,
-                       "temperature": temperature,
-                       "grade_timeout": grade_timeout, "untagged_calls": untagged, "tags": tags, "search": search}
-            run = {"samples": samples, "ks": k or None, "seed": seed, "concurrency": concurrency,
-                   "max_infra_retries": retries, "rollout_time_budget": rollout_timeout}
-            doc, table = eval_shown(tasks, task, model, run, episode, env_server, device, tokenizer, rollouts_path,
-                                    resume)
+            run = {"samples": samples, "ks": k or None, "concurrency": concurrency, "max_infra_retries": retries,
+                   "rollout_time_budget": rollout_timeout}
+            doc, table = eval_shown(tasks, task, model, run, config, ctx.args, env_server, rollouts_path, resume)
     finish_eval(doc, table, out_path, markdown_path, baseline=tasks if baseline else None, check=not compare_files)
 
 

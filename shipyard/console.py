@@ -92,20 +92,24 @@ def compare_shown(a: Path, b: Path) -> tuple[dict, str]:
     return doc, evaluation.compare_markdown(doc)
 
 
-def eval_shown(tasks: Path, task: list[str] | None, model: str, run: dict, episode: dict, env_server: str | None,
-               device: str, tokenizer: str | None, rollouts_path: Path | None, resume: bool) -> tuple[dict, str]:
-    """`shipyard eval`: the tasks selected, the eval's and the episode's settings checked, the eval run with a progress
-    bar (`run_eval_shown`); the results document and its table."""
+def eval_shown(tasks: Path, task: list[str] | None, model: str, run: dict, tree: Path | None, overrides: list[str],
+               env_server: str | None, rollouts_path: Path | None, resume: bool) -> tuple[dict, str]:
+    """`shipyard eval`: the tasks selected and the eval's settings checked; the configuration tree read (`tree`, or
+    the defaults, with `overrides`: the episodes' [episode] with `model`'s wire settings unless set, [engine] device,
+    [model] tokenizer, [vllm] for a vllm: server, [run] seed); the eval run with a progress bar (`run_eval_shown`).
+    The results document and its table."""
     from shipyard.rollout import eval as evaluation
     from shipyard.rollout.evalrun import EvalConfig
     from shipyard.rollout.setup import select_tasks
 
     config = EvalConfig(**run)
     task_ids = select_tasks(tasks, task)
-    from shipyard.rollout.episode import episode_config  # imports torch: after the checks above
+    from shipyard.rl.config import load_config  # imports torch: after the checks above
 
-    doc = run_eval_shown(tasks, task_ids, model, config, episode_config(model, **episode), env_server, device,
-                         tokenizer, rollouts_path, resume)
+    cfg = load_config(tree, overrides, policy=model)
+    config.seed = cfg.run.seed
+    doc = run_eval_shown(tasks, task_ids, model, config, cfg.episode, env_server, cfg.engine.device,
+                         cfg.model.tokenizer, rollouts_path, resume, vllm=cfg.vllm)
     return doc, evaluation.markdown(doc)
 
 
@@ -133,7 +137,7 @@ def finish_eval(doc: dict, table: str, out_path: Path | None, markdown_path: Pat
 
 
 def run_eval_shown(tasks: Path, task_ids: list[str], model: str, config, episode, env_server: str | None, device: str,
-                   tokenizer: str | None, rollouts_path: Path | None, resume: bool = False) -> dict:
+                   tokenizer: str | None, rollouts_path: Path | None, resume: bool = False, vllm=None) -> dict:
     """Open the engine and the environment, run the eval with a progress bar, close both (`shipyard.rollout.setup`)."""
     from shipyard.rollout.eval import passed
     from shipyard.rollout.evalrun import run_eval
@@ -141,7 +145,7 @@ def run_eval_shown(tasks: Path, task_ids: list[str], model: str, config, episode
 
     with console.status(f"loading model {model}"):
         engine = open_engine(model, tasks_dir=tasks, task_ids=task_ids, device=device, tokenizer=tokenizer,
-                             status=status_line, loop=episode.loop)
+                             status=status_line, loop=episode.loop, vllm=vllm)
     with closing(engine):
         try:
             env = open_environment(env_server)

@@ -15,9 +15,10 @@ fine-tuning on solved trajectories — then RL. This benchmark measures each sta
 
 Every arm is evaluated the same way: `shipyard eval` on the arm's model (the base name, or a stage's RUN/export)
 over the same held-out task ids (the configuration's split, computed once here; each training stage's recorded split
-is checked against it, so no stage trained on an evaluated task), with the same samples, seed and episode settings
-(`[episode.loop]` turns, tokens, temperature and wire, `[episode] grade_timeout`, `[run] seed`). One evaluation path
-for all arms: what differs between arms is the weights, nothing else.
+is checked against it, so no stage trained on an evaluated task), with the same samples, under the configuration tree
+itself (`shipyard eval --config`, the tree written beside the results as ARM.config.toml): the stages' `[episode]`
+(every `[episode.loop]` field, `grade_timeout`), `[run] seed` and `[vllm]` servers. One evaluation path for all arms:
+what differs between arms is the weights, nothing else.
 
 **Budgets.** Each training stage gets `--minutes` of wall time in all: `shipyard train` and `shipyard sft` stop
 themselves after the step that reaches the budget less `--eval-reserve` (`run.max_minutes`) and checkpoint; a stage
@@ -67,6 +68,7 @@ from typing import Any
 from shipyard.bench._common import console, finish, table
 from shipyard.bench._stages import ci_text, newer, read_json, read_lines, run_stage, run_state, write_json
 from shipyard.errors import UsageError
+from shipyard.harness.loop import LoopConfig
 from shipyard.rollout.eval import bootstrap_mean, paired_difference, task_rates
 
 ARMS = ("base", "sft", "sft+rl", "rl", "sft+rl+hints")
@@ -75,9 +77,9 @@ NO_EVAL = ["--run.evaluate", "false"]  # the benchmark evaluates every arm itsel
 STAGES: dict[str, tuple[str, str | None, list[str]]] = {
     "sft": ("sft", None, []), "sft+rl": ("train", "sft", NO_EVAL), "rl": ("train", None, NO_EVAL),
     "sft+rl+hints": ("train", "sft", [*NO_EVAL, "--hints.enabled", "true"])}
-# the episode settings an evaluation is run with (`eval_command`) and compared on; every other [episode.loop] field
-# must keep its default, which `shipyard eval` uses (`uncarried_settings`)
-LOOP_SETTINGS = ("max_turns", "max_tokens", "max_new_tokens", "temperature", "untagged_calls", "tags")
+# the episode settings two evaluations (and a stage and its evaluation) are compared on: every [episode.loop] field
+# but the seed, which each rollout's spec replaces
+LOOP_SETTINGS = tuple(f.name for f in fields(LoopConfig) if f.name != "seed")
 
 
 def eval_settings(config, held_out: list[str], samples: int) -> dict[str, Any]:
@@ -85,17 +87,6 @@ def eval_settings(config, held_out: list[str], samples: int) -> dict[str, Any]:
     loop = config.episode.loop
     return {"task_ids": sorted(held_out), "samples": samples, "seed": config.run.seed,
             "grade_timeout": config.episode.grade_timeout, **{k: getattr(loop, k) for k in LOOP_SETTINGS}}
-
-
-def uncarried_settings(config) -> list[str]:
-    """The configuration's [episode.loop] settings that the evaluations could not run with (`shipyard eval` takes
-    LOOP_SETTINGS; the rest at their defaults): an arm evaluated under other episode settings than it trained with
-    would be measured on another task."""
-    from shipyard.harness.loop import LoopConfig
-
-    loop, default = config.episode.loop, LoopConfig()
-    return [f"{f.name} = {getattr(loop, f.name)!r}" for f in fields(LoopConfig)
-            if f.name not in (*LOOP_SETTINGS, "seed") and getattr(loop, f.name) != getattr(default, f.name)]
 
 
 def episode_differences(loop: dict[str, Any], expected: dict[str, Any]) -> list[str]:
@@ -106,17 +97,16 @@ def episode_differences(loop: dict[str, Any], expected: dict[str, Any]) -> list[
 
 def eval_command(config, tasks: Path, model: str, held_out: list[str], samples: int, concurrency: int,
                  out: Path) -> list[str]:
-    """`shipyard eval` of `model` (an engine's name: `vllm:DIR` samples on a vLLM server) with the configuration's
-    episode settings (`eval_settings`)."""
-    loop = config.episode.loop
+    """`shipyard eval` of `model` (an engine's name: `vllm:DIR` samples on a vLLM server) under the configuration
+    tree itself, written beside `out` (OUT.config.toml): the training stages' episodes, [run] seed, [engine] device
+    and [vllm] servers."""
+    from shipyard.rl.config import save_config
+
+    tree = save_config(config, out.with_suffix(".config.toml"), note=f"the configuration of {out.name}'s evaluation")
     return [sys.executable, "-m", "shipyard.cli", "eval", "--tasks", str(tasks), "--model", model,
-            *(x for t in held_out for x in ("--task", t)), "--samples", str(samples), "--seed", str(config.run.seed),
-            "--concurrency", str(concurrency), "--max-turns", str(loop.max_turns), "--max-tokens",
-            str(loop.max_tokens), "--max-new-tokens",
-            str(loop.max_new_tokens), "--temperature", str(loop.temperature), "--grade-timeout",
-            str(config.episode.grade_timeout), "--untagged", loop.untagged_calls, "--tags", loop.tags,
-            "--device", config.engine.device, *(["--search"] if config.episode.search else []),
-            "--out", str(out), "--rollouts", str(out.with_suffix(".rollouts.jsonl"))]
+            *(x for t in held_out for x in ("--task", t)), "--samples", str(samples), "--concurrency",
+            str(concurrency), "--config", str(tree), "--out", str(out), "--rollouts",
+            str(out.with_suffix(".rollouts.jsonl"))]
 
 
 def journal_usable(journal: Path, expected: dict[str, Any], model: str, engine: str) -> bool:
@@ -152,17 +142,11 @@ class Bench:
 
         self.args, self.overrides, self.out = args, overrides, args.out
         self.config = load_config(args.config, ["--run.dir", str(self.out), *overrides])
-        uncarried = uncarried_settings(self.config)
-        if uncarried:
-            raise UsageError(f"{args.config} (with this command's overrides): [episode.loop] {', '.join(uncarried)}: "
-                             f"the benchmark's evaluations (`shipyard eval`) run with that field's default; leave "
-                             f"it at its default")
         for flag, extra in (("--sft-args", args.sft_args), ("--rl-args", args.rl_args)):
             if not extra:
                 continue
             stage = load_config(args.config, ["--run.dir", str(self.out), *overrides, *shlex.split(extra)])
-            differ = episode_differences(asdict(stage.episode.loop), asdict(self.config.episode.loop)) + \
-                uncarried_settings(stage)
+            differ = episode_differences(asdict(stage.episode.loop), asdict(self.config.episode.loop))
             if differ:
                 raise UsageError(f"{flag} changes the stage's episodes ([episode.loop] {', '.join(differ)}): every "
                                  f"arm is evaluated with the episodes it trained with; give episode settings in the "
@@ -170,11 +154,7 @@ class Bench:
         self.tasks = task_set(self.config, lambda m: console.print(f"[dim]· {m}[/]"))
         self.held_out = sorted(split(self.config, self.tasks)[1])
         self.expected = eval_settings(self.config, self.held_out, args.samples)
-        from shipyard.models.vllm_server import PYTHON_ENV
-
         self.engine = sampler(args.engine, self.config)
-        # where the evaluations' vllm: engines find vLLM: the configuration's [vllm] python
-        self.env = {PYTHON_ENV: str(self.config.vllm.python)} if self.engine == "vllm" else {}
         self.runs: dict[str, dict[str, Any]] = {}  # stage or "eval ARM" → what happened
         self.failures: list[str] = []
         self.seconds_path = self.out / "stages.json"  # wall seconds of what ran here, kept for a resumed measurement
@@ -355,12 +335,12 @@ class Bench:
                                self.args.concurrency, path)
         log = self.out / "eval" / f"{arm}.log"
         record = run_stage(key, command + (["--resume"] if resumed else []), log, None,
-                           lambda: len(read_lines(rollouts)), len(self.held_out) * self.args.samples, self.env)
+                           lambda: len(read_lines(rollouts)), len(self.held_out) * self.args.samples)
         if resumed and record["returncode"] == 2:  # eval refused the journal (its own settings check): start over
             rollouts.unlink(missing_ok=True)
             resumed = False
             record = run_stage(key, command, log, None, lambda: len(read_lines(rollouts)),
-                               len(self.held_out) * self.args.samples, self.env)
+                               len(self.held_out) * self.args.samples)
         record = self.ran(key, record, resumed)
         doc = read_json(path)
         if record["returncode"] != 0 or not doc:

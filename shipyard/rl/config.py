@@ -27,8 +27,9 @@ a close-match suggestion here.
 **Derived defaults** follow other settings unless the file or the command line sets them, computed from the final
 values (so `--model.name X` changes what follows the model):
 
-    episode.loop.untagged_calls     wire_defaults(model.name): what `episode_config` does for every episode
-    episode.loop.tags
+    episode.loop.untagged_calls     wire_defaults(model.name): what `episode_config` does for every episode (the
+    episode.loop.tags               model evaluated instead, for `shipyard eval --model M`: `load_config`'s policy)
+    vllm.python                     $SHIPYARD_VLLM_PYTHON, else .venv-vllm/bin/python in the working directory
     trainer.seed, rollout.run_seed  run.seed
     run.tasks                       run.dir / "tasks"
     ray.device, ray.tokenizer       engine.device, the engine's tokenizer (a different explicit value is an error)
@@ -72,7 +73,7 @@ from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, Pri
 
 from shipyard.errors import UsageError
 from shipyard.models.bundled import DEFAULT_MODEL
-from shipyard.models.vllm_server import VLLMConfig
+from shipyard.models.vllm_server import DEFAULT_PYTHON, PYTHON_ENV, VLLMConfig
 from shipyard.rollout.episode import EpisodeConfig, episode_config, wire_defaults
 from shipyard.rollout.scheduler import SchedulerConfig
 from shipyard.tasks.curriculum import CurriculumConfig
@@ -80,6 +81,7 @@ from shipyard.tasks.synth import SynthConfig
 from shipyard.train.trainer import TrainConfig
 
 PROG = "shipyard train CONFIG.toml"
+NO_FILE = "the defaults"  # what a tree read from no file names as its source
 MAX_ROUNDS = 5  # of the derived-defaults fixed point; the longest dependency chain needs 3
 
 
@@ -424,10 +426,13 @@ def _from_file(table: dict, reader: _Reader) -> RLConfig:
     return config
 
 
-def _derived(model: ModelConfig, engine: EngineConfig, run: RunConfig, tasks: Path) -> dict[str, Any]:
-    """The derived defaults (module docstring) from the settings they follow; `tasks`: the task set in effect."""
-    wire = wire_defaults(model.name)
+def _derived(model: ModelConfig, engine: EngineConfig, run: RunConfig, tasks: Path,
+             policy: str | None) -> dict[str, Any]:
+    """The derived defaults (module docstring) from the settings they follow; `tasks`: the task set in effect,
+    `policy`: the model whose wire settings the episodes take (None: model.name)."""
+    wire = wire_defaults(policy or model.name)
     return {"episode.loop.untagged_calls": wire.untagged_calls, "episode.loop.tags": wire.tags,
+            "vllm.python": Path(os.path.abspath(os.environ.get(PYTHON_ENV) or DEFAULT_PYTHON)),
             "trainer.seed": run.seed, "rollout.run_seed": run.seed,
             "run.tasks": Path(os.path.abspath(run.dir / "tasks")),
             "ray.device": engine.device, "ray.tokenizer": engine_tokenizer(model, engine),
@@ -525,30 +530,33 @@ def read_toml(path: Path) -> dict:
             from None
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RLConfig:
-    """The resolved configuration of `path` with command-line `overrides` (`--trainer.optim.lr 1e-5`, …) applied.
-    ConfigError, naming the file or the command line and the key, for anything wrong."""
-    path = Path(path)
-    table = read_toml(path)
-    reader = _Reader(path, {})
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
+                policy: str | None = None) -> RLConfig:
+    """The resolved configuration of `path` (None: the defaults alone) with command-line `overrides`
+    (`--trainer.optim.lr 1e-5`, …) applied; `policy` names the model the episodes are of when it is not model.name
+    (`shipyard eval --model`: its wire settings are the derived defaults). ConfigError, naming the file or the command
+    line and the key, for anything wrong."""
+    path = Path(path) if path is not None else None
+    table = read_toml(path) if path is not None else {}
+    reader = _Reader(path or Path(NO_FILE), {})  # no file: relative paths are the working directory's
     first = {name: reader.build(cls, table.get(name, {}), name)
              for name, cls in (("model", ModelConfig), ("engine", EngineConfig), ("run", RunConfig))}
     run = first["run"]
     reader.derived = _derived(first["model"], first["engine"], run,
-                              run.tasks or Path(os.path.abspath(run.dir / "tasks")))
+                              run.tasks or Path(os.path.abspath(run.dir / "tasks")), policy)
     for _ in range(MAX_ROUNDS):
         config = _override(_from_file(table, reader), list(overrides)) if overrides else _from_file(table, reader)
         _absolute(config)
-        derived = _derived(config.model, config.engine, config.run, config.run.tasks)
+        derived = _derived(config.model, config.engine, config.run, config.run.tasks, policy)
         if derived == reader.derived:
             break
         reader.derived = derived
     else:
         raise RuntimeError(f"the derived defaults of {path} did not settle in {MAX_ROUNDS} rounds")  # a bug here
-    return _finish(config, path, bool(overrides))
+    return _finish(config, path or NO_FILE, bool(overrides), policy)
 
 
-def _finish(config: RLConfig, path: Path, overridden: bool) -> RLConfig:
+def _finish(config: RLConfig, path: Path | str, overridden: bool, policy: str | None) -> RLConfig:
     where = f"{path}{' with the command-line overrides' if overridden else ''}"
     if config.ray is not None:
         tokenizer = engine_tokenizer(config.model, config.engine)
@@ -561,7 +569,7 @@ def _finish(config: RLConfig, path: Path, overridden: bool) -> RLConfig:
     loop = config.episode.loop
     try:  # the one configuration path of an episode (shipyard.rollout.episode)
         config.episode = episode_config(
-            config.model.name, **{f.name: getattr(loop, f.name) for f in fields(loop)},
+            policy or config.model.name, **{f.name: getattr(loop, f.name) for f in fields(loop)},
             **{f.name: getattr(config.episode, f.name) for f in fields(config.episode) if f.name != "loop"})
     except ValueError as e:
         raise ConfigError(f"{where}: [episode] {e}") from None

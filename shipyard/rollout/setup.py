@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from shipyard.harness.loop import LoopConfig
     from shipyard.models.engine import Engine
     from shipyard.models.lora import LoraConfig
+    from shipyard.models.vllm_server import VLLMConfig
     from shipyard.rollout.environment import Environment
 
 GOLD = "replay:gold"
@@ -62,14 +63,15 @@ def select_tasks(tasks_dir: Path, only: Iterable[str] | None = None) -> list[str
 def open_engine(model: str, *, tasks_dir: Path | None = None, task_ids: list[str] | None = None, device: str = "cpu",
                 tokenizer: str | None = None, lora: LoraConfig | None = None,
                 status: Callable[[str], None] = lambda _: None, loop: LoopConfig | None = None,
-                pushes: bool = False) -> Engine:
+                pushes: bool = False, vllm: VLLMConfig | None = None) -> Engine:
     """The engine `model` denotes (`make_engine`'s names, and `replay:gold`: the gold trajectories of `task_ids` in
     `tasks_dir`, all of the task set's when None). `tokenizer` names the tokenizer of id-only engines (openai:,
     replay:); `lora` attaches a trainer's adapter to a local engine's model; `status` hears what loading is doing
     (downloads, conversions). With `loop`, the episodes' turn budget is fitted to a replay engine
     (`fit_turn_budget`), and a replay with a `tokenizer` encodes its messages as a policy writes them under the loop's
     `tags` (so its rollouts can be SFT demonstrations). With `pushes` (a training run), servers that cannot take
-    weight pushes are refused now. The caller closes the engine."""
+    weight pushes are refused now; a `vllm:` server is started with the settings of `vllm` (a run's [vllm]) when given.
+    The caller closes the engine."""
     if model == GOLD:
         from shipyard.models.resolve import load_tokenizer
         from shipyard.rollout.gold import gold_engine
@@ -89,7 +91,7 @@ def open_engine(model: str, *, tasks_dir: Path | None = None, task_ids: list[str
 
         context = {"max_tokens": loop.max_tokens} if loop is not None else {}  # what a vllm: server must hold
         engine = make_engine(model, device=device, tokenizer=tokenizer, lora=lora, status=status, pushes=pushes,
-                             **context)
+                             vllm=vllm, **context)
     if loop is not None and fit_turn_budget(engine, loop) is not None:
         status(f"a turn's token budget is raised to {loop.max_new_tokens}, the longest recorded message")
     return engine

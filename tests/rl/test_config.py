@@ -176,6 +176,26 @@ def test_tags_default_follows_the_final_model(tmp_path):
         load_config(bundled, ["--episode.loop.tags", "auto"])
 
 
+def test_an_evaluation_reads_the_tree_with_the_wire_of_the_model_it_evaluates(tmp_path, monkeypatch):
+    """`shipyard eval --model M [--config FILE]`: the episodes take M's wire settings unless the file or the command
+    line sets them (a vllm:MODEL server writes as MODEL); no file is the defaults; vLLM's python follows
+    $SHIPYARD_VLLM_PYTHON unless [vllm] python is set."""
+    tiny = write(tmp_path, '[model]\nname = "random:tiny"\n')
+    assert load_config(tiny).episode.loop.tags == "token"
+    assert load_config(tiny, policy=f"vllm:{DEFAULT_MODEL}").episode.loop.tags == "spelled"
+    assert load_config(None, policy=DEFAULT_MODEL).episode.loop.untagged_calls == "accept"
+    assert load_config(None, ["--episode.loop.tags", "token"], policy=DEFAULT_MODEL).episode.loop.tags == "token"
+    explicit = write(tmp_path, '[episode.loop]\ntags = "token"\n', "explicit.toml")
+    assert load_config(explicit, policy=DEFAULT_MODEL).episode.loop.tags == "token"
+    assert load_config(None).episode.loop.max_turns == RLConfig().episode.loop.max_turns  # no file: the defaults
+    monkeypatch.setenv("SHIPYARD_VLLM_PYTHON", str(tmp_path / "venv" / "bin" / "python"))
+    assert load_config(None).vllm.python == tmp_path / "venv" / "bin" / "python"
+    assert load_config(write(tmp_path, '[vllm]\npython = "v/bin/python"\n', "v.toml")).vllm.python == \
+        tmp_path / "v" / "bin" / "python"
+    monkeypatch.delenv("SHIPYARD_VLLM_PYTHON")
+    assert load_config(None).vllm.python == Path.cwd() / ".venv-vllm" / "bin" / "python"
+
+
 def test_an_episode_with_no_turn_or_token_to_spend_is_refused_when_the_config_is_read():
     """`--episode.loop.max_tokens 0` was accepted and every episode stopped before its first turn, scored 0."""
     for key in ("max_turns", "max_tokens", "max_new_tokens"):

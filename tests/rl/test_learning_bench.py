@@ -19,8 +19,15 @@ from tiny_run import CONFIG, run_bench
 
 from shipyard.bench import learning
 from shipyard.bench._stages import run_stage
+from shipyard.harness.loop import LoopConfig
 
 TINY = CONFIG + '\n[sft]\nsources = ["gold"]\nepochs = 1\nbatch_size = 4\n'
+
+
+def loop_settings(**changes) -> dict:
+    """An [episode.loop] as the benchmark compares it (`learning.LOOP_SETTINGS`), these fields changed."""
+    loop = LoopConfig(**changes)
+    return {k: getattr(loop, k) for k in learning.LOOP_SETTINGS}
 
 
 def _doc(rates: dict[str, float], samples: int = 2, **config) -> dict:
@@ -29,8 +36,8 @@ def _doc(rates: dict[str, float], samples: int = 2, **config) -> dict:
                  "turns": 2 + i} for t, r in rates.items() for i in range(samples)]
     return {"tasks": {t: {"pass_at": {"1": r}} for t, r in rates.items()}, "rollouts": rollouts,
             "config": {"task_ids": list(rates), "samples": samples, "seed": 0, "grade_timeout": 300.0,
-                       "loop": {"max_turns": 2, "max_tokens": 4096, "max_new_tokens": 12, "temperature": 0.7,
-                                "untagged_calls": "reject", "tags": "token"}, **config}}
+                       "loop": {**loop_settings(max_turns=2, max_tokens=4096, max_new_tokens=12), "seed": None},
+                       **config}}
 
 
 def test_pass_figures_pair_arms_by_task():
@@ -72,9 +79,8 @@ def test_behaviour_reads_what_the_arm_did_from_its_eval_and_is_null_for_an_older
 
 def test_an_evaluation_is_reused_only_when_it_evaluated_the_same_thing():
     doc = _doc({"b": 0.0, "a": 0.0}, model="m")
-    expected = {"task_ids": ["a", "b"], "samples": 2, "seed": 0, "grade_timeout": 300.0, "max_turns": 2,
-                "max_tokens": 4096, "max_new_tokens": 12, "temperature": 0.7, "untagged_calls": "reject",
-                "tags": "token"}
+    expected = {"task_ids": ["a", "b"], "samples": 2, "seed": 0, "grade_timeout": 300.0,
+                **loop_settings(max_turns=2, max_tokens=4096, max_new_tokens=12)}
     assert learning.eval_mismatch(doc, expected, "m") is None
     assert learning.eval_mismatch(doc, expected, None) is None  # a results file given with --reuse: any model
     assert "model 'm' (here 'other')" in learning.eval_mismatch(doc, expected, "other")
@@ -83,6 +89,8 @@ def test_an_evaluation_is_reused_only_when_it_evaluated_the_same_thing():
     assert "max_turns" in learning.eval_mismatch(doc, {**expected, "max_turns": 3}, "m")
     # the context an episode may fill: the 2026-12-07 evaluations ran at shipyard eval's 32768, training at 8192
     assert "max_tokens 4096 (here 8192)" in learning.eval_mismatch(doc, {**expected, "max_tokens": 8192}, "m")
+    # every loop field: an evaluation under another failure streak or file overview measured another episode
+    assert "max_failed_turns 5 (here 3)" in learning.eval_mismatch(doc, {**expected, "max_failed_turns": 3}, "m")
 
 
 def test_the_evaluations_take_the_configurations_episode_settings(tmp_path):
@@ -96,17 +104,15 @@ def test_the_evaluations_take_the_configurations_episode_settings(tmp_path):
     flags = dict(itertools.pairwise(cmd))  # each option and what follows it
     assert cmd[3] == "eval" and flags["--model"] == "m"
     assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--task"] == ["x", "y"]
-    assert (flags["--samples"], flags["--seed"], flags["--max-turns"], flags["--max-new-tokens"]) == \
-        ("3", "1", "2", "12")
-    assert flags["--max-tokens"] == "4096"
-    assert (flags["--temperature"], flags["--tags"], flags["--grade-timeout"]) == ("0.3", "spelled", "300.0")
+    assert (flags["--samples"], flags["--concurrency"]) == ("3", "2")
     assert flags["--rollouts"] == str(tmp_path / "e" / "arm.rollouts.jsonl")
+    # the evaluation runs under the configuration tree itself, written beside its results: every episode field
+    assert flags["--config"] == str(tmp_path / "e" / "arm.config.toml")
+    assert load_config(flags["--config"], policy="vllm:elsewhere") == config
     settings = learning.eval_settings(config, ["y", "x"], 3)
     assert settings["task_ids"] == ["x", "y"] and settings["temperature"] == 0.3 and settings["seed"] == 1
-    assert settings["max_tokens"] == 4096 and learning.uncarried_settings(config) == []
-    # a loop setting `shipyard eval` cannot take: the evaluations would run another episode than training's
-    other = load_config(path, ["--episode.loop.wall_time", "60"])
-    assert learning.uncarried_settings(other) == ["wall_time = 60.0"]
+    assert settings["max_tokens"] == 4096 and settings["wall_time"] == config.episode.loop.wall_time
+    assert "seed" not in learning.LOOP_SETTINGS and "overview_entries" in learning.LOOP_SETTINGS
 
 
 def test_a_stage_whose_episodes_are_not_the_evaluations_is_refused_before_anything_runs(tmp_path):
@@ -124,8 +130,8 @@ def test_a_stage_whose_episodes_are_not_the_evaluations_is_refused_before_anythi
     assert "--rl-args changes the stage's episodes ([episode.loop] max_tokens 1024 (evaluations: 8192))" in \
         " ".join((proc.stdout + proc.stderr).split())
     assert not (tmp_path / "o").exists()  # refused before the task set was made or anything written
-    expected = {"max_turns": 8, "max_tokens": 8192, "max_new_tokens": 2048, "temperature": 1.0,
-                "untagged_calls": "accept", "tags": "spelled"}
+    expected = loop_settings(max_turns=8, max_tokens=8192, max_new_tokens=2048, temperature=1.0,
+                             untagged_calls="accept", tags="spelled")
     assert learning.episode_differences(dict(expected), expected) == []
     assert learning.episode_differences({**expected, "max_new_tokens": 384}, expected) == [
         "max_new_tokens 384 (evaluations: 2048)"]
@@ -134,9 +140,9 @@ def test_a_stage_whose_episodes_are_not_the_evaluations_is_refused_before_anythi
 def test_a_stopped_evaluation_is_resumed_only_when_its_journal_is_this_arms(tmp_path):
     from shipyard.rollout.evalrun import settings_path
 
-    expected = {"task_ids": ["x"], "samples": 2, "seed": 0, "grade_timeout": 300.0, "max_turns": 8,
-                "max_tokens": 8192, "max_new_tokens": 384, "temperature": 1.0, "untagged_calls": "accept",
-                "tags": "token"}
+    expected = {"task_ids": ["x"], "samples": 2, "seed": 0, "grade_timeout": 300.0,
+                **loop_settings(max_turns=8, max_tokens=8192, max_new_tokens=384, temperature=1.0,
+                                untagged_calls="accept")}
     model = tmp_path / "export"
     model.mkdir()
     (model / "config.json").write_text("{}")

@@ -619,12 +619,33 @@ def result_doc(groups=None, model="m"):
     (["--compare", "{tmp}/a.json", "{tmp}/bad.json"], "bad.json is not a shipyard eval result: not JSON"),
     (["--compare", "{tmp}/a.json", "{tmp}/other.json"], "other.json is not a shipyard eval result: its 'schema'"),
     (["--compare", "{tmp}/a.json", "{tmp}/a.json", "--model", "x"], "--compare reads two result files and runs no"),
+    (["--compare", "{tmp}/a.json", "{tmp}/a.json", "--episode.loop.max_turns", "2"], "leave out --model, --tasks"),
+    (["--tasks", "{tmp}", "--model", "replay:gold", "--max-turns", "2"], "eval has no option --max-turns"),
 ])
 def test_cli_usage_errors_are_one_line_and_exit_2(tmp_path, args, message):
     write(tmp_path / "a.json", result_doc())
     (tmp_path / "bad.json").write_text("{")
     write(tmp_path / "other.json", {"schema": "something/else"})
     line = one_error_line(shipyard("eval", *(a.format(tmp=tmp_path) for a in args)))
+    assert message.format(tmp=tmp_path) in line
+
+
+@needs_sandbox
+@pytest.mark.parametrize("args, message", [
+    (["--sampels", "2"], "eval has no option --sampels"),
+    (["--episode.loop.max_turnz", "2"], "did you mean --episode.loop.max_turns"),
+    (["--episode.loop.max_turns", "0"], "must be at least 1"),
+    (["--episode.loop.tags", "emoji"], "tags"),
+    (["--config", "{tmp}/none.toml"], "none.toml: the configuration file does not exist"),
+    (["--config", "{tmp}/bad.toml"], "bad.toml: unknown key 'episode.loop.max_turnz'"),
+    (["--config", "{tmp}/bad.toml", "--episode.loop.max_turns", "2"], "bad.toml: unknown key"),
+])
+def test_cli_eval_episodes_are_configured_by_the_configuration_tree_with_its_errors(taskset, tmp_path, args, message):
+    """The episodes' settings are the training run's configuration tree (a file and --SECTION.KEY overrides), checked
+    as `shipyard train` checks them; a flag eval does not have is named as such, not taken for a field."""
+    (tmp_path / "bad.toml").write_text("[episode.loop]\nmax_turnz = 2\n")
+    line = one_error_line(shipyard("eval", "--tasks", taskset[0], "--model", "replay:gold",
+                                   *(a.format(tmp=tmp_path) for a in args)))
     assert message.format(tmp=tmp_path) in line
 
 
@@ -646,13 +667,18 @@ def test_cli_compare_prints_deltas_writes_json_and_imports_no_model_library(tmp_
 def test_cli_eval_gold_then_nothing_then_compare(taskset, tmp_path, source_copy):
     tasks_dir, _, _ = taskset
     task = sorted(p.name for p in tasks_dir.iterdir() if (p / "task.json").is_file())[0]
+    (tmp_path / "run.toml").write_text("[run]\nseed = 3\n[episode]\ngrade_timeout = 120.0\n"
+                                       "[episode.loop]\nmax_turns = 9\ntemperature = 0.9\n")
     gold = shipyard("eval", "--tasks", tasks_dir, "--task", task, "--model", "replay:gold", "--samples", "2",
                     "--out", tmp_path / "gold.json", "--markdown", tmp_path / "gold.md", "--rollouts",
-                    tmp_path / "r.jsonl", "--concurrency", "2")
+                    tmp_path / "r.jsonl", "--concurrency", "2", "--config", tmp_path / "run.toml",
+                    "--episode.loop.temperature", "0.5")
     assert gold.returncode == 0, gold.stderr[-3000:]
     doc = load_results(tmp_path / "gold.json")
     assert doc["overall"]["pass_at"] == {"1": 1.0, "2": 1.0} and doc["config"]["model"] == "replay:gold"
     assert doc["config"]["samples"] == 2 and doc["config"]["task_ids"] == [task]
+    c = doc["config"]  # the file's episode settings, the command line's over them
+    assert (c["seed"], c["grade_timeout"], c["loop"]["max_turns"], c["loop"]["temperature"]) == (3, 120.0, 9, 0.5)
     assert "| **overall** | 1.000 | 1.000 | 2/2 |" in gold.stdout and (tmp_path / "gold.md").read_text() == gold.stdout
     records = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(r["reward"] == 1.0 and r["trajectory"]["patch"] for r in records)

@@ -32,7 +32,8 @@ def test_a_vllm_engine_without_vllms_venv_says_how_to_make_one(tmp_path, monkeyp
 
 def eval_cli(tasks, task, model, out, rollouts, *extra):
     return subprocess.run([sys.executable, "-m", "shipyard.cli", "eval", "--tasks", str(tasks), "--task", task,
-                           "--model", model, "--samples", "2", "--max-turns", "2", "--max-new-tokens", "24",
+                           "--model", model, "--samples", "2", "--episode.loop.max_turns", "2",
+                           "--episode.loop.max_new_tokens", "24",
                            "--concurrency", "2", "--out", str(out), "--rollouts", str(rollouts), *extra],
                           capture_output=True, text=True, timeout=900)
 

@@ -137,4 +137,4 @@ def test_eval_baseline_needs_an_eval_to_record(tmp_path):
     from shipyard.cli import app
 
     r = CliRunner().invoke(app, ["eval", "--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--baseline"])
-    assert r.exit_code == 2 and "leave out --model, --tasks and --baseline" in r.output, r.output
+    assert r.exit_code == 2 and "leave out --model, --tasks, --baseline" in r.output, r.output
