@@ -15,6 +15,7 @@ from contextlib import closing
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from shipyard.console import (
     EXTRA_ARGS,
@@ -160,12 +161,13 @@ def demo(ctx: typer.Context) -> None:
 
     with user_errors():
         cfg = demo_config(ctx.args)
-        console.print(f"[bold]demo[/]: {cfg.run.steps} RL steps of {cfg.model.name} on tasks synthesized from "
-                      f"{cfg.run.synth_from}; run directory {cfg.run.dir}")
+        console.print(f"[bold]demo[/]: {cfg.run.steps} RL steps of {escape(cfg.model.name)} on tasks synthesized "
+                      f"from {escape(str(cfg.run.synth_from))}; run directory {escape(str(cfg.run.dir))}")
         try:
             result = report(train_shown(cfg, ["demo", *ctx.args]), cfg.run.steps)
         except InfraError as e:  # the run gave up: its run.json, eval/ and rollouts.jsonl hold what happened
-            console.print(f"[bold red]the loop failed:[/] {e} (run directory {cfg.run.dir})", soft_wrap=True)
+            console.print(f"[bold red]the loop failed:[/] {escape(str(e))} (run directory {escape(str(cfg.run.dir))})",
+                          soft_wrap=True)
             raise typer.Exit(1) from None
     console.print(*result.tables())
     sys.stdout.write(json.dumps({"run": str(cfg.run.dir), **result.to_json()}, default=str) + "\n")  # one line, last
@@ -395,7 +397,8 @@ def pack(
 
     with user_errors():
         projects, count = write_pack(tasks, out_path)
-    console.print(f"[green]{count} tasks[/] of {projects} projects in {out_path} ({out_path.stat().st_size:,} bytes)")
+    console.print(f"[green]{count} tasks[/] of {projects} projects in {escape(str(out_path))} "
+                  f"({out_path.stat().st_size:,} bytes)")
 
 
 @app.command()

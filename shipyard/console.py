@@ -45,14 +45,16 @@ def progress_bar(title: str, fields: str):
                     console=console)
 
 
-def status_line(message: str) -> None:
-    console.print(f"[dim]· {escape(message)}[/]")
+def status_line(message: str, to: Console = console) -> None:
+    """One dim line of what a long job is doing; `message` is text, never markup (a path or a test id may hold
+    brackets: `[/tmp/x]` would be a closing tag)."""
+    to.print(f"[dim]· {escape(message)}[/]")
 
 
 def print_notes(notes) -> None:
     """The host's notes (a missing hardening, a fallback taken), one yellow line each."""
     for note in notes:
-        console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+        console.print(f"[yellow]note:[/] {escape(str(note))}", soft_wrap=True)
 
 
 def print_hits(query: str, hits, as_json: bool) -> None:
@@ -123,16 +125,16 @@ def finish_eval(doc: dict, table: str, out_path: Path | None, markdown_path: Pat
     with user_errors():
         evaluation.write_outputs(doc, table, out_path, markdown_path)
         if baseline is not None and doc["overall"]["scored"]:
-            console.print(f"[dim]baseline recorded in {record(doc, baseline, doc['config']['model'])}[/]")
+            status_line(f"baseline recorded in {record(doc, baseline, doc['config']['model'])}")
     sys.stdout.write(table)
     sys.stdout.flush()
     if out_path is not None:
-        console.print(f"[dim]results written to {out_path}[/]")
+        status_line(f"results written to {out_path}")
     if check:
         try:
             evaluation.check_scored(doc)
         except evaluation.EvalFailed as e:
-            console.print(f"[bold red]eval failed:[/] {e}", soft_wrap=True)
+            console.print(f"[bold red]eval failed:[/] {escape(str(e))}", soft_wrap=True)
             raise typer.Exit(1) from None
 
 
@@ -178,13 +180,13 @@ def synth_shown(specs: list[str], out_dir: Path, config, skip_done: bool, pack: 
     total = pack_size(pack) if pack else config.max_tasks * len(specs)
     with progress_bar("[bold]validated tasks", "{task.fields[tried]} tried") as bar:
         job = bar.add_task("synth", total=total, tried=0)
-        kw = {"log": lambda m: bar.console.print(f"[dim]· {m}[/]"),
+        kw = {"log": lambda m: status_line(m, bar.console),  # the repository's test ids: text, never markup
               "progress": lambda a, t: bar.update(job, completed=a, tried=t), "skip_done": skip_done}
         reports = rebuild(pack, out_dir, config, specs, check, **kw) if pack else \
             synthesize_specs(specs, out_dir, config, **kw)
     for report in reports:
-        console.print(f"[green]{len(report.accepted)} tasks[/] of {report.project} in {out_dir} — "
-                      + json.dumps(report.headline()))
+        console.print(f"[green]{len(report.accepted)} tasks[/] of {escape(report.project)} in {escape(str(out_dir))} — "
+                      + escape(json.dumps(report.headline())))
     return reports
 
 

@@ -174,3 +174,27 @@ def test_a_bug_is_not_reported_as_a_mistake(tmp_path, monkeypatch):
     r = CliRunner().invoke(app, ["eval", "--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
     assert r.exit_code == 1 and isinstance(r.exception, ValueError) and str(r.exception) == "a planted bug in compare"
     assert "error:" not in r.output
+
+
+def test_paths_and_test_ids_with_brackets_are_printed_as_text_not_markup(tmp_path):
+    """A task repository's parametrized test ids (`test_open[/etc/passwd]`) and a user's paths reach the status lines:
+    as markup, `[/etc/passwd]` is a closing tag that matches nothing and rich raised MarkupError mid-synthesis; `[a]`
+    was eaten as a style."""
+    from rich.console import Console
+
+    from shipyard.bench import _common
+    from shipyard.console import status_line
+
+    hostile = "dropped tests/test_io.py::test_open[/etc/passwd] and test_x[bold] in [/tmp/run]"
+    to = Console(record=True, width=300)
+    status_line(hostile, to)
+    assert hostile in to.export_text()
+    saved, _common.console = _common.console, Console(record=True, width=300)
+    try:
+        _common.status(hostile)
+        assert hostile in _common.console.export_text()
+    finally:
+        _common.console = saved
+    runs = tmp_path / "[/x]"
+    r = CliRunner().invoke(app, ["dashboard", "--runs", str(runs)])
+    assert r.exit_code == 2 and f"{runs} is not a directory" in " ".join(r.output.split()), r.output

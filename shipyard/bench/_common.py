@@ -8,9 +8,16 @@ import time
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 console = Console()
+
+
+def status(message: str) -> None:
+    """One dim line of what a benchmark is doing; `message` is text, never markup (paths and test ids hold
+    brackets)."""
+    console.print(f"[dim]· {escape(message)}[/]")
 
 
 def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:

@@ -65,7 +65,9 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from shipyard.bench._common import console, finish, table
+from rich.markup import escape
+
+from shipyard.bench._common import console, finish, status, table
 from shipyard.bench._stages import ci_text, newer, read_json, read_lines, run_stage, run_state, write_json
 from shipyard.errors import UsageError
 from shipyard.harness.loop import LoopConfig
@@ -151,7 +153,7 @@ class Bench:
                 raise UsageError(f"{flag} changes the stage's episodes ([episode.loop] {', '.join(differ)}): every "
                                  f"arm is evaluated with the episodes it trained with; give episode settings in the "
                                  f"configuration or as the benchmark's own overrides")
-        self.tasks = task_set(self.config, lambda m: console.print(f"[dim]· {m}[/]"))
+        self.tasks = task_set(self.config, status)
         self.held_out = sorted(split(self.config, self.tasks)[1])
         self.expected = eval_settings(self.config, self.held_out, args.samples)
         self.engine = sampler(args.engine, self.config)
@@ -526,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse(argv)
     bench = Bench(args, overrides)
     console.print(f"[bold]bench learning[/]: arms {', '.join(args.arms)} on {len(bench.held_out)} held-out tasks × "
-                  f"{args.samples} samples, sampled by the {bench.engine} engine; out {args.out}")
+                  f"{args.samples} samples, sampled by the {bench.engine} engine; out {escape(str(args.out))}")
     args.out.mkdir(parents=True, exist_ok=True)
     docs = {}
     for arm in args.arms:

@@ -40,7 +40,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shipyard.bench._common import console, finish, table
+from rich.markup import escape
+
+from shipyard.bench._common import console, finish, status, table
 from shipyard.bench._stages import ci_text, read_json, read_lines, run_stage, run_state, write_json
 from shipyard.rollout.eval import bootstrap_mean, paired_difference
 
@@ -165,10 +167,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args, overrides = parse(argv)
     config = load_config(args.config, ["--run.dir", str(args.out), *overrides])
-    tasks = task_set(config, lambda m: console.print(f"[dim]· {m}[/]"))  # made once (run.synth_from), shared
+    tasks = task_set(config, status)  # made once (run.synth_from), shared
     plan = arms(config.trainer.optim.lr, args.rank, args.scale)
-    console.print(f"[bold]bench lora[/]: {', '.join(plan)}, {args.steps} RL steps each from {config.model.name} on "
-                  f"{tasks}; out {args.out}")
+    console.print(f"[bold]bench lora[/]: {', '.join(plan)}, {args.steps} RL steps each from "
+                  f"{escape(config.model.name)} on {escape(str(tasks))}; out {escape(str(args.out))}")
     runs, records, failures = {}, {}, []
     made = read_json(args.out / "arms.json")  # arm → the command that trained it (less --run.resume)
     for arm, trainer in plan.items():

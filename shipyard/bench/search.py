@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 from rich.progress import Progress, TimeElapsedColumn
 
-from shipyard.bench._common import console, finish, table
+from shipyard.bench._common import console, finish, status, table
 from shipyard.rollout.demo import EXAMPLE_REPO
 from shipyard.search.embed import SentenceEmbedder
 from shipyard.search.index import CodeIndex, code_words
@@ -154,8 +154,8 @@ def build(corpus: Path, directory: Path, embedder) -> tuple[CodeIndex, float | N
                                                                                            total=total))
     seconds = time.perf_counter() - start
     index.save()
-    console.print(f"[dim]· {corpus.name}: {index.live_chunks()} chunks, {report.chunks_embedded} embedded now, from "
-                  f"{len(report.files_changed)} files in {seconds:.1f} s[/]")
+    status(f"{corpus.name}: {index.live_chunks()} chunks, {report.chunks_embedded} embedded now, from "
+           f"{len(report.files_changed)} files in {seconds:.1f} s")
     return index, report.chunks_embedded / seconds if report.chunks_embedded >= index.live_chunks() else None
 
 

@@ -21,7 +21,9 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-from shipyard.bench._common import console, finish, table
+from rich.markup import escape
+
+from shipyard.bench._common import console, finish, status, table
 from shipyard.rollout.demo import EXAMPLE_REPO
 from shipyard.tasks.sources import Source, resolve
 from shipyard.tasks.synth import SynthConfig, Synthesizer
@@ -31,8 +33,9 @@ PROJECTS = ["cachetools==8.0.1", "parse==1.22.4"]
 
 def synthesize(source: Source, out: Path, config: SynthConfig) -> dict:
     name = source.spec
-    console.print(f"[bold]{name}[/bold]: synthesizing up to {config.max_tasks} tasks from {source.path}")
-    report = Synthesizer(source.path, out, config, log=lambda line: console.print(f"  [dim]{line}[/dim]"),
+    console.print(f"[bold]{escape(name)}[/bold]: synthesizing up to {config.max_tasks} tasks from "
+                  f"{escape(str(source.path))}")
+    report = Synthesizer(source.path, out, config, log=status,
                          project=source.project).run()
     tiers = Counter(int(task_id[1]) for task_id in report.accepted)
     return {"project": name, "stable_tests": report.stable_tests, "excluded_tests": len(report.excluded_tests),

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from shipyard.harness.display import render_end, render_turn
 from shipyard.harness.trajectory import Trajectory
@@ -27,7 +28,7 @@ def run_shown(task: str, repo: Path, engine: Engine, config: EpisodeConfig, cons
     it edits `repo` in place and the trajectory goes to `out` if given (after every turn)."""
     if sandbox_dir is not None:
         for note in host().notes:
-            console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+            console.print(f"[yellow]note:[/] {escape(str(note))}", soft_wrap=True)
         sandbox_dir.mkdir(parents=True, exist_ok=True)
         out = out or sandbox_dir / "trajectory.json"
     console.print(f"[dim]· tool calls without <tool_call> tags: {config.loop.untagged_calls}[/]")
@@ -35,7 +36,8 @@ def run_shown(task: str, repo: Path, engine: Engine, config: EpisodeConfig, cons
 
     def on_workspace(workspace) -> None:
         if sandbox_dir is not None:
-            console.print(f"[dim]· sandbox {workspace.id} over a snapshot of {repo}; {repo} will not be modified[/]")
+            console.print(f"[dim]· sandbox {workspace.id} over a snapshot of {escape(str(repo))}; {escape(str(repo))} "
+                          f"will not be modified[/]")
 
     def on_turn(turn, parsed) -> None:
         status.stop()
@@ -48,8 +50,8 @@ def run_shown(task: str, repo: Path, engine: Engine, config: EpisodeConfig, cons
     render_end(console, traj)
     if sandbox_dir is not None:
         save_artifacts(traj, sandbox_dir)
-        console.print(f"[dim]patch, trajectory and summary written to {sandbox_dir}; apply the patch with "
-                      f"`git apply {sandbox_dir / 'patch.diff'}` in {repo}[/]", soft_wrap=True)
+        console.print(escape(f"patch, trajectory and summary written to {sandbox_dir}; apply the patch with "
+                             f"`git apply {sandbox_dir / 'patch.diff'}` in {repo}"), style="dim", soft_wrap=True)
     elif out:
-        console.print(f"[dim]trajectory saved to {out}[/]")
+        console.print(escape(f"trajectory saved to {out}"), style="dim")
     return traj
