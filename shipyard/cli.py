@@ -9,6 +9,7 @@ other exception is a bug: its traceback is printed and the status is 1.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from contextlib import closing
@@ -28,6 +29,7 @@ from shipyard.console import (
     console,
     eval_shown,
     finish_eval,
+    load_config_help,
     need,
     out,
     print_hits,
@@ -424,11 +426,11 @@ def grade(
 @app.command("eval", context_settings=EXTRA_ARGS)
 def eval_(
     ctx: typer.Context,
-    config: Path | None = typer.Option(None, "--config", help="A run's TOML (configs/learning.toml): the episodes run "
-                                       "with its [episode] (the wire settings of --model unless it sets them), "
-                                       "[engine] device, [model] tokenizer, [vllm] servers (for vllm:MODEL) and [run] "
-                                       "seed. Any field may follow as --SECTION.KEY VALUE "
-                                       "(--episode.loop.max_turns 8); without --config, the defaults."),
+    config: Path | None = typer.Option(None, "--config", help=escape(
+        "A run's TOML (configs/learning.toml): the episodes run with its [episode] (the wire settings of --model "
+        "unless it sets them), [rollout] max_infra_retries and rollout_time_budget, [engine] device, [model] "
+        "tokenizer, [vllm] servers (for vllm:MODEL) and [run] seed. Any field may follow as --SECTION.KEY VALUE "
+        "(--episode.loop.max_turns 8; `shipyard eval -- --help` lists them); without --config, the defaults.")),
     tasks: Path | None = typer.Option(None, "--tasks", help="A task-set directory made by `shipyard synth` (held-out "
                                       "tasks)."),
     model: str | None = typer.Option(None, "--model", "-m", help=MODEL_HELP + " replay:gold replays each task's "
@@ -448,9 +450,6 @@ def eval_(
         "Runs no eval."),
     task: list[str] | None = typer.Option(None, "--task", help="Evaluate only this task id (repeatable)."),
     concurrency: int = typer.Option(4, "--concurrency", min=1, help="Episodes at once."),
-    rollout_timeout: float | None = typer.Option(None, "--rollout-timeout", min=1, help="Seconds one attempt may "
-                                                 "take; past it the rollout is cancelled and masked."),
-    retries: int = typer.Option(2, "--retries", min=0, help="Attempts after an infrastructure failure, then masked."),
     env_server: str | None = typer.Option(None, "--env-server", help="Run sandboxes and grading on this environment "
                                           "server (http://HOST:PORT; it must see --tasks at the same path). "
                                           "Default: bubblewrap sandboxes in this process."),
@@ -462,7 +461,9 @@ def eval_(
     a training run's: --config FILE and --SECTION.KEY VALUE overrides (docs/training.md, "Configuration"). Exit 0
     when the eval ran (pass@1 0 included), 1 when no rollout could be scored (infrastructure), 2 for a usage error."""
     with user_errors():
-        misspelt = [a for a in ctx.args if a.startswith("-") and "." not in a.split("=")[0]]
+        if "--help" in ctx.args:  # `shipyard eval -- --help`: the configuration's fields
+            load_config_help(config)
+        misspelt = [a for a in ctx.args if re.match(r"-+[^-\d.]", a) and "." not in a.split("=")[0]]  # not -1
         need(not misspelt, f"eval has no option {misspelt[0] if misspelt else ''} (`shipyard eval --help` lists its "
              "options; the episodes' settings are configuration fields: --SECTION.KEY VALUE, e.g. "
              "--episode.loop.max_turns 8)")
@@ -475,8 +476,7 @@ def eval_(
             need(tasks is not None and model is not None, "eval needs --tasks DIR and --model M (or --compare A.json "
                  "B.json)")
             need(rollouts_path is not None or not resume, "--resume continues the eval journalled in --rollouts FILE")
-            run = {"samples": samples, "ks": k or None, "concurrency": concurrency, "max_infra_retries": retries,
-                   "rollout_time_budget": rollout_timeout}
+            run = {"samples": samples, "ks": k or None, "concurrency": concurrency}
             doc, table = eval_shown(tasks, task, model, run, config, ctx.args, env_server, rollouts_path, resume)
     finish_eval(doc, table, out_path, markdown_path, baseline=tasks if baseline else None, check=not compare_files)
 

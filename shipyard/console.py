@@ -97,9 +97,11 @@ def compare_shown(a: Path, b: Path) -> tuple[dict, str]:
 def eval_shown(tasks: Path, task: list[str] | None, model: str, run: dict, tree: Path | None, overrides: list[str],
                env_server: str | None, rollouts_path: Path | None, resume: bool) -> tuple[dict, str]:
     """`shipyard eval`: the tasks selected and the eval's settings checked; the configuration tree read (`tree`, or
-    the defaults, with `overrides`: the episodes' [episode] with `model`'s wire settings unless set, [engine] device,
-    [model] tokenizer, [vllm] for a vllm: server, [run] seed); the eval run with a progress bar (`run_eval_shown`).
-    The results document and its table."""
+    the defaults, with `overrides`: the episodes' [episode] with `model`'s wire settings unless set, [rollout]
+    max_infra_retries and rollout_time_budget, [engine] device, [model] tokenizer, [vllm] for a vllm: server, [run]
+    seed); the eval run with a progress bar (`run_eval_shown`). The results document and its table."""
+    from dataclasses import replace
+
     from shipyard.rollout import eval as evaluation
     from shipyard.rollout.evalrun import EvalConfig
     from shipyard.rollout.setup import select_tasks
@@ -109,7 +111,8 @@ def eval_shown(tasks: Path, task: list[str] | None, model: str, run: dict, tree:
     from shipyard.rl.config import load_config  # imports torch: after the checks above
 
     cfg = load_config(tree, overrides, policy=model)
-    config.seed = cfg.run.seed
+    config = replace(config, seed=cfg.run.seed, max_infra_retries=cfg.rollout.max_infra_retries,
+                     rollout_time_budget=cfg.rollout.rollout_time_budget)
     doc = run_eval_shown(tasks, task_ids, model, config, cfg.episode, env_server, cfg.engine.device,
                          cfg.model.tokenizer, rollouts_path, resume, vllm=cfg.vllm)
     return doc, evaluation.markdown(doc)
@@ -136,6 +139,14 @@ def finish_eval(doc: dict, table: str, out_path: Path | None, markdown_path: Pat
         except evaluation.EvalFailed as e:
             console.print(f"[bold red]eval failed:[/] {escape(str(e))}", soft_wrap=True)
             raise typer.Exit(1) from None
+
+
+def load_config_help(tree: Path | None) -> None:
+    """`shipyard eval -- --help`: every field of the configuration tree as a --SECTION.KEY option, with its value in
+    `tree` (or its default); exits 0."""
+    from shipyard.rl.config import load_config
+
+    load_config(tree, ["--help"])
 
 
 def run_eval_shown(tasks: Path, task_ids: list[str], model: str, config, episode, env_server: str | None, device: str,
@@ -185,8 +196,8 @@ def synth_shown(specs: list[str], out_dir: Path, config, skip_done: bool, pack: 
         reports = rebuild(pack, out_dir, config, specs, check, **kw) if pack else \
             synthesize_specs(specs, out_dir, config, **kw)
     for report in reports:
-        console.print(f"[green]{len(report.accepted)} tasks[/] of {escape(report.project)} in {escape(str(out_dir))} — "
-                      + escape(json.dumps(report.headline())))
+        console.print(f"[green]{len(report.accepted)} tasks[/] of "
+                      + escape(f"{report.project} in {out_dir} — {json.dumps(report.headline())}"))
     return reports
 
 

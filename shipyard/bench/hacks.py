@@ -59,7 +59,7 @@ def attack(name: str, out: Path) -> list[dict]:
         with snapshot_of(task_dir / "snapshot", host()) as snap:
             gold = grade(task, task_dir, (task_dir / "gold.patch").read_text(), snapshot=snap)
             empty = grade(task, task_dir, "", snapshot=snap)
-            console.print(f"[bold]{escape(name)} {escape(task_id)}[/]: gold {gold.status} {gold.reward}, "
+            console.print(f"[bold]{escape(str(name))} {escape(str(task_id))}[/]: gold {gold.status} {gold.reward}, "
                           f"empty {empty.status} {empty.reward}")
             rows.append({"project": name, "task": task_id, "hack": "(gold)", "class": "control",
                          "status": gold.status, "reward": gold.reward, "flags": [], "seconds": gold.seconds,
@@ -96,7 +96,7 @@ def main() -> None:
             out = work / f"tasks-{i}"
             # The example's first four tasks hold issue 28's own, t1-pocketlib.stats-median (lookup_table's target).
             wanted = max(args.max_tasks, 4) if name == "examples/pocketlib" else args.max_tasks
-            console.print(f"[bold]{escape(name)}[/]: synthesizing up to {wanted} tasks")
+            console.print(f"[bold]{escape(str(name))}[/]: synthesizing up to {wanted} tasks")
             report = Synthesizer(repo, out, SynthConfig(max_tasks=wanted), project=source.project,
                                  log=lambda line: console.print(f"  [dim]{line}[/]")).run()
             if not report.accepted:

@@ -33,7 +33,7 @@ PROJECTS = ["cachetools==8.0.1", "parse==1.22.4"]
 
 def synthesize(source: Source, out: Path, config: SynthConfig) -> dict:
     name = source.spec
-    console.print(f"[bold]{escape(name)}[/bold]: synthesizing up to {config.max_tasks} tasks from "
+    console.print(f"[bold]{escape(str(name))}[/bold]: synthesizing up to {config.max_tasks} tasks from "
                   f"{escape(str(source.path))}")
     report = Synthesizer(source.path, out, config, log=status,
                          project=source.project).run()

@@ -92,6 +92,13 @@ class LoopConfig:
         if min(self.max_turns, self.max_tokens, self.max_new_tokens) < 1:
             raise ValueError(f"episode.loop max_turns, max_tokens and max_new_tokens must be at least 1, got "
                              f"{self.max_turns}, {self.max_tokens} and {self.max_new_tokens}")
+        if min(self.max_failed_turns, self.max_parallel, self.max_output_bytes) < 1 or self.overview_entries < 0:
+            raise ValueError(f"episode.loop max_failed_turns, max_parallel and max_output_bytes must be at least 1 and "
+                             f"overview_entries at least 0, got {self.max_failed_turns}, {self.max_parallel}, "
+                             f"{self.max_output_bytes} and {self.overview_entries}")
+        if not (self.wall_time >= 0 and self.temperature >= 0 and 0 < self.top_p <= 1):
+            raise ValueError(f"episode.loop needs wall_time >= 0, temperature >= 0 and 0 < top_p <= 1, got "
+                             f"{self.wall_time}, {self.temperature} and {self.top_p}")
 
 
 class ToolExecutor:

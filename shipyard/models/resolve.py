@@ -160,15 +160,17 @@ def _vllm(name: str, tokenizer: str | None, status: Status, max_tokens: int, lor
     import time
     from dataclasses import replace
 
-    from shipyard.models.vllm_server import VLLMConfig, serve_model, vllm_python
+    from shipyard.models.vllm_server import PYTHON_ENV, VLLMConfig, require_python, serve_model, vllm_python
 
     model = name.removeprefix("vllm:")
     if not model:
         raise ModelNotFound("vllm: names no model: write vllm:MODEL (a bundled name, a checkpoint directory, a hub id)")
     if vllm is None:
         config = VLLMConfig(python=vllm_python(), max_model_len=max_tokens)
-    else:
-        config = replace(vllm, max_model_len=vllm.max_model_len or max_tokens, servers=1, urls=())
+    else:  # its python checked before the model is converted or downloaded
+        config = replace(vllm, python=require_python(vllm.python, f"vllm.python (default ${PYTHON_ENV})",
+                                                     f"point vllm.python or ${PYTHON_ENV} at its bin/python"),
+                         max_model_len=vllm.max_model_len or max_tokens, servers=1, urls=())
     directory = model_directory(model, status)
     logs = Path.home() / ".cache" / "shipyard" / "vllm-logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     return serve_model(name, directory, config, logs, load_tokenizer(tokenizer or str(directory), status), status,

@@ -432,7 +432,7 @@ def _derived(model: ModelConfig, engine: EngineConfig, run: RunConfig, tasks: Pa
     `policy`: the model whose wire settings the episodes take (None: model.name)."""
     wire = wire_defaults(policy or model.name)
     return {"episode.loop.untagged_calls": wire.untagged_calls, "episode.loop.tags": wire.tags,
-            "vllm.python": Path(os.path.abspath(os.environ.get(PYTHON_ENV) or DEFAULT_PYTHON)),
+            "vllm.python": Path(os.path.abspath(Path(os.environ.get(PYTHON_ENV) or DEFAULT_PYTHON).expanduser())),
             "trainer.seed": run.seed, "rollout.run_seed": run.seed,
             "run.tasks": Path(os.path.abspath(run.dir / "tasks")),
             "ray.device": engine.device, "ray.tokenizer": engine_tokenizer(model, engine),

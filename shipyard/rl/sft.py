@@ -23,7 +23,7 @@ Sources (`[sft] sources`), all from the run's **training** tasks:
 - a path: rollout records, one JSON object a line — `shipyard eval --rollouts FILE` (rejection sampling from any
   engine: the bundled 1.5B, a bigger model behind `openai:`), or a training run's RUN/trajectories/ directory (its
   own successes: expert iteration). The rollouts must be tokenized with the policy's tokenizer (eval's
-  `--tokenizer`): a prompt that does not decode to its task's statement is refused.
+  `--model.tokenizer`): a prompt that does not decode to its task's statement is refused.
 
 A record is kept when the grader scored it 1.0, no reward-hacking monitor flagged it and it has sampled tokens; the
 rest are counted by reason. A record of a held-out task — or of a task the set does not have — is an error, never
@@ -156,7 +156,8 @@ def _check_rendering(source: str, rollout: Rollout, statement: str, chat: ChatFo
     if written_with_tag_tokens(rollout, chat):
         raise UserError(f"SFT source {source}: rollout {rollout.rollout_id} writes the call tags as control tokens, "
                         f"while this run's wire spells them (episode.loop.tags = \"spelled\"): the policy would learn "
-                        f"a token it cannot write. Sample it with the same tags (`shipyard eval --tags spelled`)")
+                        f"a token it cannot write. Sample it with the same tags (`shipyard eval --episode.loop.tags "
+                        f"spelled`)")
     vocab = len(chat.tokenizer)
     ids = traj.token_ids()
     bad = max(ids, default=0) >= vocab or tuple(traj.prompt_ids[-len(header):]) != header or \
@@ -164,7 +165,8 @@ def _check_rendering(source: str, rollout: Rollout, statement: str, chat: ChatFo
     if bad:
         raise UserError(f"SFT source {source}: rollout {rollout.rollout_id} was not rendered with this policy's "
                         f"tokenizer and chat format (model {traj.model!r}); sample it with the policy's tokenizer "
-                        f"(`shipyard eval --tokenizer MODEL`) and the same episode settings")
+                        f"(`shipyard eval --model.tokenizer MODEL`) and the same episode settings (`--config "
+                        f"RUN.toml`)")
 
 
 def written_with_tag_tokens(rollout: Rollout, chat: ChatFormat) -> bool:

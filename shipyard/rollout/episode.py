@@ -70,6 +70,11 @@ class EpisodeConfig:
     search: bool = False  # offer codebase_search (shipyard.search): the task's prebuilt index, refreshed with edits
     embedder: str = "minilm"  # codebase_search's embedding model (shipyard.search.embed)
 
+    def __post_init__(self) -> None:
+        if not self.grade_timeout >= 1:
+            raise ValueError(f"episode.grade_timeout must be at least 1 second, got {self.grade_timeout}: a suite "
+                             f"cut short grades every rollout 0")
+
 
 @dataclass(frozen=True)
 class WireSettings:

@@ -5,6 +5,7 @@ which file, which key and what is allowed."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -201,6 +202,15 @@ def test_an_episode_with_no_turn_or_token_to_spend_is_refused_when_the_config_is
     for key in ("max_turns", "max_tokens", "max_new_tokens"):
         with pytest.raises(ConfigError, match="must be at least 1"):
             load_config(CPU, [f"--episode.loop.{key}", "0"])
+    # refused when the configuration is read, not at the first generation minutes later (or, for a grading budget
+    # cut to nothing, never: every rollout would score 0)
+    for override, says in ((["--episode.grade_timeout", "0.001"], "grade_timeout must be at least 1 second"),
+                           (["--episode.loop.temperature", "-1"], "temperature >= 0"),
+                           (["--episode.loop.top_p", "7"], "0 < top_p <= 1"),
+                           (["--episode.loop.max_failed_turns", "0"], "max_failed_turns"),
+                           (["--episode.loop.overview_entries", "-1"], "overview_entries at least 0")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(CPU, override)
 
 
 def test_seeds_follow_run_seed_unless_set(tmp_path):

@@ -636,6 +636,8 @@ def test_cli_usage_errors_are_one_line_and_exit_2(tmp_path, args, message):
     (["--episode.loop.max_turnz", "2"], "did you mean --episode.loop.max_turns"),
     (["--episode.loop.max_turns", "0"], "must be at least 1"),
     (["--episode.loop.tags", "emoji"], "tags"),
+    (["--episode.loop.temperature", "-1"], "temperature >= 0"),  # a negative value, not an option
+    (["--run.seed", "-1", "--x"], "eval has no option --x"),
     (["--config", "{tmp}/none.toml"], "none.toml: the configuration file does not exist"),
     (["--config", "{tmp}/bad.toml"], "bad.toml: unknown key 'episode.loop.max_turnz'"),
     (["--config", "{tmp}/bad.toml", "--episode.loop.max_turns", "2"], "bad.toml: unknown key"),
@@ -647,6 +649,12 @@ def test_cli_eval_episodes_are_configured_by_the_configuration_tree_with_its_err
     line = one_error_line(shipyard("eval", "--tasks", taskset[0], "--model", "replay:gold",
                                    *(a.format(tmp=tmp_path) for a in args)))
     assert message.format(tmp=tmp_path) in line
+
+
+def test_cli_eval_lists_the_configuration_fields():
+    proc = shipyard("eval", "--", "--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--episode.loop.max-turns" in proc.stdout or "--episode.loop.max_turns" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_cli_compare_prints_deltas_writes_json_and_imports_no_model_library(tmp_path):
@@ -701,7 +709,7 @@ def test_cli_eval_where_every_rollout_is_an_infra_error_fails_with_the_cause(tas
     nothing.write_text(json.dumps("I give up.") + "\n")
     port = free_port()  # nothing listens there: every sandbox start fails
     proc = shipyard("eval", "--tasks", tasks_dir, "--model", f"replay:{nothing}", "--env-server",
-                    f"http://127.0.0.1:{port}", "--retries", "1", "--out", tmp_path / "r.json")
+                    f"http://127.0.0.1:{port}", "--rollout.max_infra_retries", "1", "--out", tmp_path / "r.json")
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
     assert "eval failed: no rollout could be scored" in proc.stderr and "EnvServerUnreachable" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -9,7 +9,6 @@ against real servers.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ import pytest
 from servers import needs_sandbox
 
 from shipyard.errors import UsageError
+from shipyard.models.vllm_server import VLLMConfig
 
 
 def test_a_vllm_engine_without_vllms_venv_says_how_to_make_one(tmp_path, monkeypatch):
@@ -25,6 +25,9 @@ def test_a_vllm_engine_without_vllms_venv_says_how_to_make_one(tmp_path, monkeyp
     monkeypatch.setenv("SHIPYARD_VLLM_PYTHON", str(tmp_path / "nowhere" / "python"))
     with pytest.raises(UsageError, match=r"install-vllm\.sh.*SHIPYARD_VLLM_PYTHON"):
         make_engine(f"vllm:{tmp_path}")
+    # a run's [vllm] python is checked before the model is converted or fetched from the hub
+    with pytest.raises(UsageError, match=r"vllm\.python .*SHIPYARD_VLLM_PYTHON.*install-vllm\.sh"):
+        make_engine("vllm:Org/Big-Model", vllm=VLLMConfig(python=tmp_path / "nowhere" / "python"))
     monkeypatch.setenv("SHIPYARD_VLLM_PYTHON", sys.executable)
     with pytest.raises(Exception, match="names no model"):
         make_engine("vllm:")
@@ -40,10 +43,11 @@ def eval_cli(tasks, task, model, out, rollouts, *extra):
 
 @pytest.mark.vllm
 @needs_sandbox
-def test_an_eval_on_a_vllm_server_of_the_model_resumes_under_the_same_engine(taskset, tmp_path, source_copy):
+def test_an_eval_on_a_vllm_server_of_the_model_resumes_under_the_same_engine(taskset, tmp_path, source_copy,
+                                                                           monkeypatch):
     from vllm_venv import served_model, vllm_python
 
-    os.environ.setdefault("SHIPYARD_VLLM_PYTHON", str(vllm_python()))  # the subprocesses find vLLM there
+    monkeypatch.setenv("SHIPYARD_VLLM_PYTHON", str(vllm_python()))  # the subprocesses find vLLM there
     tasks_dir, _, _ = taskset
     task = sorted(p.name for p in tasks_dir.iterdir() if (p / "task.json").is_file())[0]
     served_model(tmp_path / "model")
