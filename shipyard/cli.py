@@ -81,7 +81,7 @@ def agent(
         need(repo.is_dir(), f"--repo {repo} is not a directory")
         config = episode_config(model, max_turns=max_turns, temperature=temperature, seed=seed,
                                 max_new_tokens=max_new_tokens, untagged_calls=untagged, tags=tags, search=search)
-        with console.status(f"loading model {model}"):
+        with console.status(escape(f"loading model {model}")):
             engine = make_engine(model, device=device, tokenizer=tokenizer, status=status_line)
         with closing(engine):
             traj = run_shown(task, repo, engine, config, console, sandbox_dir=artifacts if sandbox else None,
@@ -110,7 +110,7 @@ def search(
 
     with user_errors():
         need(repo.is_dir(), f"--repo {repo} is not a directory")
-        with console.status(f"loading embedder {embedder}"):
+        with console.status(escape(f"loading embedder {embedder}")):
             model = SentenceEmbedder(embedder)
         with progress_bar("[bold]embedding[/]", "") as bar:
             job = bar.add_task("index", total=None)
@@ -148,8 +148,8 @@ def train_embedder(
             report = run(rollouts, tasks, out_dir, base=base, epochs=epochs, lr=lr, held_out=held_out, seed=seed)
     out.print_json(json.dumps(report))
     if report["recall@10_tuned"] < report["recall@10_base"]:
-        console.print("[bold red]the tuned embedder is worse on the held-out tasks than the base one[/] (kept in "
-                      f"{out_dir} for inspection; do not use it)", soft_wrap=True)
+        console.print("[bold red]the tuned embedder is worse on the held-out tasks than the base one[/] "
+                      + escape(f"(kept in {out_dir} for inspection; do not use it)"), soft_wrap=True)
         raise typer.Exit(1)
 
 
@@ -219,9 +219,9 @@ def serve(
         engine = make_engine(model, device=device, status=status_line)
     config = ServeConfig(token=token, api_key=api_key or None, max_tokens=max_tokens_limit, max_model_len=max_model_len,
                          max_batch=max_batch, max_body=max_body_mb << 20, max_weights_body=max_weights_mb << 20)
-    console.print(f"serving [bold]{model}[/] on http://{host}:{port}/v1"
+    console.print(f"serving [bold]{escape(model)}[/] on http://{host}:{port}/v1"
                   + (" (API key required)" if config.api_key else ""), soft_wrap=True)
-    console.print(f"weights token for POST /v1/weights: {where}", soft_wrap=True)
+    console.print(f"weights token for POST /v1/weights: {where}", soft_wrap=True, markup=False)
     served = create_app(engine, model, config)
     add_chat_completions(served, engine, model, wire.untagged_calls, wire.tags)
     run(served, host, port, max_connections=max_connections)
@@ -344,10 +344,10 @@ def env_server(
         server_app = create_app(config)  # checks the config before the token is written anywhere
         if where is None:
             where = store_token(token_file, token, TOKEN_ENV)
-    console.print(f"environment server on http://{host_}:{port} (sandbox uid {host().uid}, cgroup {host().cgroup})")
-    console.print(f"token: {where}" + (f" = {token}" if print_token else ""), soft_wrap=True)
-    console.print(f"clients may snapshot directories under: {', '.join(str(r) for r in server_app.state.env.roots)}",
-                  soft_wrap=True)
+    for line in (f"environment server on http://{host_}:{port} (sandbox uid {host().uid}, cgroup {host().cgroup})",
+                 f"token: {where}" + (f" = {token}" if print_token else ""),
+                 f"clients may snapshot directories under: {', '.join(str(r) for r in server_app.state.env.roots)}"):
+        console.print(line, soft_wrap=True, markup=False)
     uvicorn.run(server_app, host=host_, port=port, log_level="warning", timeout_graceful_shutdown=shutdown_grace)
 
 
@@ -461,9 +461,10 @@ def eval_(
     a training run's: --config FILE and --SECTION.KEY VALUE overrides (docs/training.md, "Configuration"). Exit 0
     when the eval ran (pass@1 0 included), 1 when no rollout could be scored (infrastructure), 2 for a usage error."""
     with user_errors():
-        if "--help" in ctx.args:  # `shipyard eval -- --help`: the configuration's fields
+        if {"--help", "-h"} & set(ctx.args):  # `shipyard eval -- --help`: the configuration's fields
             load_config_help(config)
-        misspelt = [a for a in ctx.args if re.match(r"-+[^-\d.]", a) and "." not in a.split("=")[0]]  # not -1
+        misspelt = [a for a in ctx.args if re.match(r"-+[^-\d.]", a) and "." not in a.split("=")[0]  # not -1
+                    and a.lstrip("-").lower() not in ("inf", "infinity", "nan")]
         need(not misspelt, f"eval has no option {misspelt[0] if misspelt else ''} (`shipyard eval --help` lists its "
              "options; the episodes' settings are configuration fields: --SECTION.KEY VALUE, e.g. "
              "--episode.loop.max_turns 8)")

@@ -146,7 +146,7 @@ def load_config_help(tree: Path | None) -> None:
     `tree` (or its default); exits 0."""
     from shipyard.rl.config import load_config
 
-    load_config(tree, ["--help"])
+    load_config(tree, ["--help"], prog="shipyard eval [--config CONFIG.toml]")
 
 
 def run_eval_shown(tasks: Path, task_ids: list[str], model: str, config, episode, env_server: str | None, device: str,
@@ -156,7 +156,7 @@ def run_eval_shown(tasks: Path, task_ids: list[str], model: str, config, episode
     from shipyard.rollout.evalrun import run_eval
     from shipyard.rollout.setup import SandboxesUnavailable, open_engine, open_environment
 
-    with console.status(f"loading model {model}"):
+    with console.status(escape(f"loading model {model}")):
         engine = open_engine(model, tasks_dir=tasks, task_ids=task_ids, device=device, tokenizer=tokenizer,
                              status=status_line, loop=episode.loop, vllm=vllm)
     with closing(engine):
@@ -167,7 +167,7 @@ def run_eval_shown(tasks: Path, task_ids: list[str], model: str, config, episode
         with closing(env), progress_bar("[bold]eval[/] {task.description}",
                                         "{task.fields[passed]} passed · {task.fields[infra]} masked") as bar:
             counts = {"passed": 0, "infra": 0}
-            job = bar.add_task(model, total=len(task_ids) * config.samples, **counts)
+            job = bar.add_task(escape(model), total=len(task_ids) * config.samples, **counts)
 
             def progress(rollout) -> None:
                 counts["passed"] += passed(rollout)
@@ -247,7 +247,7 @@ def sft_shown(cfg, argv: list[str]) -> list[dict]:
             bar.update(job, completed=step, last=f"epoch {line.get('sft/epoch')} loss={loss:.3g}"
                        if isinstance(loss, int | float) else "")
 
-        return run_sft(cfg, argv=argv, status=bar.console.print, on_step=on_step)
+        return run_sft(cfg, argv=argv, status=lambda m: status_line(m, bar.console), on_step=on_step)
 
 
 def check_shown(cfg, argv: list[str]) -> list[dict]:
@@ -255,7 +255,7 @@ def check_shown(cfg, argv: list[str]) -> list[dict]:
     from shipyard.rl.plan import plan
 
     found = plan(cfg)
-    out.print(f"[bold]shipyard train {' '.join(argv)}[/] would start:", soft_wrap=True)
+    out.print(f"[bold]shipyard train {escape(' '.join(argv))}[/] would start:", soft_wrap=True)
     for line in found.lines:
         out.print(f"  {line}", soft_wrap=True, markup=False)
     if found.missing_here:
@@ -278,6 +278,6 @@ def train_shown(cfg, argv: list[str]) -> list[dict]:
             bar.update(job, completed=step, last=" ".join(f"{k}={v:.3g}" for k, v in shown.items()
                                                          if isinstance(v, int | float)))
 
-        return run_training(cfg, argv=argv, status=bar.console.print, on_step=on_step)
+        return run_training(cfg, argv=argv, status=lambda m: status_line(m, bar.console), on_step=on_step)
 
 

@@ -198,3 +198,6 @@ def test_paths_and_test_ids_with_brackets_are_printed_as_text_not_markup(tmp_pat
     runs = tmp_path / "[/x]"
     r = CliRunner().invoke(app, ["dashboard", "--runs", str(runs)])
     assert r.exit_code == 2 and f"{runs} is not a directory" in " ".join(r.output.split()), r.output
+    config = Path(__file__).parent.parent / "configs" / "cpu.toml"
+    r = CliRunner().invoke(app, ["train", "--check", str(config), "--run.dir", str(tmp_path / "run[/x]")])
+    assert r.exit_code == 0 and "run[/x]" in r.output, r.output

@@ -25,7 +25,7 @@ def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     for c in columns:
         t.add_column(c)
     for r in rows:
-        t.add_row(*[f"{v:.3g}" if isinstance(v, float) else str(v) for v in r])
+        t.add_row(*[f"{v:.3g}" if isinstance(v, float) else escape(str(v)) for v in r])  # names and paths: text
     console.print(t)
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
 from rich.progress import Progress, TimeElapsedColumn
 
 from shipyard.bench._common import console
@@ -30,7 +31,7 @@ def run_stage(label: str, cmd: list[str], log: Path, minutes: float | None, done
     rc, cut = None, False
     with open(log, "w") as out, Progress(*Progress.get_default_columns(), TimeElapsedColumn(),
                                           console=console) as progress:
-        bar = progress.add_task(f"{label} (log: {log})", total=total)
+        bar = progress.add_task(escape(f"{label} (log: {log})"), total=total)
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, **(env or {})})
         try:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from shipyard.bench._common import console, finish, table
+from shipyard.bench._common import console, finish, status, table
 from shipyard.bench.synth import fetch_repos, repo_arguments
 from shipyard.harness.trajectory import Trajectory
 from shipyard.sandbox.host import host
@@ -98,7 +98,7 @@ def main() -> None:
             wanted = max(args.max_tasks, 4) if name == "examples/pocketlib" else args.max_tasks
             console.print(f"[bold]{escape(str(name))}[/]: synthesizing up to {wanted} tasks")
             report = Synthesizer(repo, out, SynthConfig(max_tasks=wanted), project=source.project,
-                                 log=lambda line: console.print(f"  [dim]{line}[/]")).run()
+                                 log=status).run()
             if not report.accepted:
                 synth_failed.append(name)
                 continue

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from rich.markup import escape
 from rich.progress import Progress, TimeElapsedColumn
 
 from shipyard.bench._common import console, finish, status, table
@@ -149,7 +150,7 @@ def build(corpus: Path, directory: Path, embedder) -> tuple[CodeIndex, float | N
     index = CodeIndex.open(directory, embedder)
     start = time.perf_counter()
     with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console) as bar:
-        job = bar.add_task(f"embedding {corpus.name}", total=None)
+        job = bar.add_task(escape(f"embedding {corpus.name}"), total=None)
         report = index.update(LocalTree(corpus), progress=lambda done, total: bar.update(job, completed=done,
                                                                                            total=total))
     seconds = time.perf_counter() - start

@@ -82,6 +82,8 @@ from shipyard.train.trainer import TrainConfig
 
 PROG = "shipyard train CONFIG.toml"
 NO_FILE = "the defaults"  # what a tree read from no file names as its source
+HELP = ("Every field of the configuration tree as --SECTION.KEY VALUE, its value in the file (or its default) shown "
+        "(docs/training.md, \"Configuration\").")
 MAX_ROUNDS = 5  # of the derived-defaults fixed point; the longest dependency chain needs 3
 
 
@@ -486,13 +488,13 @@ def _unknown_override(token: str, config: RLConfig) -> ConfigError:
     return ConfigError(f"command line: unknown option {flag}{hint}")
 
 
-def _override(config: RLConfig, overrides: list[str]) -> RLConfig:
-    """tyro applied to `config` (a fresh tree, not reused). --help prints the options and exits 0."""
+def _override(config: RLConfig, overrides: list[str], prog: str = PROG) -> RLConfig:
+    """tyro applied to `config` (a fresh tree, not reused). --help prints the options (as `prog`'s) and exits 0."""
     captured = io.StringIO()
     try:
         with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
-            result, unknown = tyro.cli(RLConfig, default=config, args=overrides, return_unknown_args=True, prog=PROG,
-                                       registry=_REGISTRY, config=(tyro.conf.FlagConversionOff,))
+            result, unknown = tyro.cli(RLConfig, default=config, args=overrides, return_unknown_args=True, prog=prog,
+                                       description=HELP, registry=_REGISTRY, config=(tyro.conf.FlagConversionOff,))
     except SystemExit as e:
         if e.code in (0, None):  # --help
             sys.stdout.write(captured.getvalue())
@@ -531,11 +533,11 @@ def read_toml(path: Path) -> dict:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
-                policy: str | None = None) -> RLConfig:
+                policy: str | None = None, prog: str = PROG) -> RLConfig:
     """The resolved configuration of `path` (None: the defaults alone) with command-line `overrides`
     (`--trainer.optim.lr 1e-5`, …) applied; `policy` names the model the episodes are of when it is not model.name
     (`shipyard eval --model`: its wire settings are the derived defaults). ConfigError, naming the file or the command
-    line and the key, for anything wrong."""
+    line and the key, for anything wrong. `prog` names the command in --help's usage line."""
     path = Path(path) if path is not None else None
     table = read_toml(path) if path is not None else {}
     reader = _Reader(path or Path(NO_FILE), {})  # no file: relative paths are the working directory's
@@ -545,7 +547,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     reader.derived = _derived(first["model"], first["engine"], run,
                               run.tasks or Path(os.path.abspath(run.dir / "tasks")), policy)
     for _ in range(MAX_ROUNDS):
-        config = _override(_from_file(table, reader), list(overrides)) if overrides else _from_file(table, reader)
+        config = _override(_from_file(table, reader), list(overrides), prog) if overrides else \
+            _from_file(table, reader)
         _absolute(config)
         derived = _derived(config.model, config.engine, config.run, config.run.tasks, policy)
         if derived == reader.derived:

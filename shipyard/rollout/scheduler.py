@@ -92,6 +92,10 @@ class SchedulerConfig:
             raise ValueError("max_refills, max_infra_retries, max_requeues and max_staleness must be >= 0")
         if self.stale_tokens not in STALE_TOKENS:
             raise ValueError(f"stale_tokens must be one of {STALE_TOKENS}, got {self.stale_tokens!r}")
+        budgets = (self.rollout_time_budget, self.group_time_budget, self.close_timeout)
+        if any(b is not None and not b > 0 for b in budgets):  # 0: every attempt cancelled before it starts
+            raise ValueError(f"rollout_time_budget, group_time_budget (None: none) and close_timeout must be > 0 "
+                             f"seconds, got {budgets}")
 
 
 @dataclass(eq=False)

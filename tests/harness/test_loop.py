@@ -145,7 +145,7 @@ def test_max_tokens_budget(workspace):
 
 
 def test_wall_time(workspace):
-    traj = Agent(ReplayEngine([call("list_dir")]), workspace, LoopConfig(wall_time=0)).run("x")
+    traj = Agent(ReplayEngine([call("list_dir")]), workspace, LoopConfig(wall_time=1e-9)).run("x")
     assert traj.stop_reason == "wall_time" and traj.turns == []
 
 

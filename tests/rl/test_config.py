@@ -205,8 +205,11 @@ def test_an_episode_with_no_turn_or_token_to_spend_is_refused_when_the_config_is
     # refused when the configuration is read, not at the first generation minutes later (or, for a grading budget
     # cut to nothing, never: every rollout would score 0)
     for override, says in ((["--episode.grade_timeout", "0.001"], "grade_timeout must be at least 1 second"),
-                           (["--episode.loop.temperature", "-1"], "temperature >= 0"),
-                           (["--episode.loop.top_p", "7"], "0 < top_p <= 1"),
+                           (["--episode.loop.temperature", "-1"], "temperature must be 0 (greedy) or a finite"),
+                           (["--episode.loop.temperature", "inf"], "temperature must be 0 (greedy) or a finite"),
+                           (["--episode.loop.wall_time", "0"], "wall_time must be > 0"),
+                           (["--rollout.rollout_time_budget", "0"], "rollout_time_budget"),
+                           (["--episode.loop.top_p", "7"], "top_p must be in (0, 1]"),
                            (["--episode.loop.max_failed_turns", "0"], "max_failed_turns"),
                            (["--episode.loop.overview_entries", "-1"], "overview_entries at least 0")):
         with pytest.raises(ConfigError, match=re.escape(says)):

@@ -636,7 +636,8 @@ def test_cli_usage_errors_are_one_line_and_exit_2(tmp_path, args, message):
     (["--episode.loop.max_turnz", "2"], "did you mean --episode.loop.max_turns"),
     (["--episode.loop.max_turns", "0"], "must be at least 1"),
     (["--episode.loop.tags", "emoji"], "tags"),
-    (["--episode.loop.temperature", "-1"], "temperature >= 0"),  # a negative value, not an option
+    (["--episode.loop.temperature", "-1"], "temperature must be 0"),  # a negative value, not an option
+    (["--episode.loop.wall_time", "-inf"], "wall_time must be > 0"),
     (["--run.seed", "-1", "--x"], "eval has no option --x"),
     (["--config", "{tmp}/none.toml"], "none.toml: the configuration file does not exist"),
     (["--config", "{tmp}/bad.toml"], "bad.toml: unknown key 'episode.loop.max_turnz'"),
