@@ -520,6 +520,8 @@ def _absolute(obj: Any) -> None:
 # --- the entry points ------------------------------------------------------------------------------------------------
 
 def read_toml(path: Path) -> dict:
+    if path.exists() and not path.is_file() and not path.is_dir():  # a FIFO or device: open() would block or stream
+        raise ConfigError(f"{path}: not a regular file; give a TOML file")
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)

@@ -395,11 +395,14 @@ def test_help_lists_every_option_and_exits_zero(tmp_path, capsys):
     assert "--trainer.optim.lr" in out and "--episode.loop.max-turns" in out and "--run.resume {true,false}" in out
 
 
-@pytest.mark.parametrize(("content", "said"), [(b"[run]\nsteps = \xff\n", "not UTF-8"), (None, "is a directory")])
+@pytest.mark.parametrize(("content", "said"), [(b"[run]\nsteps = \xff\n", "not UTF-8"), (None, "is a directory"),
+                                               ("fifo", "not a regular file")])
 def test_unreadable_files_are_named(tmp_path, content, said):
     path = tmp_path / "bad.toml"
     if content is None:
         path.mkdir()
+    elif content == "fifo":  # opening it would wait for a writer forever
+        os.mkfifo(path)
     else:
         path.write_bytes(content)
     message = error(path)
