@@ -84,11 +84,16 @@ STAGES: dict[str, tuple[str, str | None, list[str]]] = {
 LOOP_SETTINGS = tuple(f.name for f in fields(LoopConfig) if f.name != "seed")
 
 
+def episode_settings(grade_timeout: Any, loop: dict[str, Any]) -> dict[str, Any]:
+    """The episode settings compared, from a grading budget and an [episode.loop] as a record holds it (None where it
+    lacks a field)."""
+    return {"grade_timeout": grade_timeout, **{k: loop.get(k) for k in LOOP_SETTINGS}}
+
+
 def eval_settings(config, held_out: list[str], samples: int) -> dict[str, Any]:
     """What two evaluations must share to be compared (as a results document's `config` records it)."""
-    loop = config.episode.loop
     return {"task_ids": sorted(held_out), "samples": samples, "seed": config.run.seed,
-            "grade_timeout": config.episode.grade_timeout, **{k: getattr(loop, k) for k in LOOP_SETTINGS}}
+            **episode_settings(config.episode.grade_timeout, asdict(config.episode.loop))}
 
 
 def episode_differences(loop: dict[str, Any], expected: dict[str, Any]) -> list[str]:
@@ -119,7 +124,7 @@ def journal_usable(journal: Path, expected: dict[str, Any], model: str, engine: 
 
     settings = read_json(settings_path(journal))
     episode = settings.get("episode", {})
-    seen = {"grade_timeout": episode.get("grade_timeout"), **{k: episode.get("loop", {}).get(k) for k in LOOP_SETTINGS}}
+    seen = episode_settings(episode.get("grade_timeout"), episode.get("loop", {}))
     return (journal.is_file() and settings.get("model") == engine and not newer(Path(model) / "config.json", journal)
             and all(seen[k] == expected[k] for k in seen))
 
@@ -128,7 +133,7 @@ def eval_mismatch(doc: dict[str, Any], expected: dict[str, Any], model: str | No
     """Why an existing results document is not this arm's evaluation (None: it is)."""
     c = doc.get("config", {})
     seen = {"task_ids": sorted(c.get("task_ids", [])), "samples": c.get("samples"), "seed": c.get("seed"),
-            "grade_timeout": c.get("grade_timeout"), **{k: c.get("loop", {}).get(k) for k in LOOP_SETTINGS}}
+            **episode_settings(c.get("grade_timeout"), c.get("loop", {}))}
     if model is not None:
         seen["model"], expected = c.get("model"), {**expected, "model": model}
     wrong = [f"{k} {seen[k]!r} (here {v!r})" for k, v in expected.items() if seen[k] != v]

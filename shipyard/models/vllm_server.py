@@ -454,10 +454,16 @@ def _served(makers: list[Callable[[], Engine]]) -> Iterator[Engine]:
             engine.close()
 
 
+def default_python() -> Path:
+    """Where vLLM's venv is looked for when no `[vllm] python` is set: `$SHIPYARD_VLLM_PYTHON`, else
+    `DEFAULT_PYTHON` (relative: the working directory's), `~` expanded; unchecked."""
+    return Path(os.environ.get(PYTHON_ENV) or DEFAULT_PYTHON).expanduser()
+
+
 def vllm_python() -> Path:
-    """The python that a `vllm:MODEL` engine starts its server with: `$SHIPYARD_VLLM_PYTHON`, else `DEFAULT_PYTHON`;
-    UsageError, saying how to make one, when it is not an executable python."""
-    return require_python(os.environ.get(PYTHON_ENV) or DEFAULT_PYTHON, f"a vllm:MODEL engine's python (${PYTHON_ENV})",
+    """The python that a `vllm:MODEL` engine starts its server with (`default_python`); UsageError, saying how to make
+    one, when it is not an executable python."""
+    return require_python(default_python(), f"a vllm:MODEL engine's python (${PYTHON_ENV})",
                           f"run from the directory that holds it, or set ${PYTHON_ENV} to its bin/python")
 
 

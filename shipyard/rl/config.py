@@ -73,7 +73,7 @@ from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, Pri
 
 from shipyard.errors import UsageError
 from shipyard.models.bundled import DEFAULT_MODEL
-from shipyard.models.vllm_server import DEFAULT_PYTHON, PYTHON_ENV, VLLMConfig
+from shipyard.models.vllm_server import VLLMConfig, default_python
 from shipyard.rollout.episode import EpisodeConfig, episode_config, wire_defaults
 from shipyard.rollout.scheduler import SchedulerConfig
 from shipyard.tasks.curriculum import CurriculumConfig
@@ -434,7 +434,7 @@ def _derived(model: ModelConfig, engine: EngineConfig, run: RunConfig, tasks: Pa
     `policy`: the model whose wire settings the episodes take (None: model.name)."""
     wire = wire_defaults(policy or model.name)
     return {"episode.loop.untagged_calls": wire.untagged_calls, "episode.loop.tags": wire.tags,
-            "vllm.python": Path(os.path.abspath(Path(os.environ.get(PYTHON_ENV) or DEFAULT_PYTHON).expanduser())),
+            "vllm.python": Path(os.path.abspath(default_python())),
             "trainer.seed": run.seed, "rollout.run_seed": run.seed,
             "run.tasks": Path(os.path.abspath(run.dir / "tasks")),
             "ray.device": engine.device, "ray.tokenizer": engine_tokenizer(model, engine),
