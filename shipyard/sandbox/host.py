@@ -36,6 +36,7 @@ import pwd
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import cache
@@ -106,6 +107,10 @@ def _fingerprint(*paths: Path) -> str:
 
 
 FARM_KEEP_SECONDS = 7 * 24 * 3600
+# Episodes run in threads (an eval's concurrency), and each asks for the farms: one thread builds a missing farm while
+# the others wait for it, instead of racing on its partial directory (a race made `cp -al` fail and every thread fall
+# back to a whole copy of the environment).
+_FARM_LOCK = threading.Lock()
 
 
 def _runtime_farm(prefix: Path, state: Path, name: str, relocate: tuple[Path, Path] | None = None) -> Path:
@@ -116,9 +121,14 @@ def _runtime_farm(prefix: Path, state: Path, name: str, relocate: tuple[Path, Pa
     written through, since the other files are hard links shared with the original.
     """
     target = state / "runtime" / f"{name}-{_fingerprint(prefix, prefix / 'bin', _site_packages(prefix))}"
-    if target.exists():
-        os.utime(target)  # in use: a farm is removed only once nothing has asked for it in FARM_KEEP_SECONDS
-        return target
+    with _FARM_LOCK:
+        if target.exists():
+            os.utime(target)  # in use: a farm is removed only once nothing has asked for it in FARM_KEEP_SECONDS
+            return target
+        return _build_farm(prefix, target, name, relocate)
+
+
+def _build_farm(prefix: Path, target: Path, name: str, relocate: tuple[Path, Path] | None) -> Path:
     partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     partial.parent.mkdir(parents=True, exist_ok=True)

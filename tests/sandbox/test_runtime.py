@@ -171,3 +171,27 @@ def test_a_rebuilt_runtime_farm_keeps_the_one_a_running_process_uses(tmp_path):
     os.utime(prefix / "bin", (time.time() + 10, time.time() + 10))
     newest = host_module._runtime_farm(prefix, state, "venv")
     assert not in_use.exists() and rebuilt.is_dir() and newest.is_dir()
+
+
+def test_threads_asking_at_once_for_a_missing_farm_get_one_hard_linked_farm(tmp_path):
+    """An eval's episodes run in threads of one process and each asks for the farms. When pip had changed the
+    environment, every thread found the farm missing and built it into the same partial directory: each one's
+    `rm -r` broke another's `cp -al`, and they fell back to copying the whole environment (a 2.2 GB venv: the
+    replays of `shipyard sft` stalled for 11 minutes). One thread builds it; the others get the same farm."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shipyard.sandbox import host as host_module
+
+    prefix = tmp_path / "env"
+    for d in range(20):
+        (prefix / "lib" / f"pkg{d}").mkdir(parents=True)
+        for f in range(100):
+            (prefix / "lib" / f"pkg{d}" / f"m{f}.py").write_text(f"x = {f}")
+    (prefix / "bin").mkdir()
+    state = tmp_path / "state"
+    with ThreadPoolExecutor(8) as pool:
+        farms = list(pool.map(lambda _: host_module._runtime_farm(prefix, state, "venv"), range(8)))
+    assert len(set(farms)) == 1 and [p.name for p in (state / "runtime").iterdir()] == [farms[0].name]
+    source, copy = prefix / "lib" / "pkg7" / "m42.py", farms[0] / "lib" / "pkg7" / "m42.py"
+    assert copy.stat().st_ino == source.stat().st_ino  # hard links, not a copy
+    assert sum(1 for _ in farms[0].rglob("*.py")) == 2000
