@@ -62,6 +62,7 @@ from __future__ import annotations
 import copy
 import time
 import types
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -76,6 +77,7 @@ from torch.distributed.tensor import DTensor
 
 from shipyard.harness.trajectory import Trajectory
 from shipyard.models.lora import LoraConfig, attach, is_adapter, merged
+from shipyard.models.resolve import resolve_dtype
 from shipyard.rollout.record import Hint
 from shipyard.train.batch import Batch
 from shipyard.train.distill import DistillConfig, distill_term, teacher_logits_at_hints
@@ -124,7 +126,10 @@ class TrainConfig:
     # is materialized (seq² per head per layer), so long groups need it on a small machine.
     activation_checkpointing: bool = False
     mxfp8: bool = False
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: FSDP2 mixed precision, fp32 master
+    # bfloat16: FSDP2 mixed precision (autocast on one rank), fp32 master weights; "auto": bfloat16 where the trainer's
+    # device has bf16 arithmetic, else float32 (`shipyard.models.resolve.native_bfloat16`: on an AVX2-only CPU bf16
+    # matmuls are hundreds of times slower)
+    compute_dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     seed: int = 0
     # Rows of a micro-batch sharing at least this many leading tokens (a group's prompt) compute them once
     # (`shipyard.train.prefix`); 0: every row computes its whole sequence.
@@ -147,8 +152,8 @@ class TrainConfig:
             raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
         if self.micro_batch_tokens < 0:
             raise ValueError(f"micro_batch_tokens must be >= 0 (0: no token limit), got {self.micro_batch_tokens}")
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
+        if self.compute_dtype not in ("float32", "bfloat16", "auto"):
+            raise ValueError(f"compute_dtype must be float32, bfloat16 or auto, got {self.compute_dtype!r}")
         if self.shared_prefix < 0:
             raise ValueError(f"shared_prefix must be >= 0 (0: no sharing), got {self.shared_prefix}")
         if self.lora.enabled and (self.optim.name != "adamw" or self.mxfp8):
@@ -158,7 +163,8 @@ class TrainConfig:
     @property
     def load_dtype(self) -> torch.dtype:
         """The dtype to hand the trainer its model in: float32 master weights; with LoRA the frozen base's dtype,
-        the compute dtype (the adapters are made in float32 whatever the base's)."""
+        the compute dtype (the adapters are made in float32 whatever the base's; "auto" loads float32, and the
+        trainer converts the base once it knows its device)."""
         return torch.bfloat16 if self.lora.enabled and self.compute_dtype == "bfloat16" else torch.float32
 
 
@@ -237,6 +243,8 @@ class Trainer:
     def __init__(self, model: nn.Module, config: TrainConfig, *, pad_id: int, header_ids: Sequence[int] = (),
                  device: str = "cpu"):
         ensure_process_group()
+        dtype = resolve_dtype(config.compute_dtype, device, lambda m: warnings.warn(m, stacklevel=3))
+        config = replace(config, compute_dtype=dtype)
         self.config, self.pad_id, self.header_ids = config, pad_id, tuple(header_ids)
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.device = torch.device(device)
