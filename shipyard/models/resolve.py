@@ -49,11 +49,14 @@ def native_bfloat16(device: str) -> bool:
     bf16 kernels need AVX512 (AVX512-BF16 or AMX at full speed); on an AVX2-only CPU (many AMD EPYC and older Intel
     servers) a bf16 matmul falls back to a reference loop: 0.3 GFLOP/s against fp32's 103 on a 2-core AMD EPYC VM
     (2048² matmul, 2026-12-07), which made a LoRA SFT step of the 0.5B run past 14 minutes instead of ~4."""
-    kind = torch.device(device).type
-    if kind == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if kind == "cpu":
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    where = torch.device(device)
+    if where.type == "cuda":
+        if not torch.cuda.is_available():
+            return False
+        with torch.cuda.device(where):
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+    if where.type == "cpu":  # a build without oneDNN has no bf16 kernels at all (and no such op)
+        return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return True  # mps, xpu: their backends choose; nothing known to be slow
 
 

@@ -77,7 +77,6 @@ from torch.distributed.tensor import DTensor
 
 from shipyard.harness.trajectory import Trajectory
 from shipyard.models.lora import LoraConfig, attach, is_adapter, merged
-from shipyard.models.resolve import resolve_dtype
 from shipyard.rollout.record import Hint
 from shipyard.train.batch import Batch
 from shipyard.train.distill import DistillConfig, distill_term, teacher_logits_at_hints
@@ -242,6 +241,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class Trainer:
     def __init__(self, model: nn.Module, config: TrainConfig, *, pad_id: int, header_ids: Sequence[int] = (),
                  device: str = "cpu"):
+        from shipyard.models.resolve import resolve_dtype  # not at import: config loading imports this module
+
         ensure_process_group()
         dtype = resolve_dtype(config.compute_dtype, device, lambda m: warnings.warn(m, stacklevel=3))
         config = replace(config, compute_dtype=dtype)
