@@ -24,7 +24,7 @@ it samples what `engine.kind = "vllm"` samples in training.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,15 +67,15 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if native_bfloat16(device) else torch.float32
 
 
-def resolve_dtype(requested: str, device: str, warn: Callable[[str], None]) -> str:
+def resolve_dtype(requested: str, device: str) -> str:
     """The dtype name a `"auto"` setting (the trainer's compute dtype, vLLM's dtype) means on `device`: bfloat16 where
     it is native, else float32. An explicit "bfloat16" on a device without it is kept, with a warning that says
     what it costs and what to set instead."""
     if requested == "auto":
         return "bfloat16" if native_bfloat16(device) else "float32"
     if requested == "bfloat16" and not native_bfloat16(device):
-        warn(f"warning: bfloat16 on {device}, which has no bfloat16 arithmetic (an AVX2-only CPU): its matmuls are "
-             f"hundreds of times slower than float32's. Set the dtype to \"auto\" or \"float32\"")
+        warnings.warn(f"bfloat16 on {device}, which has no bfloat16 arithmetic (an AVX2-only CPU): its matmuls are "
+             f"hundreds of times slower than float32's. Set the dtype to \"auto\" or \"float32\"", stacklevel=3)
     return requested
 
 

@@ -54,7 +54,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,7 +177,7 @@ class VLLMServers:
             return self.config.dtype
         from shipyard.models.resolve import resolve_dtype
 
-        return resolve_dtype(self.config.dtype, "cpu", lambda m: warnings.warn(m, stacklevel=3))
+        return resolve_dtype(self.config.dtype, "cpu")
 
     def command(self, socket: Path) -> list[str]:
         cfg = self.config

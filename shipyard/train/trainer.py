@@ -62,7 +62,6 @@ from __future__ import annotations
 import copy
 import time
 import types
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -244,7 +243,7 @@ class Trainer:
         from shipyard.models.resolve import resolve_dtype  # not at import: config loading imports this module
 
         ensure_process_group()
-        dtype = resolve_dtype(config.compute_dtype, device, lambda m: warnings.warn(m, stacklevel=3))
+        dtype = resolve_dtype(config.compute_dtype, device)
         config = replace(config, compute_dtype=dtype)
         self.config, self.pad_id, self.header_ids = config, pad_id, tuple(header_ids)
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
