@@ -24,7 +24,6 @@ it samples what `engine.kind = "vllm"` samples in training.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from transformers.utils import logging as transformers_logging
 
 from shipyard.models.bundled import BUNDLED, Status, converted_dir
+from shipyard.models.dtype import default_dtype
 from shipyard.models.engine import Engine
 from shipyard.models.errors import ModelNotFound
 from shipyard.models.lora import LoraConfig, attach
@@ -42,41 +42,6 @@ if TYPE_CHECKING:
 
 TINY = "random:tiny"
 transformers_logging.disable_progress_bar()  # shipyard reports loading itself; tqdm bars would garble rich output
-
-
-def native_bfloat16(device: str) -> bool:
-    """Whether `device` multiplies bfloat16 matrices in hardware. CUDA: the GPU says (Ampere and newer). CPU: oneDNN's
-    bf16 kernels need AVX512 (AVX512-BF16 or AMX at full speed); on an AVX2-only CPU (many AMD EPYC and older Intel
-    servers) a bf16 matmul falls back to a reference loop: 0.3 GFLOP/s against fp32's 103 on a 2-core AMD EPYC VM
-    (2048² matmul, 2026-12-07), which made a LoRA SFT step of the 0.5B run past 14 minutes instead of ~4."""
-    where = torch.device(device)
-    if where.type == "cuda":
-        if not torch.cuda.is_available():
-            return False
-        with torch.cuda.device(where):
-            return torch.cuda.is_bf16_supported(including_emulation=False)
-    if where.type == "cpu":  # a build without oneDNN has no bf16 kernels at all (and no such op)
-        return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return True  # mps, xpu: their backends choose; nothing known to be slow
-
-
-def default_dtype(device: str) -> torch.dtype:
-    # bf16 halves memory and is the training dtype on GPUs; on CPUs with AVX512-BF16 it also ran 2x faster than fp32
-    # (Qwen2.5-0.5B: prefill of 1500 tokens 2.3 s vs 4.7 s, decode 11.3 vs 5.3 tok/s). Where the device has no bf16
-    # arithmetic (`native_bfloat16`) float32 instead: bf16 there is hundreds of times slower.
-    return torch.bfloat16 if native_bfloat16(device) else torch.float32
-
-
-def resolve_dtype(requested: str, device: str) -> str:
-    """The dtype name a `"auto"` setting (the trainer's compute dtype, vLLM's dtype) means on `device`: bfloat16 where
-    it is native, else float32. An explicit "bfloat16" on a device without it is kept, with a warning that says
-    what it costs and what to set instead."""
-    if requested == "auto":
-        return "bfloat16" if native_bfloat16(device) else "float32"
-    if requested == "bfloat16" and not native_bfloat16(device):
-        warnings.warn(f"bfloat16 on {device}, which has no bfloat16 arithmetic (an AVX2-only CPU): its matmuls are "
-             f"hundreds of times slower than float32's. Set the dtype to \"auto\" or \"float32\"", stacklevel=3)
-    return requested
 
 
 def tiny_model(seed: int = 0, hidden: int = 64, layers: int = 2) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

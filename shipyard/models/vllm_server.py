@@ -62,6 +62,7 @@ import httpx
 import torch
 
 from shipyard.errors import UsageError
+from shipyard.models.dtype import resolve_dtype
 from shipyard.models.engine import Completion, Engine, GenerationRequest
 from shipyard.models.errors import InfraError
 from shipyard.models.lora import LoraConfig
@@ -175,8 +176,6 @@ class VLLMServers:
         bf16 without it hundreds of times slower (1.5-3 generated tokens/s for the 0.5B on an AVX2 AMD EPYC)."""
         if self.config.gpus:
             return self.config.dtype
-        from shipyard.models.resolve import resolve_dtype
-
         return resolve_dtype(self.config.dtype, "cpu")
 
     def command(self, socket: Path) -> list[str]:

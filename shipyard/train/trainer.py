@@ -75,6 +75,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from shipyard.harness.trajectory import Trajectory
+from shipyard.models.dtype import resolve_dtype
 from shipyard.models.lora import LoraConfig, attach, is_adapter, merged
 from shipyard.rollout.record import Hint
 from shipyard.train.batch import Batch
@@ -125,7 +126,7 @@ class TrainConfig:
     activation_checkpointing: bool = False
     mxfp8: bool = False
     # bfloat16: FSDP2 mixed precision (autocast on one rank), fp32 master weights; "auto": bfloat16 where the trainer's
-    # device has bf16 arithmetic, else float32 (`shipyard.models.resolve.native_bfloat16`: on an AVX2-only CPU bf16
+    # device has bf16 arithmetic, else float32 (`shipyard.models.dtype.native_bfloat16`: on an AVX2-only CPU bf16
     # matmuls are hundreds of times slower)
     compute_dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     seed: int = 0
@@ -240,8 +241,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class Trainer:
     def __init__(self, model: nn.Module, config: TrainConfig, *, pad_id: int, header_ids: Sequence[int] = (),
                  device: str = "cpu"):
-        from shipyard.models.resolve import resolve_dtype  # not at import: config loading imports this module
-
         ensure_process_group()
         dtype = resolve_dtype(config.compute_dtype, device)
         config = replace(config, compute_dtype=dtype)

@@ -6,9 +6,10 @@ import torch
 
 from shipyard.errors import InputNotFound
 from shipyard.models.bundled import BundledModel, gguf_path
+from shipyard.models.dtype import default_dtype
 from shipyard.models.local import LocalEngine
 from shipyard.models.replay import ReplayEngine
-from shipyard.models.resolve import TINY, ModelNotFound, default_dtype, load_hf, make_engine
+from shipyard.models.resolve import TINY, ModelNotFound, load_hf, make_engine
 
 
 def test_local_directory_round_trip(tmp_path):

@@ -153,7 +153,7 @@ def test_cpu_servers_compute_in_bfloat16_only_where_the_cpu_has_it(tmp_path):
     setting through (vLLM's "auto": the checkpoint's dtype); an explicit bfloat16 is kept, with a warning where slow."""
     import warnings
 
-    from shipyard.models.resolve import native_bfloat16
+    from shipyard.models.dtype import native_bfloat16
 
     def dtype(**kw):
         command = VLLMServers(VLLMConfig(python=sys.executable, max_model_len=64, **kw), tmp_path, tmp_path) \

@@ -70,7 +70,7 @@ def test_an_auto_compute_dtype_is_bfloat16_only_where_the_device_has_it():
     """compute_dtype = "auto" (configs/learning.toml): bf16 where the CPU multiplies bf16 in hardware, float32 on an
     AVX2-only CPU, where a bf16 LoRA step of the 0.5B took more than 14 minutes instead of ~4. The frozen base follows
     the resolved dtype; the adapters stay float32."""
-    from shipyard.models.resolve import default_dtype, native_bfloat16
+    from shipyard.models.dtype import default_dtype, native_bfloat16
 
     native = native_bfloat16("cpu")
     trainer = _trainer(compute_dtype="auto")
