@@ -1,6 +1,6 @@
 """The package's imports run one way, bottom to top:
 
-    errors, httpguard → models → harness → search → sandbox, tasks → rollout → train → rl → bench, dashboard
+    errors, httpguard, lifetime → models → harness → search → sandbox, tasks → rollout → train → rl → bench, dashboard
         → console → cli
 
 A module may import from its own layer and the layers below it, never from one above. Every import counts: at the
@@ -8,8 +8,9 @@ top of a module, inside a function (a lazy import is still a dependency, only a 
 `if TYPE_CHECKING:` (a type named from a higher layer is a record in the wrong place). Where the other parts sit, read
 from what they import and who imports them:
 
-- `errors` imports nothing and `httpguard` only `errors`, so every layer may raise a `UserError` and guard a loopback
-  server; the package itself (`shipyard/__init__.py`, the version) sits with them.
+- `errors` and `lifetime` import nothing and `httpguard` only `errors`, so every layer may raise a `UserError`, guard
+  a loopback server and start a child that dies with it; the package itself (`shipyard/__init__.py`, the version)
+  sits with them.
 - `search` uses the harness (its tool, the workspace) and the bundled embedder (`models`); the episode and task
   synthesis (`rollout`, `tasks`) use it.
 - `bench` and `dashboard` are programs on top of the library: a benchmark may import anything in it, and the library
@@ -30,7 +31,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "shipyard"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("shipyard", "shipyard.errors", "shipyard.httpguard"),  # "shipyard": the package's own __init__ only
+    # "shipyard": the package's own __init__ only
+    ("shipyard", "shipyard.errors", "shipyard.httpguard", "shipyard.lifetime"),
     ("shipyard.models",),
     ("shipyard.harness",),
     ("shipyard.search",),

@@ -19,12 +19,13 @@ from rich.markup import escape
 from rich.progress import Progress, TimeElapsedColumn
 
 from shipyard.bench._common import console
+from shipyard.lifetime import die_with_parent
 
 
 def run_stage(label: str, cmd: list[str], log: Path, minutes: float | None, done: Callable[[], int],
               total: int | None, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run `cmd` (with `env` added to the environment) and its output in `log`, killed (its whole process group)
-    past `minutes`; what happened."""
+    past `minutes` and when the benchmark ends, however it ends; what happened. Call it from the main thread."""
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     deadline = None if minutes is None else start + minutes * 60
@@ -32,7 +33,9 @@ def run_stage(label: str, cmd: list[str], log: Path, minutes: float | None, done
     with open(log, "w") as out, Progress(*Progress.get_default_columns(), TimeElapsedColumn(),
                                           console=console) as progress:
         bar = progress.add_task(escape(f"{label} (log: {log})"), total=total)
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        # SIGKILL or SIGTERM of the benchmark (which skips the `finally` below) ends the stage too: the kernel sends
+        # it SIGTERM (`die_with_parent`); before, a killed `bench learning` left its evaluation running for an hour
+        proc = subprocess.Popen(die_with_parent(cmd), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, **(env or {})})
         try:
             while rc is None:

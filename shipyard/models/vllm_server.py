@@ -62,6 +62,7 @@ import httpx
 import torch
 
 from shipyard.errors import UsageError
+from shipyard.lifetime import die_with_parent
 from shipyard.models.dtype import resolve_dtype
 from shipyard.models.engine import Completion, Engine, GenerationRequest
 from shipyard.models.errors import InfraError
@@ -72,14 +73,6 @@ from shipyard.models.vllm import VLLMEngine, client_for
 from shipyard.models.weightdir import WeightDir, manifest
 
 STOP_GRACE = 20.0  # seconds a server gets to exit after SIGTERM
-# How a server starts: it asks the kernel for SIGTERM when the thread that started it ends (prctl PR_SET_PDEATHSIG,
-# kept across exec), checks that shipyard (argv[1]) is still its parent, then becomes vLLM's API server. So a run
-# killed outright (SIGKILL, the OOM killer) takes its servers with it: before, one outlived its run, holding 7 GB.
-# The servers must be started from a thread that lives as long as the run (the run's main thread does).
-DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
-                   "os.getppid() == int(sys.argv[1]) or sys.exit('the process that started this server is gone'); "
-                   "os.execv(sys.executable, [sys.executable, '-m', 'vllm.entrypoints.openai.api_server', "
-                   "*sys.argv[2:]])")
 EXTENSION = Path(__file__).with_name("vllm_worker.py")
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32 accepts
 EXTENSION_MODULE = "shipyard_vllm_worker"
@@ -182,7 +175,7 @@ class VLLMServers:
         cfg = self.config
         if cfg.max_model_len < 16:
             raise UsageError(f"vllm.max_model_len = {cfg.max_model_len}: give the servers' context length (>= 16)")
-        cmd = [str(self.python), "-c", DIE_WITH_PARENT, str(os.getpid()), "--model", str(self.model_dir),
+        cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                "--dtype", self.dtype(), "--max-model-len", str(cfg.max_model_len), "--uds", str(socket),
                "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
                "--worker-extension-cls", f"{EXTENSION_MODULE}.ShipyardWorker"]
@@ -231,9 +224,12 @@ class VLLMServers:
         return list(self.urls)
 
     def _spawn(self, i: int) -> subprocess.Popen:
+        # a run killed outright (SIGKILL, the OOM killer) takes its servers with it (`die_with_parent`): before, one
+        # outlived its run, holding 7 GB. So servers start from a thread that lives as long as the run (its main one).
         with open(self.logs[i], "ab") as out:
-            return subprocess.Popen(self.command(self._private / f"{i}.sock"), env=self.environment(i), stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            return subprocess.Popen(die_with_parent(self.command(self._private / f"{i}.sock")), env=self.environment(i),
+                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
 
     def restart(self, i: int) -> str:
         """Stop server `i` (whatever is left of it) and start it again on the same socket, with its initial weights;

@@ -235,14 +235,13 @@ def _wired_loop(config: RLConfig, run: RunDir, tasks_dir: Path, evals: list[str]
     loop = config.episode.loop
     chat = ChatFormat(tokenizer, default_tools(), tags=loop.tags)  # the hints: as the episodes write the tags
     header = tuple(chat.assistant_header_ids())
-    spec = RankSpec(config.model.name, config.run.device, config.trainer, tokenizer.pad_token_id, header,
-                    config.run.world_size)
+    spec = RankSpec.of(config, tokenizer.pad_token_id, header)
     group = stack.enter_context(trainer_ranks(spec, status))
     twins = tag_token_twins(group.model, tokenizer)
     if loop.tags == "token" and twins is not None and len(twins) >= 2:
         status(f"warning: {config.model.name}'s output row of <tool_call> equals those of {', '.join(twins[:3])}, "
                f"…: never trained, the policy cannot write the tag token; set episode.loop.tags = \"spelled\"")
-    trainer = Trainer(group.model, config.trainer, pad_id=tokenizer.pad_token_id, header_ids=header,
+    trainer = Trainer(group.model, spec.trainer, pad_id=tokenizer.pad_token_id, header_ids=header,
                       device=group.device)
     shaping = shaping_terms(config)
     scheduler = Scheduler(copy.deepcopy(config.rollout), transport, tasks_dir, curriculum, shaping=shaping,

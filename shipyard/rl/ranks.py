@@ -22,10 +22,10 @@ control group of their own (gloo, `CONTROL_TIMEOUT`: the other ranks wait there 
 can take long), the trainer's collectives on the default group (`COLLECTIVE_TIMEOUT`: no collective legitimately
 waits that long). A rank that dies closes its connections, rank 0's next collective raises, and the error names the
 rank and its exit code (`RankError`, chained to the collective's error). The other ranks die with rank 0
-(`PR_SET_PDEATHSIG`, set before anything else is imported, and a check that rank 0 still is their parent), so a
-`kill -9` of `shipyard train` leaves no rank behind; on a clean end rank 0 sends "stop" and waits for them. All ranks
-are local processes, so gloo is bound to the loopback interface (`GLOO_SOCKET_IFNAME=lo` unless set): nothing on the
-network can reach the sockets whose messages the ranks unpickle.
+(`shipyard.lifetime.die_with_parent`: PR_SET_PDEATHSIG, set before anything is imported, and a check that rank 0 still
+is their parent), so a `kill -9` of `shipyard train` leaves no rank behind; on a clean end rank 0 sends "stop" and
+waits for them. All ranks are local processes, so gloo is bound to the loopback interface (`GLOO_SOCKET_IFNAME=lo`
+unless set): nothing on the network can reach the sockets whose messages the ranks unpickle.
 
 **Devices.** `run.device = "cpu"`: every rank on the CPU (gloo); ranks 1..N−1 use cores / N threads each (rank 0
 keeps its threads for the engine). `"cuda"`: rank r on `cuda:r` (checked against the visible GPUs first), NCCL for
@@ -39,13 +39,14 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -55,20 +56,17 @@ import torch.distributed as dist
 from torch import nn
 
 from shipyard.errors import UserError
-from shipyard.rl.config import ConfigError
+from shipyard.lifetime import die_with_parent
+from shipyard.models.dtype import resolve_dtype
+from shipyard.rl.config import ConfigError, RLConfig
 from shipyard.train.trainer import TrainConfig, Trainer
 
 CONTROL_TIMEOUT = timedelta(hours=24)  # ranks 1..N−1 waiting for rank 0's next operation (rollouts, evaluations)
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # one trainer collective (a step's all-gathers, a checkpoint's barriers)
 READY_SECONDS = 1800.0  # loading a model on every rank
 
-# How a rank starts: tie its life to rank 0's before the slow imports (torch: seconds), so that a rank 0 killed in
-# that window does not leave an orphan loading a model; exit at once if rank 0 is already gone.
-_BOOT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL); "  # PR_SET_PDEATHSIG
-         "os.getppid() == int(sys.argv[3]) or os._exit(3); "
-         "from shipyard.rl.ranks import main; main(sys.argv[1:])")
-
 T = TypeVar("T")
+_RANK = "import sys; from shipyard.rl.ranks import main; main(sys.argv[1:])"  # not -m: one copy of this module
 
 
 class RankError(RuntimeError):
@@ -85,6 +83,18 @@ class RankSpec:
     pad_id: int
     header_ids: tuple[int, ...]
     world: int
+
+    @classmethod
+    def of(cls, config: RLConfig, pad_id: int, header_ids: Sequence[int]) -> RankSpec:
+        """The spec of a run's trainer, its `compute_dtype = "auto"` resolved once, here, for rank 0's device: every
+        rank then trains in one dtype (GPUs of two generations would otherwise choose apart), and a LoRA base loads
+        straight in it (`TrainConfig.load_dtype`) instead of in float32 first, which doubled the peak memory of the
+        load (a 7B base: ~28 GB where 14 GB does)."""
+        trainer = config.trainer
+        if trainer.compute_dtype == "auto":
+            device = rank_device(config.run.device, 0, config.run.world_size)
+            trainer = replace(trainer, compute_dtype=resolve_dtype("auto", device))
+        return cls(config.model.name, config.run.device, trainer, pad_id, tuple(header_ids), config.run.world_size)
 
 
 @dataclass
@@ -177,7 +187,8 @@ def trainer_ranks(spec: RankSpec, status: Callable[[str], None] = lambda _: None
     try:
         (work / "spec.pkl").write_bytes(pickle.dumps(spec))
         model = _load(spec, device, status)  # first: a model fetched or converted on first use is then in the cache
-        procs = [subprocess.Popen([sys.executable, "-c", _BOOT, str(work), str(rank), str(os.getpid())],
+        # a rank dies with rank 0 (SIGKILL: it holds nothing to clean up), tied before its slow imports (torch)
+        procs = [subprocess.Popen(die_with_parent([sys.executable, "-c", _RANK, str(work), str(rank)], signal.SIGKILL),
                                   stdin=subprocess.DEVNULL) for rank in range(1, spec.world)]
         _wait_ready(work, procs)
         control = _join(work, spec, 0, device)
@@ -235,7 +246,7 @@ def _wait_ready(work: Path, procs: list[subprocess.Popen]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """A trainer rank (started by `trainer_ranks` through `_BOOT`): WORKDIR RANK PARENT_PID."""
+    """A trainer rank (started by `trainer_ranks`, tied to rank 0 by `die_with_parent`): WORKDIR RANK."""
     work, rank = Path(argv[0]), int(argv[1])
     spec: RankSpec = pickle.loads((work / "spec.pkl").read_bytes())
     device = rank_device(spec.device, rank, spec.world)

@@ -346,10 +346,9 @@ def _run(config: RLConfig, run: RunDir, tasks_dir: Path, train_ids: list[str], h
     total = sft_cfg.epochs * math.ceil(len(data.rollouts) / sft_cfg.batch_size)
     with ExitStack() as stack:
         header = chat.assistant_header_ids()
-        spec = RankSpec(config.model.name, config.run.device, config.trainer, tokenizer.pad_token_id, header,
-                        config.run.world_size)
+        spec = RankSpec.of(config, tokenizer.pad_token_id, header)
         group = stack.enter_context(trainer_ranks(spec, status))
-        trainer = Trainer(group.model, config.trainer, pad_id=tokenizer.pad_token_id, header_ids=header,
+        trainer = Trainer(group.model, spec.trainer, pad_id=tokenizer.pad_token_id, header_ids=header,
                           device=group.device)
         ranks = group.ranks(trainer)
         checkpoint = latest_checkpoint(run.checkpoints_dir)

@@ -162,8 +162,8 @@ class TrainConfig:
     @property
     def load_dtype(self) -> torch.dtype:
         """The dtype to hand the trainer its model in: float32 master weights; with LoRA the frozen base's dtype,
-        the compute dtype (the adapters are made in float32 whatever the base's; "auto" loads float32, and the
-        trainer converts the base once it knows its device)."""
+        the compute dtype (the adapters are made in float32 whatever the base's). An unresolved "auto" loads float32
+        and the trainer converts the base; a run resolves it first (`shipyard.rl.ranks.RankSpec.of`)."""
         return torch.bfloat16 if self.lora.enabled and self.compute_dtype == "bfloat16" else torch.float32
 
 

@@ -6,15 +6,20 @@ export written again since, fails it."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 import tomllib
 from pathlib import Path
 
 import pytest
-from servers import needs_sandbox
+from servers import alive, needs_sandbox, wait_for
 from tiny_run import CONFIG, run_bench
 
 from shipyard.bench import learning
@@ -223,6 +228,43 @@ def test_a_stage_past_its_budget_is_killed_with_its_children(tmp_path):
         pytest.fail(f"the stage's child {child} outlived the stage")
     done = run_stage("quick", ["true"], tmp_path / "quick.log", None, lambda: 0, None)
     assert done["returncode"] == 0 and not done["cut_at_budget"]
+
+
+@pytest.mark.parametrize("kill", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stage_ends_with_a_benchmark_that_is_killed(tmp_path, kill):
+    """SIGTERM (which skips run_stage's `finally`) or SIGKILL of the benchmark: the kernel ends its stage
+    (`shipyard.lifetime.die_with_parent`). Before, a `kill` of `bench learning` left its evaluation running."""
+    pid_file = tmp_path / "stage.pid"
+    bench = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from shipyard.bench._stages import run_stage
+        stage = "import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(300)"
+        run_stage("long", [sys.executable, "-c", stage], Path({str(tmp_path / "long.log")!r}), None, lambda: 0, None)
+        """)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_for(lambda: pid_file.is_file() and pid_file.read_text().strip(), 60), "the stage did not start"
+        stage = int(pid_file.read_text())
+        bench.send_signal(kill)
+        bench.wait(timeout=60)
+        assert wait_for(lambda: not alive(stage), 30), f"the stage {stage} outlived its benchmark"
+    finally:
+        bench.kill()
+        with contextlib.suppress(ProcessLookupError, ValueError, NameError):
+            os.kill(stage, signal.SIGKILL)
+
+
+def test_a_child_tied_to_a_parent_already_gone_does_not_run(tmp_path):
+    """The parent died between the fork and the prctl (the kernel would then never signal): the boot sees it is no
+    longer the parent's child and exits instead of running the command."""
+    from shipyard.lifetime import die_with_parent
+
+    marker = tmp_path / "ran"
+    cmd = die_with_parent(["touch", str(marker)])
+    cmd[cmd.index(str(os.getpid()))] = "1"  # as if started by a process that is not its parent
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "is gone" in result.stderr and not marker.exists()
+    assert subprocess.run(die_with_parent(["touch", str(marker)]), timeout=60).returncode == 0 and marker.exists()
 
 
 def _planner(tmp_path: Path, minutes: float, spent_minutes: float | None, budgets: dict | None = None):

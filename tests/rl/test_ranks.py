@@ -94,3 +94,28 @@ def test_more_gpu_ranks_than_gpus_is_a_config_error():
     with pytest.raises(ConfigError, match="needs 2 GPUs"), trainer_ranks(RankSpec("random:tiny", "cuda", TrainConfig(),
                                                                                   0, (), 2)):
         pass
+
+
+def test_a_runs_auto_dtype_is_resolved_once_so_a_lora_base_loads_in_it():
+    """`RankSpec.of` resolves `compute_dtype = "auto"` for rank 0's device: every rank gets the same dtype, and a LoRA
+    base loads straight in it (bf16 where native) rather than in float32 first (twice the memory at load)."""
+    from dataclasses import replace
+
+    import torch
+
+    from shipyard.models.dtype import native_bfloat16
+    from shipyard.models.lora import LoraConfig
+    from shipyard.rl.config import RLConfig
+    from shipyard.rl.ranks import RankSpec, trainer_ranks
+
+    config = RLConfig()
+    config = replace(config, model=replace(config.model, name="random:tiny"),
+                     trainer=replace(config.trainer, compute_dtype="auto", lora=LoraConfig(enabled=True, rank=2)))
+    spec = RankSpec.of(config, 0, [5, 6])
+    native = native_bfloat16("cpu")
+    assert spec.trainer.compute_dtype == ("bfloat16" if native else "float32")
+    assert spec.header_ids == (5, 6) and spec.world == 1
+    with trainer_ranks(spec) as group:
+        assert {p.dtype for p in group.model.parameters()} == {torch.bfloat16 if native else torch.float32}
+    explicit = RankSpec.of(replace(config, trainer=replace(config.trainer, compute_dtype="float32")), 0, ())
+    assert explicit.trainer.compute_dtype == "float32"
