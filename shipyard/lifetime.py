@@ -1,34 +1,60 @@
 """Child processes that end with the process that started them.
 
-shipyard starts long-lived children from a process that can itself be killed outright: vLLM servers (7 GB each) from a
-run, trainer ranks from rank 0, a benchmark's stages (a whole `shipyard eval` with its own server and sandboxes) from
-`shipyard bench`. A SIGKILL, the OOM killer or a plain SIGTERM (which ends a Python process without running its
-`finally` blocks) gives the parent no chance to stop them, and before this they ran on: a killed `bench learning` left
-its evaluation sampling for an hour.
+shipyard starts long-lived children from a process that can itself be killed outright: sandboxes (bwrap) from an
+episode's tool calls, vLLM servers (7 GB each) from a run, trainer ranks from rank 0, a benchmark's stages (a whole
+`shipyard eval` with its own server and sandboxes) from `shipyard bench`. A SIGKILL, the OOM killer or a plain SIGTERM
+(which ends a Python process without running its `finally` blocks) gives the parent no chance to stop them, and
+before this they ran on: a killed `bench learning` left its evaluation sampling for an hour.
 
 The kernel can do it instead. `PR_SET_PDEATHSIG` (prctl(2)) asks for a signal when the *thread* that forked the
-child ends; it is kept across `execve` (except into a set-uid program). `die_with_parent` wraps a command in a
-one-line Python boot that sets it, then checks that its parent is still the process that meant to start it (the
-parent may have died between the fork and the prctl: the signal is then never sent), then `exec`s the command, so
-the child keeps the boot's pid and the caller's `Popen` handle is the command's own. The boot's interpreter is
-isolated (`-I -S`): it imports only the standard library and reads no environment variable meant for the command.
+child ends, and is kept across `execve` (except into a set-uid program). Two parts:
 
-Whoever starts such a child must do it from a thread that lives as long as the child should (a run's main thread).
+- `die_with_parent(argv)` wraps a command in a one-line Python boot that sets it, checks that its parent is still
+  the process that meant to start it (the parent may have died between the fork and the prctl, and the signal is
+  then never sent), restores the signals Python ignores at start-up (SIGPIPE, SIGXFSZ: an ignored signal stays
+  ignored across `exec`), then `exec`s the command, which keeps the boot's pid, so the caller's `Popen` handle is the
+  command's own. The boot's interpreter is isolated (`-I -S`): it imports only the standard library and reads no
+  environment variable meant for the command. bwrap has this built in (`--die-with-parent`).
+- `popen(argv, …)` forks from one thread that lives as long as the process (the "launcher"), because the signal
+  follows the forking *thread*: a server restarted from an agent's short-lived worker thread, or a sandbox started
+  from a tool call's, was killed when that thread ended. A forked child gets a launcher of its own (the parent's
+  thread does not exist there).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-_BOOT = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(1, int(sys.argv[1])); "  # 1: PR_SET_PDEATHSIG
+_BOOT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, int(sys.argv[1])); "  # 1: PR_SET_PDEATHSIG
          "os.getppid() == int(sys.argv[2]) or sys.exit('shipyard: the process that started this one is gone'); "
-         "os.execvp(sys.argv[3], sys.argv[3:])")
+         "signal.signal(signal.SIGPIPE, signal.SIG_DFL); signal.signal(signal.SIGXFSZ, signal.SIG_DFL)\n"
+         "try:\n    os.execvp(sys.argv[3], sys.argv[3:])\n"
+         "except OSError as e:\n    sys.stderr.write(f'shipyard: cannot run {sys.argv[3]}: {e}\\n'); os._exit(127)")
+_launcher: ThreadPoolExecutor
 
 
 def die_with_parent(argv: Sequence[str], on_parent_death: signal.Signals = signal.SIGTERM) -> list[str]:
-    """`argv` as a command that receives `on_parent_death` when the calling thread ends (module docstring). SIGTERM
-    lets the child clean up (a server stops its workers); SIGKILL for a child with nothing to clean up."""
+    """`argv` as a command that receives `on_parent_death` when the thread that forks it ends (module docstring):
+    start it with `popen`. SIGTERM lets the child clean up (a server stops its workers); SIGKILL for a child with
+    nothing to clean up."""
     return [sys.executable, "-I", "-S", "-c", _BOOT, str(int(on_parent_death)), str(os.getpid()), *map(str, argv)]
+
+
+def popen(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+    """`subprocess.Popen(argv, **kwargs)`, forked from the launcher thread, which lives as long as this process."""
+    return _launcher.submit(subprocess.Popen, list(argv), **kwargs).result()
+
+
+def _new_launcher() -> None:
+    global _launcher
+    _launcher = ThreadPoolExecutor(1, "shipyard-launcher")
+
+
+_new_launcher()
+os.register_at_fork(after_in_child=_new_launcher)

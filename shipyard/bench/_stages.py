@@ -19,13 +19,13 @@ from rich.markup import escape
 from rich.progress import Progress, TimeElapsedColumn
 
 from shipyard.bench._common import console
-from shipyard.lifetime import die_with_parent
+from shipyard.lifetime import die_with_parent, popen
 
 
 def run_stage(label: str, cmd: list[str], log: Path, minutes: float | None, done: Callable[[], int],
               total: int | None, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run `cmd` (with `env` added to the environment) and its output in `log`, killed (its whole process group)
-    past `minutes` and when the benchmark ends, however it ends; what happened. Call it from the main thread."""
+    past `minutes` and when the benchmark ends, however it ends; what happened."""
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     deadline = None if minutes is None else start + minutes * 60
@@ -35,8 +35,8 @@ def run_stage(label: str, cmd: list[str], log: Path, minutes: float | None, done
         bar = progress.add_task(escape(f"{label} (log: {log})"), total=total)
         # SIGKILL or SIGTERM of the benchmark (which skips the `finally` below) ends the stage too: the kernel sends
         # it SIGTERM (`die_with_parent`); before, a killed `bench learning` left its evaluation running for an hour
-        proc = subprocess.Popen(die_with_parent(cmd), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})
+        proc = popen(die_with_parent(cmd), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                     env={**os.environ, **(env or {})})
         try:
             while rc is None:
                 try:

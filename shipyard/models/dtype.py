@@ -45,6 +45,7 @@ def resolve_dtype(requested: str, device: str) -> str:
     if requested == "auto":
         return "bfloat16" if native_bfloat16(device) else "float32"
     if requested == "bfloat16" and not native_bfloat16(device):
-        warnings.warn(f"bfloat16 on {device}, which has no bfloat16 arithmetic (an AVX2-only CPU): its matmuls are "
-             f"hundreds of times slower than float32's. Set the dtype to \"auto\" or \"float32\"", stacklevel=3)
+        which = "a CPU without AVX512" if torch.device(device).type == "cpu" else "a GPU older than Ampere"
+        warnings.warn(f"bfloat16 on {device}, which has no bfloat16 arithmetic ({which}): it runs emulated, on a CPU "
+                      f"hundreds of times slower than float32. Set the dtype to \"auto\" or \"float32\"", stacklevel=3)
     return requested

@@ -35,10 +35,10 @@ runs the trainer, mode 0700, so run them as that user). At connection each serve
 `model`, whatever an earlier run pushed to it, and is told version 0; a LoRA run loads only adapters, so its servers
 must still hold the checkpoint's own weights (start them fresh). `$VLLM_API_KEY`, if set, is sent as the bearer token.
 
-Each server's output goes to `LOG_DIR/vllm-<i>.log`. A server gets SIGTERM when the process that started it dies
-however it dies (`DIE_WITH_PARENT`). `start` waits for `/health` on every server (vLLM compiles the
-model first: 45–135 s for the 0.5B on 2 cores) and fails with the end of the log when a server exits or the wait
-runs past `start_timeout`. A server that dies during the run is started again with the newest pushed weights
+Each server's output goes to `LOG_DIR/vllm-<i>.log`. A server gets SIGTERM when the process that started it dies however
+it dies (`shipyard.lifetime`), even one restarted from a short-lived thread. `start` waits for `/health` on every server
+(vLLM compiles the model first: 45–135 s for the 0.5B on 2 cores) and fails with the end of the log when a server exits
+or the wait runs past `start_timeout`. A server that dies during the run is started again with the newest pushed weights
 (`ManagedServer`, up to three times). The servers are in their own process group and die with `stop` (SIGTERM, then
 SIGKILL after `STOP_GRACE` seconds) — `VLLMServers` is a context manager, and a run's `with` block stops them however it
 ends.
@@ -62,7 +62,7 @@ import httpx
 import torch
 
 from shipyard.errors import UsageError
-from shipyard.lifetime import die_with_parent
+from shipyard.lifetime import die_with_parent, popen
 from shipyard.models.dtype import resolve_dtype
 from shipyard.models.engine import Completion, Engine, GenerationRequest
 from shipyard.models.errors import InfraError
@@ -224,12 +224,11 @@ class VLLMServers:
         return list(self.urls)
 
     def _spawn(self, i: int) -> subprocess.Popen:
-        # a run killed outright (SIGKILL, the OOM killer) takes its servers with it (`die_with_parent`): before, one
-        # outlived its run, holding 7 GB. So servers start from a thread that lives as long as the run (its main one).
+        # a run killed outright (SIGKILL, the OOM killer) takes its servers with it (`shipyard.lifetime`): before,
+        # one outlived its run, holding 7 GB
         with open(self.logs[i], "ab") as out:
-            return subprocess.Popen(die_with_parent(self.command(self._private / f"{i}.sock")), env=self.environment(i),
-                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            return popen(die_with_parent(self.command(self._private / f"{i}.sock")), env=self.environment(i),
+                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def restart(self, i: int) -> str:
         """Stop server `i` (whatever is left of it) and start it again on the same socket, with its initial weights;

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shipyard.errors import UserError
-from shipyard.lifetime import die_with_parent
+from shipyard.lifetime import die_with_parent, popen
 from shipyard.models.dtype import resolve_dtype
 from shipyard.rl.config import ConfigError, RLConfig
 from shipyard.train.trainer import TrainConfig, Trainer
@@ -188,8 +188,8 @@ def trainer_ranks(spec: RankSpec, status: Callable[[str], None] = lambda _: None
         (work / "spec.pkl").write_bytes(pickle.dumps(spec))
         model = _load(spec, device, status)  # first: a model fetched or converted on first use is then in the cache
         # a rank dies with rank 0 (SIGKILL: it holds nothing to clean up), tied before its slow imports (torch)
-        procs = [subprocess.Popen(die_with_parent([sys.executable, "-c", _RANK, str(work), str(rank)], signal.SIGKILL),
-                                  stdin=subprocess.DEVNULL) for rank in range(1, spec.world)]
+        procs = [popen(die_with_parent([sys.executable, "-c", _RANK, str(work), str(rank)], signal.SIGKILL),
+                       stdin=subprocess.DEVNULL) for rank in range(1, spec.world)]
         _wait_ready(work, procs)
         control = _join(work, spec, 0, device)
         yield RankGroup(model, device, control)

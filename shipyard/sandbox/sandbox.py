@@ -49,7 +49,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -58,6 +58,7 @@ from typing import Any
 import shipyard
 from shipyard.harness.process import ExecResult, Job, kill_group
 from shipyard.harness.workspace import Entry, Kind, PathError
+from shipyard.lifetime import popen
 from shipyard.models.errors import InfraError
 from shipyard.sandbox.bwrap import WORKSPACE, Cgroups, Limits, bwrap_argv, preexec
 from shipyard.sandbox.host import Host, host
@@ -67,21 +68,6 @@ from shipyard.sandbox.snapshot import snapshot_episode
 
 SOURCE_MOUNT = "/opt/shipyard"
 TICK = 0.2  # seconds between checks that a session a call waits on is not stopped
-_launcher: ThreadPoolExecutor
-
-
-def _new_launcher() -> None:
-    """bwrap runs with --die-with-parent, and the kernel's parent-death signal follows the *thread* that forked it:
-    a session started from a tool call's worker thread would be killed when that thread ends. So every session is
-    started from one thread that lives as long as the process (a new one in a forked child, which has none)."""
-    global _launcher
-    _launcher = ThreadPoolExecutor(1, "shipyard-sandbox-launch")
-
-
-_new_launcher()
-os.register_at_fork(after_in_child=_new_launcher)
-
-
 class SandboxFailed(InfraError, RuntimeError):
     """The sandbox is gone: its exec session could not be started (or restarted after dying), or it was used after
     `close()`. An `InfraError`: an episode that meets it ends with `infra_error`, its trajectory kept."""
@@ -339,10 +325,11 @@ class Sandbox(SessionWorkspace):
                           extra_ro_binds=((str(shipyard_source(self.h)), SOURCE_MOUNT),))
         try:
             # The protocol pipes are extra descriptors: bwrap's init (pid 1) keeps only stdio, here /dev/null.
-            proc = _launcher.submit(
-                subprocess.Popen, argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                pass_fds=(request_read, reply_write), cwd="/", env={}, start_new_session=True,
-                preexec_fn=preexec(self.h, self.limits, self.cgroups)).result()
+            # bwrap --die-with-parent: the kernel's signal follows the thread that forks it (`shipyard.lifetime`),
+            # so a session started from a tool call's worker thread would die with that thread
+            proc = popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         pass_fds=(request_read, reply_write), cwd="/", env={}, start_new_session=True,
+                         preexec_fn=preexec(self.h, self.limits, self.cgroups))
         except BaseException as e:
             os.close(request_write)
             os.close(reply_read)

@@ -4,8 +4,13 @@ while starting. The servers themselves are tested in test_vllm.py (-m vllm)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import subprocess
 import sys
+import threading
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from servers import alive, wait_for
@@ -107,15 +112,9 @@ def test_nccl_pushes_are_refused_before_the_run_starts_where_they_cannot_work():
             check_engine(config)
 
 
-def test_a_run_killed_outright_takes_its_servers_with_it(tmp_path):
-    """The process that started the servers is SIGKILLed (as the OOM killer did to a run): its server gets SIGTERM
-    from the kernel (`DIE_WITH_PARENT`) instead of outliving it. The server is tests/models/fake_vllm.py behind a
-    package named vllm, so the launcher's own start-up line runs as it does with vLLM."""
-    import os
-    import signal
-    import subprocess
-    from pathlib import Path
-
+def fake_vllm_python(tmp_path: Path) -> Path:
+    """A "python" (a shell script, as a venv's can be) whose `vllm.entrypoints.openai.api_server` is
+    tests/models/fake_vllm.py: the launcher's own start-up line runs as it does with vLLM."""
     here = Path(__file__).resolve().parent
     api = tmp_path / "pkg" / "vllm" / "entrypoints" / "openai"
     api.mkdir(parents=True)
@@ -126,6 +125,15 @@ def test_a_run_killed_outright_takes_its_servers_with_it(tmp_path):
     python = tmp_path / "python"
     python.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path / 'pkg'}:$PYTHONPATH exec {sys.executable} \"$@\"\n")
     python.chmod(0o755)
+    return python
+
+
+def test_a_run_killed_outright_takes_its_servers_with_it(tmp_path):
+    """The process that started the servers is SIGKILLed (as the OOM killer did to a run): its server gets SIGTERM
+    from the kernel (`shipyard.lifetime.die_with_parent`) instead of outliving it. The server is
+    tests/models/fake_vllm.py behind a package named vllm, so the launcher's own start-up line runs as it does with
+    vLLM."""
+    python = fake_vllm_python(tmp_path)
     run = subprocess.Popen([sys.executable, "-c", f"""
 import sys, time
 from pathlib import Path
@@ -145,6 +153,24 @@ time.sleep(600)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server, signal.SIGKILL)  # the fake's child that ignores SIGTERM, and the server if it lingers
+
+
+def test_a_server_restarted_from_a_thread_that_ends_outlives_that_thread(tmp_path):
+    """The kernel's parent-death signal follows the thread that forks: a server restarted from a short-lived thread
+    (an agent's, in `bench`'s drive) was killed when that thread ended. Servers fork from the process's launcher."""
+    servers = VLLMServers(VLLMConfig(python=fake_vllm_python(tmp_path), max_model_len=64, start_timeout=120),
+                          tmp_path, tmp_path / "logs")
+    try:
+        servers.start()
+        worker = threading.Thread(target=servers.restart, args=(0,))
+        worker.start()
+        worker.join()
+        restarted = servers.procs[0]
+        # the kernel signals as the thread exits: once its task is gone, a server tied to it has its SIGTERM
+        assert wait_for(lambda: not Path(f"/proc/self/task/{worker.native_id}").exists(), 30)
+        assert not wait_for(lambda: not alive(restarted.pid), 3), f"the restarted server ended: {restarted.poll()}"
+    finally:
+        servers.stop()
 
 
 def test_cpu_servers_compute_in_bfloat16_only_where_the_cpu_has_it(tmp_path):
