@@ -244,6 +244,10 @@ class SFTConfig:
     # The learning rate of SFT (None: trainer.optim.lr). One config file serves the cold start and RL after it, and
     # the two want different rates (SFT ~1e-5 full fine-tuning, RL a few 1e-6 for a 0.5B; LoRA ~10× both).
     lr: float | None = None
+    # Batches of demonstrations of similar length (shipyard.rl.sft.batches): less padding in the trainer's
+    # shared-prefix micro-batches, when trainer.micro_batch_tokens holds a whole batch (~22% fewer positions on the
+    # learning pool's gold demonstrations). Off: every batch a uniform draw.
+    group_by_length: bool = False
 
     def __post_init__(self) -> None:
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):

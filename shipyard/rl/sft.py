@@ -37,7 +37,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -64,6 +64,7 @@ from shipyard.train.trainer import Trainer
 Status = Callable[[str], None]
 SFT_STATE = "sft.json"
 GOLD = "gold"
+POOL_BATCHES = 8  # sft.group_by_length: batches sorted together (`batches`)
 
 
 class HeldOutInData(UserError):
@@ -283,14 +284,32 @@ def _last_replays(rollouts: list[Rollout], task_ids: list[str]) -> list[Rollout]
     return list({r.task_id: r for r in rollouts if r.task_id in wanted}.values())
 
 
-def batches(n: int, batch_size: int, epochs: int, seed: int) -> Iterator[tuple[int, list[int]]]:
+def batches(n: int, batch_size: int, epochs: int, seed: int, lengths: Sequence[int] | None = None
+            ) -> Iterator[tuple[int, list[int]]]:
     """(epoch, indices) of each step: every epoch a fresh permutation (seeded by `seed` and the epoch, so a resumed
-    run replays the same order), cut into batches of `batch_size` (the last one of an epoch may be smaller)."""
+    run replays the same order), cut into batches of `batch_size` (the last one of an epoch may be smaller).
+
+    With `lengths` (`sft.group_by_length`), batches of similar length: the permutation is cut into pools of
+    `POOL_BATCHES` batches, each pool sorted by length and cut into batches, and the epoch's batches shuffled again
+    (a pool keeps the batches random in content; sorting the whole epoch would give the same batches every epoch).
+    The trainer computes a micro-batch's shared prefix once and pads each row's own tokens to its longest
+    (`shipyard.train.prefix`), so a batch costs about prefix + rows × longest suffix: on the learning pool's 79 gold
+    demonstrations (1,560 shared tokens, 2.5k-5.3k long) 11.7k positions a batch of 4 instead of 15.1k."""
     for epoch in range(epochs):
         order = list(range(n))
-        random.Random(f"{seed}:{epoch}").shuffle(order)
-        for i in range(0, n, batch_size):
-            yield epoch, order[i:i + batch_size]
+        rng = random.Random(f"{seed}:{epoch}")
+        rng.shuffle(order)
+        if lengths is None:
+            cut = [order[i:i + batch_size] for i in range(0, n, batch_size)]
+        else:
+            pool = batch_size * POOL_BATCHES
+            cut = []
+            for start in range(0, n, pool):
+                ranked = sorted(order[start:start + pool], key=lambda i: -lengths[i])
+                cut += [ranked[i:i + batch_size] for i in range(0, len(ranked), batch_size)]
+            rng.shuffle(cut)
+        for picked in cut:
+            yield epoch, picked
 
 
 def sft(config: RLConfig, *, argv: list[str] | None = None, status: Status = lambda _: None,
@@ -357,8 +376,9 @@ def _run(config: RLConfig, run: RunDir, tasks_dir: Path, train_ids: list[str], h
         wire = WireSettings(loop.untagged_calls, loop.tags)
         lines: list[dict] = []
         longest, stopped = 0.0, None
-        for step, (epoch, picked) in enumerate(batches(len(data.rollouts), sft_cfg.batch_size, sft_cfg.epochs,
-                                                       config.run.seed), 1):
+        lengths = [len(r.trajectory.token_ids()) for r in data.rollouts] if sft_cfg.group_by_length else None
+        plan = batches(len(data.rollouts), sft_cfg.batch_size, sft_cfg.epochs, config.run.seed, lengths)
+        for step, (epoch, picked) in enumerate(plan, 1):
             if step <= trainer.step_count:  # done before the checkpoint this run resumed from
                 continue
             begun = time.monotonic()

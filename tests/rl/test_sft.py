@@ -4,6 +4,7 @@ objective into a run directory whose export `shipyard train` starts from; a held
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from dataclasses import replace
@@ -108,6 +109,27 @@ def test_batches_visit_every_demonstration_once_an_epoch_in_a_seeded_order():
     for epoch in range(3):
         assert sorted(i for e, b in plan if e == epoch for i in b) == list(range(5))
     assert plan == list(batches(5, 2, 3, seed=7)) and plan != list(batches(5, 2, 3, seed=8))
+    from shipyard.rl.sft import POOL_BATCHES
+
+    # by length: the same demonstrations each epoch, in batches of neighbours in length within each pool, seeded
+    lengths = [(i * 37) % 101 for i in range(70)]
+    grouped = list(batches(70, 4, 2, seed=7, lengths=lengths))
+    assert grouped == list(batches(70, 4, 2, seed=7, lengths=lengths))
+    for epoch in range(2):
+        assert sorted(i for e, b in grouped if e == epoch for i in b) == list(range(70))
+    pool = 4 * POOL_BATCHES
+    for epoch in range(2):
+        order = list(range(70))
+        random.Random(f"7:{epoch}").shuffle(order)
+        pools = [set(order[i:i + pool]) for i in range(0, 70, pool)]
+        for _, b in (x for x in grouped if x[0] == epoch):
+            home = next(p for p in pools if b[0] in p)
+            assert set(b) <= home  # a batch never mixes pools
+            ranked = sorted(home, key=lambda i: -lengths[i])
+            start = ranked.index(b[0])
+            assert b == ranked[start:start + len(b)]  # and holds length neighbours
+    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for _, b in grouped)
+    assert spread < sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for _, b in batches(70, 4, 2, 7)) / 3
     with pytest.raises(ValueError, match="at least 1"):
         SFTConfig(epochs=0)
     with pytest.raises(ValueError, match="empty"):
@@ -155,9 +177,10 @@ def test_sft_on_gold_replays_trains_the_policy_tokens_and_exports(taskset, tmp_p
     # one a step, the newest two kept (run.keep_checkpoints)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002", "step-00000003"]
     # The demonstrations as a rollouts file (what a rejection-sampling eval writes), sft.lr over trainer.optim.lr,
-    # and a wall-time budget: the step that reaches it is the last, then a checkpoint and the export.
+    # batches by length, and a wall-time budget: the step that reaches it is the last, then a checkpoint and the export.
     again = load_config(config_path, ["--run.dir", str(tmp_path / "again"), "--sft.sources",
-                                      str(run / "sft" / "gold.jsonl"), "--sft.lr", "3e-4", "--run.max_minutes", "1e-4"])
+                                      str(run / "sft" / "gold.jsonl"), "--sft.lr", "3e-4", "--run.max_minutes", "1e-4",
+                                      "--sft.group_by_length", "true"])
     cut = sft(again)
     status = json.loads((tmp_path / "again" / "run.json").read_text())
     assert [line["step"] for line in cut] == [1] and cut[0]["train/lr"] == pytest.approx(3e-4)
