@@ -17,18 +17,24 @@ child ends, and is kept across `execve` (except into a set-uid program). Two par
   environment variable meant for the command. bwrap has this built in (`--die-with-parent`).
 - `popen(argv, …)` forks from one thread that lives as long as the process (the "launcher"), because the signal
   follows the forking *thread*: a server restarted from an agent's short-lived worker thread, or a sandbox started
-  from a tool call's, was killed when that thread ended. A forked child gets a launcher of its own (the parent's
-  thread does not exist there).
+  from a tool call's, was killed when that thread ended. The launcher is a daemon thread, never joined, so it ends
+  with the process itself and not at the start of interpreter shutdown, while other threads may still use the
+  children (an executor's worker would be joined there). A forked child gets a launcher of its own (the parent's
+  thread does not exist there). A caller interrupted while waiting (Ctrl-C) never leaves a child it has no handle
+  on: the child, once forked, is killed.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 _BOOT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, int(sys.argv[1])); "  # 1: PR_SET_PDEATHSIG
@@ -36,25 +42,70 @@ _BOOT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, int(sys.arg
          "signal.signal(signal.SIGPIPE, signal.SIG_DFL); signal.signal(signal.SIGXFSZ, signal.SIG_DFL)\n"
          "try:\n    os.execvp(sys.argv[3], sys.argv[3:])\n"
          "except OSError as e:\n    sys.stderr.write(f'shipyard: cannot run {sys.argv[3]}: {e}\\n'); os._exit(127)")
-_launcher: ThreadPoolExecutor
 
 
 def die_with_parent(argv: Sequence[str], on_parent_death: signal.Signals = signal.SIGTERM) -> list[str]:
     """`argv` as a command that receives `on_parent_death` when the thread that forks it ends (module docstring):
-    start it with `popen`. SIGTERM lets the child clean up (a server stops its workers); SIGKILL for a child with
-    nothing to clean up."""
+    start it with `popen` (forked from a thread that ends before the boot's prctl, the child would be handed to
+    another thread of this process, pass the parent check and never be signalled). SIGTERM lets the child clean up
+    (a server stops its workers); SIGKILL for a child with nothing to clean up."""
     return [sys.executable, "-I", "-S", "-c", _BOOT, str(int(on_parent_death)), str(os.getpid()), *map(str, argv)]
 
 
 def popen(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
     """`subprocess.Popen(argv, **kwargs)`, forked from the launcher thread, which lives as long as this process."""
-    return _launcher.submit(subprocess.Popen, list(argv), **kwargs).result()
+    forked: Future[subprocess.Popen] = Future()
+    _launcher().requests.put((list(argv), kwargs, forked))
+    try:
+        return forked.result()
+    except BaseException:
+        forked.add_done_callback(_kill_unclaimed)  # interrupted: the child it may still fork has no owner
+        raise
 
 
-def _new_launcher() -> None:
-    global _launcher
-    _launcher = ThreadPoolExecutor(1, "shipyard-launcher")
+def _kill_unclaimed(forked: Future[subprocess.Popen]) -> None:
+    if not forked.cancelled() and forked.exception() is None:
+        proc = forked.result()
+        proc.kill()
+        proc.wait()
 
 
-_new_launcher()
-os.register_at_fork(after_in_child=_new_launcher)
+@dataclass
+class _Launcher:
+    requests: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    thread: threading.Thread = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.thread = threading.Thread(target=self._serve, name="shipyard-launcher", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            argv, kwargs, forked = self.requests.get()
+            if forked.set_running_or_notify_cancel():
+                try:
+                    forked.set_result(subprocess.Popen(argv, **kwargs))
+                except BaseException as e:
+                    forked.set_exception(e)
+
+
+_current: _Launcher | None = None
+_lock = threading.Lock()
+
+
+def _launcher() -> _Launcher:
+    """This process's launcher, started on first use."""
+    global _current
+    with _lock:
+        if _current is None:
+            _current = _Launcher()
+        return _current
+
+
+def _forget_launcher() -> None:
+    """In a forked child: the parent's launcher thread (and any holder of the lock) does not exist here."""
+    global _current, _lock
+    _current, _lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_launcher)

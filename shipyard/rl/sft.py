@@ -287,7 +287,8 @@ def _last_replays(rollouts: list[Rollout], task_ids: list[str]) -> list[Rollout]
 def batches(n: int, batch_size: int, epochs: int, seed: int, lengths: Sequence[int] | None = None
             ) -> Iterator[tuple[int, list[int]]]:
     """(epoch, indices) of each step: every epoch a fresh permutation (seeded by `seed` and the epoch, so a resumed
-    run replays the same order), cut into batches of `batch_size` (the last one of an epoch may be smaller).
+    run replays the same order), cut into batches of `batch_size` (one of an epoch's may be smaller: the last, or with
+    `lengths` the last of a pool).
 
     With `lengths` (`sft.group_by_length`), batches of similar length: the permutation is cut into pools of
     `POOL_BATCHES` batches, each pool sorted by length and cut into batches, and the epoch's batches shuffled again
@@ -295,6 +296,8 @@ def batches(n: int, batch_size: int, epochs: int, seed: int, lengths: Sequence[i
     The trainer computes a micro-batch's shared prefix once and pads each row's own tokens to its longest
     (`shipyard.train.prefix`), so a batch costs about prefix + rows × longest suffix: on the learning pool's 79 gold
     demonstrations (1,560 shared tokens, 2.5k-5.3k long) 11.7k positions a batch of 4 instead of 15.1k."""
+    if lengths is not None and len(lengths) != n:
+        raise ValueError(f"{len(lengths)} lengths for {n} demonstrations")
     for epoch in range(epochs):
         order = list(range(n))
         rng = random.Random(f"{seed}:{epoch}")
@@ -370,15 +373,17 @@ def _run(config: RLConfig, run: RunDir, tasks_dir: Path, train_ids: list[str], h
         trainer = Trainer(group.model, spec.trainer, pad_id=tokenizer.pad_token_id, header_ids=header,
                           device=group.device)
         ranks = group.ranks(trainer)
+        plan = {"batch_size": sft_cfg.batch_size, "group_by_length": sft_cfg.group_by_length, "seed": config.run.seed}
         checkpoint = latest_checkpoint(run.checkpoints_dir)
         if checkpoint is not None:
+            same_plan(checkpoint / SFT_STATE, plan)
             ranks(load_checkpoint, checkpoint)
         wire = WireSettings(loop.untagged_calls, loop.tags)
         lines: list[dict] = []
         longest, stopped = 0.0, None
         lengths = [len(r.trajectory.token_ids()) for r in data.rollouts] if sft_cfg.group_by_length else None
-        plan = batches(len(data.rollouts), sft_cfg.batch_size, sft_cfg.epochs, config.run.seed, lengths)
-        for step, (epoch, picked) in enumerate(plan, 1):
+        steps = batches(len(data.rollouts), sft_cfg.batch_size, sft_cfg.epochs, config.run.seed, lengths)
+        for step, (epoch, picked) in enumerate(steps, 1):
             if step <= trainer.step_count:  # done before the checkpoint this run resumed from
                 continue
             begun = time.monotonic()
@@ -394,7 +399,7 @@ def _run(config: RLConfig, run: RunDir, tasks_dir: Path, train_ids: list[str], h
                 stopped = "max_minutes"
             last = step == total or stopped is not None
             if step % config.run.checkpoint_every == 0 or last:
-                state = json.dumps({"step": step, "total": total})
+                state = json.dumps({"step": step, "total": total, **plan})
                 ranks(save_checkpoint, run.checkpoints_dir, extra={SFT_STATE: state}, keep=config.run.keep_checkpoints)
                 if config.run.export or last:
                     export_policy(trainer, ranks(Trainer.export_weights), tokenizer, run.export_dir, wire)
@@ -408,6 +413,22 @@ def _run(config: RLConfig, run: RunDir, tasks_dir: Path, train_ids: list[str], h
             export_policy(trainer, ranks(Trainer.export_weights), tokenizer, run.export_dir, wire)
     run.set_status("finished", step=done, steps=total, export=str(run.export_dir), stopped=stopped)
     return lines
+
+
+def same_plan(state: Path, plan: dict) -> None:
+    """Refuse to resume a run whose checkpoint (`state`: its sft.json) was trained on another order of batches: the
+    plan from the resumed step on would repeat some demonstrations and skip others. A checkpoint from before the plan
+    was recorded resumes as it always did."""
+    try:
+        saved = json.loads(state.read_text())
+    except (OSError, ValueError):
+        return
+    for key, value in plan.items():
+        if key in saved and saved[key] != value:
+            name = "run.seed" if key == "seed" else f"sft.{key}"
+            raise UsageError(f"{state.parent} was trained with {name} = {json.dumps(saved[key])}; resuming with "
+                             f"{json.dumps(value)} would train on another order of demonstrations (some twice, some "
+                             f"never): resume with {name} = {json.dumps(saved[key])}, or train in a new run.dir")
 
 
 def exported_step(directory: Path) -> int | None:

@@ -130,6 +130,8 @@ def test_batches_visit_every_demonstration_once_an_epoch_in_a_seeded_order():
             assert b == ranked[start:start + len(b)]  # and holds length neighbours
     spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for _, b in grouped)
     assert spread < sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for _, b in batches(70, 4, 2, 7)) / 3
+    with pytest.raises(ValueError, match="2 lengths for 3"):
+        list(batches(3, 2, 1, 0, lengths=[1, 2]))
     with pytest.raises(ValueError, match="at least 1"):
         SFTConfig(epochs=0)
     with pytest.raises(ValueError, match="empty"):
@@ -143,6 +145,24 @@ epochs = 3
 batch_size = 2
 """
 
+
+def test_a_resume_under_another_order_of_batches_is_refused(tmp_path):
+    """The checkpoint records the plan its steps followed; resuming under another would repeat some demonstrations
+    and skip others. A checkpoint from before plans were recorded resumes as it did."""
+    from shipyard.errors import UsageError
+    from shipyard.rl.sft import same_plan
+
+    plan = {"batch_size": 4, "group_by_length": True, "seed": 0}
+    state = tmp_path / "sft.json"
+    same_plan(state, plan)  # no state file
+    state.write_text(json.dumps({"step": 2, "total": 20}))
+    same_plan(state, plan)
+    state.write_text(json.dumps({"step": 2, "total": 20, **plan}))
+    same_plan(state, plan)
+    with pytest.raises(UsageError, match="sft.group_by_length = true; resuming with false"):
+        same_plan(state, {**plan, "group_by_length": False})
+    with pytest.raises(UsageError, match="run.seed = 0"):
+        same_plan(state, {**plan, "seed": 1})
 
 @needs_sandbox
 def test_sft_on_gold_replays_trains_the_policy_tokens_and_exports(taskset, tmp_path):
