@@ -34,7 +34,6 @@ import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 _BOOT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, int(sys.argv[1])); "  # 1: PR_SET_PDEATHSIG
@@ -55,7 +54,7 @@ def die_with_parent(argv: Sequence[str], on_parent_death: signal.Signals = signa
 def popen(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
     """`subprocess.Popen(argv, **kwargs)`, forked from the launcher thread, which lives as long as this process."""
     forked: Future[subprocess.Popen] = Future()
-    _launcher().requests.put((list(argv), kwargs, forked))
+    _launcher().put((list(argv), kwargs, forked))
     try:
         return forked.result()
     except BaseException:
@@ -70,42 +69,34 @@ def _kill_unclaimed(forked: Future[subprocess.Popen]) -> None:
         proc.wait()
 
 
-@dataclass
-class _Launcher:
-    requests: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    thread: threading.Thread = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.thread = threading.Thread(target=self._serve, name="shipyard-launcher", daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            argv, kwargs, forked = self.requests.get()
-            if forked.set_running_or_notify_cancel():
-                try:
-                    forked.set_result(subprocess.Popen(argv, **kwargs))
-                except BaseException as e:
-                    forked.set_exception(e)
+def _serve(requests: queue.SimpleQueue) -> None:
+    while True:
+        argv, kwargs, forked = requests.get()
+        if forked.set_running_or_notify_cancel():
+            try:
+                forked.set_result(subprocess.Popen(argv, **kwargs))
+            except BaseException as e:
+                forked.set_exception(e)
 
 
-_current: _Launcher | None = None
+_requests: queue.SimpleQueue | None = None
 _lock = threading.Lock()
 
 
-def _launcher() -> _Launcher:
-    """This process's launcher, started on first use."""
-    global _current
+def _launcher() -> queue.SimpleQueue:
+    """The queue of this process's launcher thread, started on first use."""
+    global _requests
     with _lock:
-        if _current is None:
-            _current = _Launcher()
-        return _current
+        if _requests is None:
+            _requests = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(_requests,), name="shipyard-launcher", daemon=True).start()
+        return _requests
 
 
 def _forget_launcher() -> None:
     """In a forked child: the parent's launcher thread (and any holder of the lock) does not exist here."""
-    global _current, _lock
-    _current, _lock = None, threading.Lock()
+    global _requests, _lock
+    _requests, _lock = None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_launcher)

@@ -373,7 +373,8 @@ def _run(config: RLConfig, run: RunDir, tasks_dir: Path, train_ids: list[str], h
         trainer = Trainer(group.model, spec.trainer, pad_id=tokenizer.pad_token_id, header_ids=header,
                           device=group.device)
         ranks = group.ranks(trainer)
-        plan = {"batch_size": sft_cfg.batch_size, "group_by_length": sft_cfg.group_by_length, "seed": config.run.seed}
+        plan = {"sft.batch_size": sft_cfg.batch_size, "sft.group_by_length": sft_cfg.group_by_length,
+                "run.seed": config.run.seed}
         checkpoint = latest_checkpoint(run.checkpoints_dir)
         if checkpoint is not None:
             same_plan(checkpoint / SFT_STATE, plan)
@@ -423,12 +424,11 @@ def same_plan(state: Path, plan: dict) -> None:
         saved = json.loads(state.read_text())
     except (OSError, ValueError):
         return
-    for key, value in plan.items():
-        if key in saved and saved[key] != value:
-            name = "run.seed" if key == "seed" else f"sft.{key}"
-            raise UsageError(f"{state.parent} was trained with {name} = {json.dumps(saved[key])}; resuming with "
+    for name, value in plan.items():  # keyed by the settings' names
+        if name in saved and saved[name] != value:
+            raise UsageError(f"{state.parent} was trained with {name} = {json.dumps(saved[name])}; resuming with "
                              f"{json.dumps(value)} would train on another order of demonstrations (some twice, some "
-                             f"never): resume with {name} = {json.dumps(saved[key])}, or train in a new run.dir")
+                             f"never): resume with {name} = {json.dumps(saved[name])}, or train in a new run.dir")
 
 
 def exported_step(directory: Path) -> int | None:

@@ -152,7 +152,7 @@ def test_a_resume_under_another_order_of_batches_is_refused(tmp_path):
     from shipyard.errors import UsageError
     from shipyard.rl.sft import same_plan
 
-    plan = {"batch_size": 4, "group_by_length": True, "seed": 0}
+    plan = {"sft.batch_size": 4, "sft.group_by_length": True, "run.seed": 0}
     state = tmp_path / "sft.json"
     same_plan(state, plan)  # no state file
     state.write_text(json.dumps({"step": 2, "total": 20}))
@@ -160,9 +160,9 @@ def test_a_resume_under_another_order_of_batches_is_refused(tmp_path):
     state.write_text(json.dumps({"step": 2, "total": 20, **plan}))
     same_plan(state, plan)
     with pytest.raises(UsageError, match="sft.group_by_length = true; resuming with false"):
-        same_plan(state, {**plan, "group_by_length": False})
+        same_plan(state, {**plan, "sft.group_by_length": False})
     with pytest.raises(UsageError, match="run.seed = 0"):
-        same_plan(state, {**plan, "seed": 1})
+        same_plan(state, {**plan, "run.seed": 1})
 
 @needs_sandbox
 def test_sft_on_gold_replays_trains_the_policy_tokens_and_exports(taskset, tmp_path):
